@@ -1,0 +1,150 @@
+"""The `handler:` section of model-config.yaml, parsed once into frozen dataclasses.
+
+Unknown keys and bad values raise `ValueError` naming the key, so that a typo
+stops the worker at registration instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Largest K the engine supports; a config may lower it, never raise it.
+MAX_K = 32
+
+
+def _check_keys(section: str, given: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"model-config.yaml: unknown key(s) {', '.join(section + k for k in unknown)}; "
+            f"allowed keys are: {', '.join(section + k for k in allowed)}"
+        )
+
+
+def _int(key: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    # bool is an int subclass; `true` is never a meaningful count.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"model-config.yaml: {key} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = f" and <= {maximum}" if maximum is not None else ""
+        raise ValueError(f"model-config.yaml: {key} must be >= {minimum}{upper}, got {value}")
+    return value
+
+
+def _float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"model-config.yaml: {key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _str(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"model-config.yaml: {key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"model-config.yaml: {key} must be true or false, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Temperature 0 means greedy; top_k 0 and top_p 1.0 mean no filtering."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, raw: Any, section: str = "handler.sampling.") -> "SamplingParams":
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"model-config.yaml: {section.rstrip('.')} must be a mapping")
+        _check_keys(section, raw, ("temperature", "top_k", "top_p"))
+        default = cls()
+        temperature = _float(section + "temperature", raw.get("temperature", default.temperature))
+        top_k = _int(section + "top_k", raw.get("top_k", default.top_k), 0)
+        top_p = _float(section + "top_p", raw.get("top_p", default.top_p))
+        if temperature < 0:
+            raise ValueError(f"model-config.yaml: {section}temperature must be >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"model-config.yaml: {section}top_p must be in (0, 1], got {top_p}")
+        return cls(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+@dataclasses.dataclass(frozen=True)
+class HandlerConfig:
+    target_model: str = "target"
+    draft_model: str = "draft"
+    dtype: str = "auto"
+    num_speculative_tokens: int = 4
+    max_num_speculative_tokens: int = 16
+    max_new_tokens: int = 128
+    max_new_tokens_limit: int = 2048
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "HandlerConfig":
+        """Builds the config from the `handler` mapping; raises ValueError naming the bad key."""
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise ValueError("model-config.yaml: the handler section must be a mapping")
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        _check_keys("handler.", raw, names)
+        default = cls()
+        values: dict[str, Any] = {}
+        for key in ("target_model", "draft_model"):
+            values[key] = _str(f"handler.{key}", raw.get(key, getattr(default, key)))
+        dtype = raw.get("dtype", default.dtype)
+        if dtype not in DTYPES:
+            raise ValueError(f"model-config.yaml: handler.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        values["dtype"] = dtype
+        values["max_num_speculative_tokens"] = _int(
+            "handler.max_num_speculative_tokens",
+            raw.get("max_num_speculative_tokens", default.max_num_speculative_tokens),
+            0,
+            MAX_K,
+        )
+        values["num_speculative_tokens"] = _int(
+            "handler.num_speculative_tokens",
+            raw.get("num_speculative_tokens", default.num_speculative_tokens),
+            0,
+            values["max_num_speculative_tokens"],
+        )
+        values["max_new_tokens_limit"] = _int(
+            "handler.max_new_tokens_limit", raw.get("max_new_tokens_limit", default.max_new_tokens_limit), 1
+        )
+        values["max_new_tokens"] = _int(
+            "handler.max_new_tokens",
+            raw.get("max_new_tokens", default.max_new_tokens),
+            1,
+            values["max_new_tokens_limit"],
+        )
+        values["sampling"] = SamplingParams.from_dict(raw.get("sampling", {}))
+        return cls(**values)
+
+
+def handler_config_from_yaml_config(model_yaml_config: Any) -> HandlerConfig:
+    """Takes TorchServe's parsed model-config.yaml (worker keys + `handler`) and returns the handler part."""
+    if model_yaml_config is None:
+        model_yaml_config = {}
+    if not isinstance(model_yaml_config, Mapping):
+        raise ValueError("model-config.yaml must be a mapping")
+    return HandlerConfig.from_dict(model_yaml_config.get("handler"))

@@ -1,0 +1,137 @@
+"""A Hugging Face DynamicCache for a ragged batch: rollback is a length.
+
+Rows in one batch accept different numbers of drafts, so after a step their
+caches should end at different lengths. The cache tensors are rectangular, so
+each row keeps a validity mask over the cache columns: left padding and
+rejected tokens are holes the attention mask hides. Positions are counted per
+row from the valid tokens only, so a hole never shifts a rotary position.
+
+- `rollback(lengths)` keeps each row's first `lengths[b]` valid tokens and
+  crops the columns no row uses. The prefix is never recomputed.
+- When holes take more than `COMPACT_SLACK` columns beyond the longest row,
+  the rows are re-packed to the right (left padding) with one gather per layer.
+- `select_rows` drops finished requests from the batch.
+
+The mask lives on the CPU: bookkeeping then needs no device synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+# Hole columns tolerated beyond the longest row before re-packing the cache.
+COMPACT_SLACK = 16
+
+
+def check_cache_support(model: torch.nn.Module) -> None:
+    """Raises ValueError if the model's cache cannot be rolled back by cropping."""
+    cache = DynamicCache(config=model.config)
+    kinds = {type(layer).__name__ for layer in cache.layers}
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        raise ValueError(
+            f"{type(model).__name__} uses cache layers {sorted(kinds)}; speculative decoding here needs "
+            "full-attention layers (sliding-window and linear-attention caches cannot be rolled back)"
+        )
+
+
+def left_pad(token_lists: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns input_ids [batch, width] and mask [batch, width], real tokens right-aligned."""
+    width = max(len(tokens) for tokens in token_lists)
+    input_ids = torch.full((len(token_lists), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(token_lists), width), dtype=torch.long)
+    for row, tokens in enumerate(token_lists):
+        if tokens:
+            input_ids[row, width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, width - len(tokens) :] = 1
+    return input_ids, mask
+
+
+class RaggedCache:
+    """One model's KV cache for a batch of rows of different lengths."""
+
+    def __init__(self, model: torch.nn.Module, batch_size: int) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.cache = DynamicCache(config=model.config)
+        self.mask = torch.zeros((batch_size, 0), dtype=torch.long)  # [batch, columns], CPU
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)  # [batch] valid tokens per row, CPU
+
+    @property
+    def num_columns(self) -> int:
+        return self.mask.shape[1]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [batch, width], on any device
+        chunk_mask: torch.Tensor,  # [batch, width] long, CPU; 0 marks left padding
+        logits_to_keep: int,
+    ) -> torch.Tensor:
+        """Appends a chunk of tokens to every row and returns the last logits.
+
+        Returns:
+            logits: [batch, logits_to_keep, vocab] for the chunk's last columns.
+        """
+        assert input_ids.shape == chunk_mask.shape, (input_ids.shape, chunk_mask.shape)
+        assert self.cache.get_seq_length() == self.num_columns, (self.cache.get_seq_length(), self.num_columns)
+        # Each real token's position is the number of valid tokens before it in its row.
+        position_ids = self.lengths[:, None] + chunk_mask.cumsum(dim=1) - 1  # [batch, width]
+        position_ids = position_ids.clamp(min=0)
+        self.mask = torch.cat([self.mask, chunk_mask], dim=1)
+        self.lengths = self.lengths + chunk_mask.sum(dim=1)
+        output = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=self.mask.to(self.device),
+            position_ids=position_ids.to(self.device),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        return output.logits
+
+    def rollback(self, lengths: torch.Tensor) -> None:  # [batch] long, CPU
+        """Keeps each row's first `lengths[b]` valid tokens; drops the rest."""
+        assert bool((lengths <= self.lengths).all()), (lengths, self.lengths)
+        self.mask = self.mask * (self.mask.cumsum(dim=1) <= lengths[:, None])
+        self.lengths = lengths.clone()
+        self._crop_unused_columns()
+        if self.num_columns - int(self.lengths.max()) > COMPACT_SLACK:
+            self._compact()
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        """Keeps only `rows`, in that order (finished requests leave the batch)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        self.mask = self.mask[index]
+        self.lengths = self.lengths[index]
+        device_index = index.to(self.device)
+        for layer in self.cache.layers:
+            # Not batch_select_indices: it skips layers that hold zero columns, leaving the old batch size.
+            if layer.is_initialized:
+                layer.keys = layer.keys[device_index]
+                layer.values = layer.values[device_index]
+        self._crop_unused_columns()
+
+    def _crop_unused_columns(self) -> None:
+        used = self.mask.any(dim=0).nonzero()
+        keep = int(used.max()) + 1 if used.numel() else 0
+        num_drop = self.num_columns - keep
+        if num_drop > 0:
+            self.cache.crop(-num_drop)
+            self.mask = self.mask[:, :keep]
+
+    def _compact(self) -> None:
+        # A stable sort puts each row's holes first and keeps its valid tokens in order.
+        width = int(self.lengths.max())
+        order = torch.sort(self.mask, dim=1, stable=True).indices[:, -width:]  # [batch, width]
+        self.mask = self.mask.gather(1, order)
+        device_order = order.to(self.device)
+        for layer in self.cache.layers:
+            if not layer.is_initialized:
+                continue
+            batch, heads, _, head_dim = layer.keys.shape
+            index = device_order[:, None, :, None].expand(batch, heads, width, head_dim)
+            layer.keys = layer.keys.gather(2, index)
+            layer.values = layer.values.gather(2, index)

@@ -1,0 +1,146 @@
+"""Loading the target, the draft and the target's tokenizer, with the checks that make them a pair."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import torch
+
+from handler.config import HandlerConfig
+from handler.kv_cache import check_cache_support
+
+logger = logging.getLogger(__name__)
+
+DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class LoadedModels:
+    target: Any
+    draft: Any
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    device: torch.device
+    dtype: torch.dtype
+    max_context: int
+
+
+def select_device(gpu_id: Any) -> torch.device:
+    """cuda:{gpu_id} when TorchServe assigned a GPU and CUDA works, else the CPU."""
+    if gpu_id is not None and str(gpu_id) != "" and torch.cuda.is_available():
+        return torch.device(f"cuda:{int(gpu_id)}")
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on a GPU and float32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPE_BY_NAME[name]
+
+
+def resolve_model_path(spec: str, model_dir: str | None, key: str) -> str:
+    """A folder relative to the model dir, an absolute folder, or else a hub id."""
+    if os.path.isabs(spec):
+        if not os.path.isdir(spec):
+            raise ValueError(f"handler.{key}: {spec} is not a folder")
+        return spec
+    if model_dir:
+        candidate = os.path.join(model_dir, spec)
+        if os.path.isdir(candidate):
+            return candidate
+    logger.info("handler.%s=%r is not a folder in the model dir; loading it as a hub id", key, spec)
+    return spec
+
+
+def _load_causal_lm(path: str, key: str, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+    except Exception as error:  # transformers raises many types; the user needs the path and the cause
+        raise ValueError(
+            f"handler.{key}: cannot load a causal LM with safetensors weights from {path!r}: {error}"
+        ) from error
+    return model.to(device).eval()
+
+
+def collect_eos_token_ids(tokenizer, generation_config) -> tuple[int, ...]:
+    """The tokenizer's EOS plus the generation config's (an int or a list)."""
+    ids: list[int] = []
+    candidates = [tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)]
+    for value in candidates:
+        for token_id in value if isinstance(value, (list, tuple)) else [value]:
+            if token_id is not None and token_id not in ids:
+                ids.append(int(token_id))
+    return tuple(ids)
+
+
+def check_vocabularies(tokenizer, target, draft, draft_path: str) -> None:
+    """Refuses a draft whose vocabulary does not fit the target's tokenizer."""
+    from transformers import AutoTokenizer
+
+    num_tokens = len(tokenizer)
+    target_vocab = target.config.get_text_config().vocab_size
+    draft_vocab = draft.config.get_text_config().vocab_size
+    if num_tokens > target_vocab:
+        raise ValueError(f"the target tokenizer has {num_tokens} tokens but the target's vocab_size is {target_vocab}")
+    if num_tokens > draft_vocab:
+        raise ValueError(
+            f"the draft's vocab_size ({draft_vocab}) is smaller than the target tokenizer ({num_tokens} tokens): "
+            "draft and target must share one tokenizer"
+        )
+    try:
+        draft_tokenizer = AutoTokenizer.from_pretrained(draft_path)
+    except (OSError, ValueError):
+        logger.info("the draft folder has no tokenizer; assuming it shares the target's")
+        return
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            "the draft's tokenizer differs from the target's: speculative decoding needs one shared vocabulary"
+        )
+
+
+def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None) -> LoadedModels:
+    """Loads both models on one device and checks they can work as a pair."""
+    from transformers import AutoTokenizer
+
+    device = select_device(gpu_id)
+    dtype = resolve_dtype(config.dtype, device)
+    target_path = resolve_model_path(config.target_model, model_dir, "target_model")
+    draft_path = resolve_model_path(config.draft_model, model_dir, "draft_model")
+    logger.info("loading target %s and draft %s on %s as %s", target_path, draft_path, device, dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target_path)
+    except Exception as error:
+        raise ValueError(f"handler.target_model: cannot load a tokenizer from {target_path!r}: {error}") from error
+    target = _load_causal_lm(target_path, "target_model", dtype, device)
+    draft = _load_causal_lm(draft_path, "draft_model", dtype, device)
+    check_vocabularies(tokenizer, target, draft, draft_path)
+    check_cache_support(target)
+    check_cache_support(draft)
+
+    eos_token_ids = collect_eos_token_ids(tokenizer, target.generation_config)
+    if not eos_token_ids:
+        logger.warning("the target has no EOS token; requests stop only at max_new_tokens or a stop string")
+    pad_token_id = tokenizer.pad_token_id
+    if pad_token_id is None:
+        pad_token_id = eos_token_ids[0] if eos_token_ids else 0
+    max_context = min(
+        getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2**31 - 1
+        for model in (target, draft)
+    )
+    return LoadedModels(
+        target=target,
+        draft=draft,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids,
+        pad_token_id=pad_token_id,
+        device=device,
+        dtype=dtype,
+        max_context=max_context,
+    )

@@ -1,0 +1,210 @@
+"""Modified rejection sampling for speculative decoding, as pure tensor functions.
+
+Vocabulary, used throughout the package (Leviathan et al. 2023, arXiv:2211.17192;
+Chen et al. 2023, arXiv:2302.01318):
+
+- draft: the small model. It proposes `k` draft tokens, each sampled from
+  `draft_probs`, its distribution after the request's temperature/top-k/top-p.
+- target: the large model. One forward pass over the drafts gives
+  `target_probs` at k + 1 positions, after the same transforms.
+- accepted: draft token x at position j is kept with probability
+  min(1, target_probs[x] / draft_probs[x]); the first rejection ends the run.
+- recovered: the token sampled after the first rejection, from the residual
+  norm(max(0, target_probs - draft_probs)) at the rejected position.
+- bonus: when all k drafts are accepted, one more token sampled from
+  target_probs at position k + 1.
+
+The output follows the target's distribution exactly. Greedy decoding
+(temperature 0) is the same algorithm on one-hot distributions: a draft token
+is accepted iff it is the target's argmax, and the recovered or bonus token is
+the target's argmax.
+
+This module imports only torch and holds no randomness of its own: callers
+pass uniforms drawn from per-request generators (see `draw_step_uniforms`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def warp_logits_to_probs(
+    logits: torch.Tensor,  # [batch, positions, vocab]
+    temperature: torch.Tensor,  # [batch] float, 0 means greedy
+    top_k: torch.Tensor,  # [batch] long, 0 means off
+    top_p: torch.Tensor,  # [batch] float, 1.0 means off
+) -> torch.Tensor:
+    """Applies temperature, then top-k, then top-p, row by row, and returns probabilities.
+
+    Greedy rows get the one-hot distribution of their argmax, so the same
+    rejection sampler serves greedy and sampled requests in one batch.
+
+    Returns:
+        probs: [batch, positions, vocab] float32, each row summing to 1.
+    """
+    assert logits.dim() == 3, logits.shape
+    logits = logits.float()
+    probs = torch.empty_like(logits)
+    greedy = temperature == 0
+    if bool(greedy.any()):
+        greedy_logits = logits[greedy]  # [num_greedy, positions, vocab]
+        one_hot = torch.zeros_like(greedy_logits)
+        one_hot.scatter_(-1, greedy_logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs[greedy] = one_hot
+    sampled = ~greedy
+    if bool(sampled.any()):
+        sub = logits[sampled]  # [num_sampled, positions, vocab]
+        # Shift by the max before dividing: a tiny temperature would overflow logits / t to inf, then NaN.
+        sub = sub - sub.amax(dim=-1, keepdim=True)
+        scaled = sub / temperature[sampled].to(logits.dtype)[:, None, None]
+        scaled = _apply_top_k(scaled, top_k[sampled])
+        scaled = _apply_top_p(scaled, top_p[sampled])
+        probs[sampled] = torch.softmax(scaled, dim=-1)
+    return probs
+
+
+def _apply_top_k(
+    logits: torch.Tensor,  # [rows, positions, vocab]
+    top_k: torch.Tensor,  # [rows]
+) -> torch.Tensor:
+    vocab_size = logits.shape[-1]
+    top_k = top_k.clamp(max=vocab_size)
+    active = top_k > 0
+    if not bool(active.any()):
+        return logits
+    max_k = int(top_k.max())
+    kth_largest = logits.topk(max_k, dim=-1).values  # [rows, positions, max_k]
+    # Rows without top-k use index 0 but are left unmasked below.
+    index = (top_k.clamp(min=1) - 1)[:, None, None].expand(-1, logits.shape[1], 1)
+    threshold = kth_largest.gather(-1, index)  # [rows, positions, 1]
+    # Ties with the k-th value are kept, as in Hugging Face's TopKLogitsWarper.
+    remove = (logits < threshold) & active[:, None, None]
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def _apply_top_p(
+    logits: torch.Tensor,  # [rows, positions, vocab]
+    top_p: torch.Tensor,  # [rows]
+) -> torch.Tensor:
+    active = top_p < 1.0
+    if not bool(active.any()):
+        return logits
+    sub = logits[active]  # [active_rows, positions, vocab]
+    sorted_logits, order = sub.sort(dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # Keep the smallest prefix whose mass reaches top_p; the top token is always kept.
+    remove_sorted = mass_before >= top_p[active].to(sub.dtype)[:, None, None]
+    remove_sorted[..., 0] = False
+    remove = torch.zeros_like(remove_sorted).scatter_(-1, order, remove_sorted)
+    logits = logits.clone()
+    logits[active] = sub.masked_fill(remove, float("-inf"))
+    return logits
+
+
+def sample_from_probs(
+    probs: torch.Tensor,  # [rows, vocab]
+    uniforms: torch.Tensor,  # [rows] in [0, 1)
+) -> torch.Tensor:
+    """Inverse-CDF sampling: one token per row from one uniform per row.
+
+    Returns:
+        token_ids: [rows] long. A token with probability 0 is never returned.
+    """
+    assert probs.dim() == 2 and uniforms.shape == probs.shape[:1], (probs.shape, uniforms.shape)
+    # float64 cumsum: a float32 sum over 150k entries drifts by ~1e-4.
+    cdf = probs.double().cumsum(dim=-1)  # [rows, vocab]
+    threshold = uniforms.to(cdf)[:, None] * cdf[:, -1:]  # [rows, 1]
+    token_ids = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
+    # u * total can round up to total itself; fall back to the last token that has mass.
+    last_with_mass = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+    return torch.minimum(token_ids, last_with_mass)
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,  # [batch, k + 1, vocab]
+    draft_probs: torch.Tensor,  # [batch, k, vocab]
+    draft_token_ids: torch.Tensor,  # [batch, k]
+    num_draft_tokens: torch.Tensor,  # [batch] long, each <= k
+    uniforms: torch.Tensor,  # [batch, k + 1] float64 in [0, 1)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verifies draft tokens against the target and returns what to emit.
+
+    Row b only looks at its first `num_draft_tokens[b]` drafts, so one batch can
+    mix requests with different k (0 is plain target sampling). Column j < k of
+    `uniforms` decides the acceptance of draft j; the last column samples the
+    recovered or bonus token.
+
+    Returns:
+        num_accepted: [batch] long, accepted drafts per row.
+        output_token_ids: [batch, k + 1] long: the accepted drafts, then the
+            recovered or bonus token at index num_accepted, then -1.
+    """
+    batch_size, k_plus_1, vocab_size = target_probs.shape
+    k = k_plus_1 - 1
+    assert draft_probs.shape == (batch_size, k, vocab_size), (draft_probs.shape, target_probs.shape)
+    assert draft_token_ids.shape == (batch_size, k), draft_token_ids.shape
+    assert num_draft_tokens.shape == (batch_size,), num_draft_tokens.shape
+    assert uniforms.shape == (batch_size, k + 1), uniforms.shape
+    device = target_probs.device
+    positions = torch.arange(k, device=device)  # [k]
+
+    target_at_draft = target_probs[:, :k].gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [batch, k]
+    draft_at_draft = draft_probs.gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [batch, k]
+    # u < p/q written as u * q < p, in float64 because float32 can round u * q up to p.
+    # A draft token with q = 0 is rejected, to avoid 0/0; the draft cannot have sampled it.
+    accepted = (uniforms[:, :k] * draft_at_draft.double() < target_at_draft.double()) & (draft_at_draft > 0)
+    accepted &= positions[None, :] < num_draft_tokens[:, None]
+    num_accepted = accepted.int().cumprod(dim=-1).sum(dim=-1)  # [batch]
+
+    rows = torch.arange(batch_size, device=device)
+    target_next = target_probs[rows, num_accepted]  # [batch, vocab]
+    rejected = num_accepted < num_draft_tokens  # [batch]
+    # Bonus rows have no draft distribution at num_accepted; any row is fine there.
+    draft_next = draft_probs[rows, num_accepted.clamp(max=max(k - 1, 0))] if k > 0 else torch.zeros_like(target_next)
+    residual = (target_next - draft_next).clamp(min=0)
+    residual_mass = residual.sum(dim=-1, keepdim=True)  # [batch, 1]
+    # p <= q everywhere means p == q, where rejection has probability 0; rounding can
+    # still get here, and then p itself is the right distribution.
+    use_residual = rejected[:, None] & (residual_mass > 0)
+    next_probs = torch.where(use_residual, residual / residual_mass.clamp(min=torch.finfo(residual.dtype).tiny), target_next)
+    next_token_ids = sample_from_probs(next_probs, uniforms[:, k])  # [batch]
+
+    output_token_ids = torch.full((batch_size, k + 1), -1, dtype=torch.long, device=device)
+    output_token_ids[:, :k] = torch.where(positions[None, :] < num_accepted[:, None], draft_token_ids, -1)
+    output_token_ids[rows, num_accepted] = next_token_ids
+    return num_accepted, output_token_ids
+
+
+def draw_step_uniforms(
+    generators: Sequence[torch.Generator | None],
+    num_draft_tokens: Sequence[int],
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draws one speculative step's uniforms, each request from its own generator.
+
+    Request b takes exactly 2 * num_draft_tokens[b] + 1 draws, in a fixed order
+    (draft sampling, acceptance, recovered/bonus), so a seeded request gives the
+    same output whatever else shares its batch. Rows without a generator
+    (greedy) get zeros, which one-hot distributions make irrelevant. Uniforms
+    are float64 because float32 returns exactly 0.0 often enough to matter.
+
+    Returns:
+        draft_uniforms: [batch, k] for sampling the drafts.
+        verify_uniforms: [batch, k + 1] for `rejection_sample`, the last column
+            for the recovered or bonus token.
+    """
+    batch_size = len(generators)
+    draft_uniforms = torch.zeros(batch_size, k, dtype=torch.float64)
+    verify_uniforms = torch.zeros(batch_size, k + 1, dtype=torch.float64)
+    for row, (generator, num_drafts) in enumerate(zip(generators, num_draft_tokens)):
+        assert 0 <= num_drafts <= k, (num_drafts, k)
+        if generator is None:
+            continue
+        draws = torch.rand(2 * num_drafts + 1, generator=generator, dtype=torch.float64)
+        draft_uniforms[row, :num_drafts] = draws[:num_drafts]
+        verify_uniforms[row, :num_drafts] = draws[num_drafts : 2 * num_drafts]
+        verify_uniforms[row, k] = draws[2 * num_drafts]
+    return draft_uniforms, verify_uniforms
