@@ -1,0 +1,30 @@
+"""Tiny random models loaded in float32, where exactness is defined."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from handler.engine import SpeculativeEngine
+from handler.loading import collect_eos_token_ids
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_models_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models_dir / "target")
+    target = AutoModelForCausalLM.from_pretrained(tiny_models_dir / "target", dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(tiny_models_dir / "draft", dtype=torch.float32).eval()
+    return target, draft, tokenizer
+
+
+def make_engine(target, draft, tokenizer, eos_token_ids=None) -> SpeculativeEngine:
+    if eos_token_ids is None:
+        eos_token_ids = collect_eos_token_ids(tokenizer, target.generation_config)
+    return SpeculativeEngine(target, draft, tokenizer, eos_token_ids, tokenizer.pad_token_id)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_pair):
+    return make_engine(*tiny_pair)

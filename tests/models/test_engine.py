@@ -1,0 +1,200 @@
+"""The engine on tiny random models in float32: exactness, rollback, batching, stopping."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from handler.config import SamplingParams
+from handler.engine import GenerationRequest
+from handler.kv_cache import COMPACT_SLACK, RaggedCache, left_pad
+
+from .conftest import make_engine
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "The quick brown fox",
+    "import torch\nclass Model(torch.nn.Module):\n    def forward(self, x):",
+    "Once upon a time, in a land far away, there lived a",
+    "x",
+]
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=0.9, top_k=0, top_p=1.0)
+
+
+def encode(tokenizer, prompt: str) -> tuple[int, ...]:
+    return tuple(tokenizer(prompt)["input_ids"])
+
+
+def reference_greedy(target, prompt_ids, max_new_tokens) -> list[int]:
+    input_ids = torch.tensor([prompt_ids])
+    output = target.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+    )
+    return output[0, len(prompt_ids) :].tolist()
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_output_equals_target_generate(tiny_pair, engine, k):
+    target, _, tokenizer = tiny_pair
+    for prompt in PROMPTS:
+        prompt_ids = encode(tokenizer, prompt)
+        expected = reference_greedy(target, prompt_ids, 40)
+        result = engine.generate([GenerationRequest(prompt_ids, 40, GREEDY, k)])[0]
+        assert result.token_ids == expected, prompt
+        assert result.stats.target_forward_passes <= len(expected)
+
+
+def test_noisy_draft_exercises_both_accept_and_reject(tiny_pair, engine):
+    _, _, tokenizer = tiny_pair
+    requests = [GenerationRequest(encode(tokenizer, p), 40, GREEDY, 4) for p in PROMPTS]
+    stats = [r.stats for r in engine.generate(requests)]
+    accepted = sum(s.accepted_tokens for s in stats)
+    proposed = sum(s.draft_tokens for s in stats)
+    assert 0 < accepted < proposed
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_draft_equal_to_target_accepts_everything(tiny_pair, sampling):
+    target, _, tokenizer = tiny_pair
+    # No EOS, so every request runs its full length.
+    same = make_engine(target, target, tokenizer, eos_token_ids=())
+    results = same.generate(
+        [GenerationRequest(encode(tokenizer, p), 33, sampling, 4, seed=11) for p in PROMPTS[:3]]
+    )
+    for result in results:
+        assert result.stats.acceptance_rate == 1.0
+        assert result.stats.draft_tokens > 0
+        # 33 tokens in passes of k + 1 = 5 tokens: ceil(33 / 5) = 7 target passes.
+        assert result.stats.target_forward_passes == 7
+        assert result.stats.mean_accepted_length == pytest.approx(33 / 7)
+
+
+def test_k_zero_is_plain_decoding_with_one_pass_per_token(tiny_pair, engine):
+    target, _, tokenizer = tiny_pair
+    prompt_ids = encode(tokenizer, PROMPTS[0])
+    result = engine.generate([GenerationRequest(prompt_ids, 20, GREEDY, 0)])[0]
+    assert result.token_ids == reference_greedy(target, prompt_ids, 20)
+    assert result.stats.draft_tokens == 0
+    assert result.stats.target_forward_passes == len(result.token_ids)
+
+
+def test_rolled_back_cache_gives_the_logits_of_a_full_recompute(tiny_pair):
+    """Ragged rollbacks, holes and compaction leave each row's cache equal to its committed tokens."""
+    target, _, tokenizer = tiny_pair
+    generator = torch.Generator().manual_seed(0)
+    prompts = [list(encode(tokenizer, PROMPTS[0])), list(encode(tokenizer, PROMPTS[3]))]
+    committed = [list(p[:-1]) for p in prompts]
+    cache = RaggedCache(target, 2)
+    with torch.inference_mode():
+        input_ids, mask = left_pad(committed, tokenizer.pad_token_id)
+        cache.forward(input_ids, mask, logits_to_keep=1)
+        pending = [[p[-1]] for p in prompts]
+        compacted = False
+        for step in range(12):
+            drafts = torch.randint(0, 300, (2, 5), generator=generator)
+            input_ids, mask = left_pad(pending, tokenizer.pad_token_id)
+            input_ids = torch.cat([input_ids, drafts], dim=1)
+            mask = torch.cat([mask, torch.ones(2, 5, dtype=torch.long)], dim=1)
+            cache.forward(input_ids, mask, logits_to_keep=6)
+            # Ragged acceptance: row 0 keeps 0..5 drafts, row 1 mostly none.
+            keep = [step % 6, 1 if step % 4 == 0 else 0]
+            for row in range(2):
+                committed[row] += pending[row] + drafts[row, : keep[row]].tolist()
+            lengths = torch.tensor([len(c) for c in committed])
+            columns_before = cache.num_columns
+            cache.rollback(lengths)
+            compacted |= cache.num_columns < columns_before - 5
+            pending = [[int(torch.randint(0, 300, (1,), generator=generator))] for _ in range(2)]
+        assert compacted, "the test should have crossed COMPACT_SLACK"
+        assert cache.num_columns - int(cache.lengths.max()) <= COMPACT_SLACK + 6
+        input_ids, mask = left_pad(pending, tokenizer.pad_token_id)
+        cached_logits = cache.forward(input_ids, mask, logits_to_keep=1)[:, -1]
+        for row in range(2):
+            full = torch.tensor([committed[row] + pending[row]])
+            fresh_logits = target(input_ids=full).logits[0, -1]
+            torch.testing.assert_close(cached_logits[row], fresh_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_batched_greedy_equals_solo_with_ragged_lengths_k_and_finishers(tiny_pair, engine):
+    _, _, tokenizer = tiny_pair
+    requests = [
+        GenerationRequest(encode(tokenizer, PROMPTS[0]), 30, GREEDY, 4),
+        GenerationRequest(encode(tokenizer, PROMPTS[1]), 7, GREEDY, 8),  # finishes early
+        GenerationRequest(encode(tokenizer, PROMPTS[2]), 25, GREEDY, 0),  # plain decoding in the same batch
+        GenerationRequest(encode(tokenizer, PROMPTS[3]), 40, GREEDY, 1),
+        GenerationRequest(encode(tokenizer, PROMPTS[4]), 16, GREEDY, 3),
+    ]
+    solo = [engine.generate([r])[0] for r in requests]
+    batched = engine.generate(requests)
+    for alone, together in zip(solo, batched):
+        assert together.token_ids == alone.token_ids
+        assert together.finish_reason == alone.finish_reason
+        assert together.stats == alone.stats
+
+
+def test_seeded_sampling_is_deterministic_and_independent_of_the_batch(tiny_pair, engine):
+    _, _, tokenizer = tiny_pair
+    requests = [
+        GenerationRequest(encode(tokenizer, p), 24, SAMPLED, k, seed=100 + i)
+        for i, (p, k) in enumerate(zip(PROMPTS, [4, 2, 0, 6, 3]))
+    ]
+    solo = [engine.generate([r])[0].token_ids for r in requests]
+    again = [engine.generate([r])[0].token_ids for r in requests]
+    batched = [r.token_ids for r in engine.generate(requests)]
+    reversed_batch = [r.token_ids for r in engine.generate(requests[::-1])][::-1]
+    assert solo == again == batched == reversed_batch
+    other_seed = engine.generate([dataclasses.replace(requests[0], seed=999)])[0].token_ids
+    assert other_seed != solo[0]
+
+
+def test_greedy_and_sampled_requests_share_a_batch(tiny_pair, engine):
+    _, _, tokenizer = tiny_pair
+    greedy = GenerationRequest(encode(tokenizer, PROMPTS[0]), 20, GREEDY, 4)
+    sampled = GenerationRequest(encode(tokenizer, PROMPTS[1]), 20, SamplingParams(0.7, 20, 0.9), 4, seed=5)
+    alone = [engine.generate([greedy])[0].token_ids, engine.generate([sampled])[0].token_ids]
+    together = [r.token_ids for r in engine.generate([greedy, sampled])]
+    assert together == alone
+
+
+def test_max_new_tokens_is_exact_even_with_a_large_k(tiny_pair):
+    target, draft, tokenizer = tiny_pair
+    no_eos = make_engine(target, draft, tokenizer, eos_token_ids=())
+    for max_new_tokens in (1, 2, 3, 9):
+        result = no_eos.generate([GenerationRequest(encode(tokenizer, PROMPTS[0]), max_new_tokens, GREEDY, 8)])[0]
+        assert len(result.token_ids) == max_new_tokens
+        assert result.finish_reason == "length"
+
+
+def test_eos_stops_and_is_reported(tiny_pair):
+    target, draft, tokenizer = tiny_pair
+    prompt_ids = encode(tokenizer, PROMPTS[2])
+    reference = reference_greedy(target, prompt_ids, 30)
+    eos = reference[9]  # pretend this token is the end of sequence
+    result = make_engine(target, draft, tokenizer, eos_token_ids=[eos]).generate(
+        [GenerationRequest(prompt_ids, 30, GREEDY, 4)]
+    )[0]
+    assert result.finish_reason == "eos"
+    assert result.token_ids == reference[: reference.index(eos) + 1]
+
+
+def test_stop_string_truncates_text_and_reports_stop(tiny_pair):
+    target, draft, tokenizer = tiny_pair
+    no_eos = make_engine(target, draft, tokenizer, eos_token_ids=())
+    prompt_ids = encode(tokenizer, PROMPTS[0])
+    full = no_eos.generate([GenerationRequest(prompt_ids, 40, GREEDY, 4)])[0]
+    stop = full.text[12:15]
+    assert len(stop) == 3 and stop.strip()
+    cut = full.text.index(stop)
+    result = no_eos.generate([GenerationRequest(prompt_ids, 40, GREEDY, 4, stop=(stop,))])[0]
+    assert result.finish_reason == "stop"
+    assert result.text == full.text[:cut]
+    # Token ids run up to the token that completed the stop string, and not beyond.
+    assert result.token_ids == full.token_ids[: len(result.token_ids)]
+    assert stop in tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    assert stop not in tokenizer.decode(result.token_ids[:-1], skip_special_tokens=True)

@@ -1,0 +1,74 @@
+"""model-config.yaml's handler section: defaults, strictness, messages that name the key."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import yaml
+
+from handler.config import MAX_K, HandlerConfig, SamplingParams, handler_config_from_yaml_config
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_defaults_when_section_is_missing():
+    config = handler_config_from_yaml_config({"minWorkers": 1})
+    assert config == HandlerConfig()
+    assert config.sampling == SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+
+
+def test_shipped_model_config_parses():
+    raw = yaml.safe_load((REPO_ROOT / "model-config" / "model-config.yaml").read_text())
+    config = handler_config_from_yaml_config(raw)
+    assert config.target_model and config.draft_model
+    assert 0 <= config.num_speculative_tokens <= config.max_num_speculative_tokens <= MAX_K
+
+
+def test_full_section_round_trips():
+    config = HandlerConfig.from_dict(
+        {
+            "target_model": "/abs/target",
+            "draft_model": "org/draft",
+            "dtype": "bfloat16",
+            "num_speculative_tokens": 6,
+            "max_num_speculative_tokens": 8,
+            "max_new_tokens": 64,
+            "max_new_tokens_limit": 512,
+            "sampling": {"temperature": 0.7, "top_k": 50, "top_p": 0.95},
+        }
+    )
+    assert config.dtype == "bfloat16" and config.num_speculative_tokens == 6
+    assert config.sampling == SamplingParams(0.7, 50, 0.95)
+
+
+@pytest.mark.parametrize(
+    "section, key_in_message",
+    [
+        ({"num_speculative_tokenz": 4}, "handler.num_speculative_tokenz"),
+        ({"sampling": {"temprature": 1.0}}, "handler.sampling.temprature"),
+        ({"dtype": "fp8"}, "handler.dtype"),
+        ({"num_speculative_tokens": -1}, "handler.num_speculative_tokens"),
+        ({"num_speculative_tokens": "4"}, "handler.num_speculative_tokens"),
+        ({"num_speculative_tokens": True}, "handler.num_speculative_tokens"),
+        ({"num_speculative_tokens": 9, "max_num_speculative_tokens": 8}, "handler.num_speculative_tokens"),
+        ({"max_num_speculative_tokens": MAX_K + 1}, "handler.max_num_speculative_tokens"),
+        ({"max_new_tokens": 0}, "handler.max_new_tokens"),
+        ({"max_new_tokens": 100, "max_new_tokens_limit": 50}, "handler.max_new_tokens"),
+        ({"sampling": {"temperature": -0.1}}, "handler.sampling.temperature"),
+        ({"sampling": {"temperature": float("nan")}}, "handler.sampling.temperature"),
+        ({"sampling": {"top_p": 0.0}}, "handler.sampling.top_p"),
+        ({"sampling": {"top_p": 1.5}}, "handler.sampling.top_p"),
+        ({"sampling": {"top_k": -3}}, "handler.sampling.top_k"),
+        ({"sampling": [1, 2]}, "handler.sampling"),
+        ({"target_model": ""}, "handler.target_model"),
+    ],
+)
+def test_bad_values_name_the_key(section, key_in_message):
+    with pytest.raises(ValueError, match=key_in_message.replace(".", r"\.")):
+        HandlerConfig.from_dict(section)
+
+
+def test_handler_section_must_be_a_mapping():
+    with pytest.raises(ValueError, match="handler section"):
+        handler_config_from_yaml_config({"handler": ["target"]})

@@ -1,0 +1,187 @@
+"""Forced-branch tests of the rejection sampler with hand-built distributions, no model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from handler.sampler import (
+    draw_step_uniforms,
+    rejection_sample,
+    sample_from_probs,
+    warp_logits_to_probs,
+)
+
+VOCAB = 4
+
+
+def dist(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def run(target_rows, draft_rows, draft_ids, uniforms, num_drafts=None):
+    target_probs = torch.stack(target_rows)[None]  # [1, k + 1, vocab]
+    draft_probs = torch.stack(draft_rows)[None] if draft_rows else torch.zeros(1, 0, VOCAB)  # [1, k, vocab]
+    k = draft_probs.shape[1]
+    ids = torch.tensor([draft_ids], dtype=torch.long).reshape(1, k)
+    num = torch.tensor([k if num_drafts is None else num_drafts])
+    u = torch.tensor([uniforms], dtype=torch.float64)
+    num_accepted, out = rejection_sample(target_probs, draft_probs, ids, num, u)
+    return int(num_accepted[0]), out[0].tolist()
+
+
+def test_forced_accept_when_target_likes_the_draft_more():
+    # p(x) >= q(x) accepts whatever the uniform; all accepted -> bonus from the last target row.
+    n, out = run(
+        [dist(0, 1, 0, 0), dist(0, 0, 1, 0), dist(0, 0, 0, 1)],
+        [dist(0.5, 0.5, 0, 0), dist(0, 0.5, 0.5, 0)],
+        [1, 2],
+        [0.999, 0.999, 0.3],
+    )
+    assert n == 2
+    assert out == [1, 2, 3]
+
+
+def test_forced_reject_when_target_gives_zero():
+    # p(x) = 0 rejects at once; the recovered token comes from max(0, p - q).
+    n, out = run(
+        [dist(0, 0, 1, 0), dist(1, 0, 0, 0)],
+        [dist(0, 1, 0, 0)],
+        [1],
+        [0.0, 0.5],
+    )
+    assert n == 0
+    assert out == [2, -1]
+
+
+def test_acceptance_threshold_is_p_over_q():
+    # p(x)/q(x) = 0.25: u just below accepts, u just above rejects.
+    target = [dist(0.1, 0.9, 0, 0), dist(0, 0, 0, 1)]
+    draft = [dist(0.4, 0.6, 0, 0)]
+    assert run(target, draft, [0], [0.2499, 0.5])[0] == 1
+    assert run(target, draft, [0], [0.2501, 0.5])[0] == 0
+
+
+def test_residual_excludes_tokens_where_draft_has_more_mass():
+    # Residual = max(0, p - q) = (0, 0, 0.3, 0.1) -> normalised (0, 0, 0.75, 0.25).
+    target = [dist(0.3, 0.3, 0.3, 0.1), dist(1, 0, 0, 0)]
+    draft = [dist(0.6, 0.4, 0.0, 0.0)]
+    # u=0.99 > p/q=0.5 for token 0: rejected. Final uniform 0.7 lands in token 2 (cdf 0.75).
+    n, out = run(target, draft, [0], [0.99, 0.7])
+    assert (n, out) == (0, [2, -1])
+    n, out = run(target, draft, [0], [0.99, 0.8])
+    assert (n, out) == (0, [3, -1])
+    for u in torch.linspace(0, 0.999, 50).tolist():
+        assert run(target, draft, [0], [0.99, u])[1][0] in (2, 3)
+
+
+def test_bonus_token_drawn_from_target_after_last_draft():
+    target = [dist(0, 1, 0, 0), dist(0.5, 0, 0, 0.5)]
+    draft = [dist(0, 1, 0, 0)]
+    assert run(target, draft, [1], [0.5, 0.2]) == (1, [1, 0])
+    assert run(target, draft, [1], [0.5, 0.9]) == (1, [1, 3])
+
+
+def test_draft_token_with_zero_draft_probability_is_rejected():
+    # Cannot happen when the draft token was sampled from q, but must not divide 0/0.
+    target = [dist(0, 1, 0, 0), dist(1, 0, 0, 0)]
+    draft = [dist(1, 0, 0, 0)]
+    n, out = run(target, draft, [1], [0.0, 0.5])
+    assert n == 0 and out[0] == 1  # recovered from the residual, which is p itself here
+
+
+def test_row_with_fewer_drafts_ignores_the_rest_and_takes_bonus_at_its_own_k():
+    target = torch.stack([dist(0, 1, 0, 0), dist(0, 0, 1, 0), dist(0, 0, 0, 1)])[None].repeat(2, 1, 1)
+    draft = torch.stack([dist(0, 1, 0, 0), dist(0, 0, 1, 0)])[None].repeat(2, 1, 1)
+    ids = torch.tensor([[1, 2], [1, 2]])
+    u = torch.full((2, 3), 0.5, dtype=torch.float64)
+    num_accepted, out = rejection_sample(target, draft, ids, torch.tensor([2, 1]), u)
+    assert num_accepted.tolist() == [2, 1]
+    # Row 1 has k = 1: its bonus comes from target position 1 (token 2), not position 2.
+    assert out.tolist() == [[1, 2, 3], [1, 2, -1]]
+
+
+def test_zero_drafts_is_plain_target_sampling():
+    target = dist(0.25, 0.25, 0.25, 0.25)[None, None]  # [1, 1, vocab]
+    for u, token in [(0.1, 0), (0.3, 1), (0.6, 2), (0.9, 3)]:
+        n, out = rejection_sample(
+            target,
+            torch.zeros(1, 0, VOCAB),
+            torch.zeros(1, 0, dtype=torch.long),
+            torch.tensor([0]),
+            torch.tensor([[u]], dtype=torch.float64),
+        )
+        assert (int(n[0]), out[0].tolist()) == (0, [token])
+
+
+def test_greedy_is_accept_while_draft_equals_target_argmax():
+    target_logits = torch.tensor([[[0.0, 3.0, 1.0, 0.0], [0.0, 0.0, 5.0, 1.0], [9.0, 0.0, 0.0, 0.0]]])
+    draft_logits = torch.tensor([[[0.0, 2.0, 1.0, 0.0], [0.0, 0.0, 0.0, 4.0]]])
+    zeros = torch.zeros(1)
+    target_probs = warp_logits_to_probs(target_logits, zeros, torch.zeros(1, dtype=torch.long), torch.ones(1))
+    draft_probs = warp_logits_to_probs(draft_logits, zeros, torch.zeros(1, dtype=torch.long), torch.ones(1))
+    ids = draft_logits.argmax(-1)  # [[1, 3]]
+    for u in (0.0, 0.5, 0.999):
+        n, out = rejection_sample(
+            target_probs, draft_probs, ids, torch.tensor([2]), torch.full((1, 3), u, dtype=torch.float64)
+        )
+        # Token 1 matches the target argmax; token 3 does not, and the target's argmax 2 replaces it.
+        assert (int(n[0]), out[0].tolist()) == (1, [1, 2, -1])
+
+
+def test_top_k_and_top_p_support_is_respected():
+    logits = torch.tensor([[[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]]])
+    one = torch.ones(1)
+    probs = warp_logits_to_probs(logits, one, torch.tensor([2]), one)
+    assert (probs[0, 0, 2:] == 0).all() and torch.allclose(probs.sum(-1), torch.ones(1))
+    # Softmax masses: 0.636, 0.234, 0.086, ... top_p 0.8 keeps the two tokens that reach it.
+    probs = warp_logits_to_probs(logits, one, torch.tensor([0]), torch.tensor([0.8]))
+    assert (probs[0, 0, :2] > 0).all() and (probs[0, 0, 2:] == 0).all()
+    # top_p below the top token's mass still keeps the top token.
+    probs = warp_logits_to_probs(logits, one, torch.tensor([0]), torch.tensor([0.01]))
+    assert probs[0, 0].tolist() == [1.0, 0, 0, 0, 0, 0]
+    # top-k then top-p compose: top_k 3 renormalises before top-p.
+    probs = warp_logits_to_probs(logits, one, torch.tensor([3]), torch.tensor([0.95]))
+    assert (probs[0, 0, 3:] == 0).all() and (probs[0, 0, :3] > 0).all()
+
+
+def test_rejection_never_emits_a_token_outside_the_target_support():
+    generator = torch.Generator().manual_seed(0)
+    logits_t = torch.randn(64, 3, 10, generator=generator)
+    logits_d = torch.randn(64, 2, 10, generator=generator)
+    one = torch.ones(64)
+    top_k = torch.full((64,), 3)
+    target_probs = warp_logits_to_probs(logits_t, one, top_k, one)
+    draft_probs = warp_logits_to_probs(logits_d, one, top_k, one)
+    ids = torch.stack([sample_from_probs(draft_probs[:, j], torch.rand(64, generator=generator)) for j in range(2)], 1)
+    u = torch.rand(64, 3, generator=generator, dtype=torch.float64)
+    n, out = rejection_sample(target_probs, draft_probs, ids, torch.full((64,), 2), u)
+    for row in range(64):
+        for j in range(int(n[row]) + 1):
+            assert target_probs[row, j, out[row, j]] > 0
+
+
+def test_tiny_temperature_does_not_overflow():
+    logits = torch.tensor([[[30.0, 29.0, -30.0]]])
+    probs = warp_logits_to_probs(logits, torch.tensor([1e-30]), torch.zeros(1, dtype=torch.long), torch.ones(1))
+    assert torch.isfinite(probs).all() and probs[0, 0].tolist() == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("u", [0.0, 0.5, 1.0 - 2**-53])
+def test_sample_from_probs_never_returns_a_zero_probability_token(u):
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]])
+    token = int(sample_from_probs(probs, torch.tensor([u], dtype=torch.float64))[0])
+    assert probs[0, token] > 0
+
+
+def test_uniforms_depend_only_on_each_requests_own_generator_and_k():
+    def draws(seed_and_k, k):
+        gens = [torch.Generator().manual_seed(s) if s is not None else None for s, _ in seed_and_k]
+        return draw_step_uniforms(gens, [kb for _, kb in seed_and_k], k)
+
+    alone_d, alone_v = draws([(7, 2)], 2)
+    batch_d, batch_v = draws([(3, 4), (7, 2), (None, 1)], 4)
+    assert torch.equal(batch_d[1, :2], alone_d[0])
+    assert torch.equal(batch_v[1, :2], alone_v[0, :2])
+    assert batch_v[1, 4] == alone_v[0, 2]  # the recovered/bonus uniform sits in the last column
+    assert (batch_d[2] == 0).all() and (batch_v[2] == 0).all()
