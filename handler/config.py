@@ -11,6 +11,7 @@ import math
 from typing import Any, Mapping
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DRAFT_QUANTIZATIONS = ("none", "int8")
 # Largest K the engine supports; a config may lower it, never raise it.
 MAX_K = 32
 
@@ -97,6 +98,9 @@ class HandlerConfig:
     max_num_speculative_tokens: int = 16
     max_new_tokens: int = 128
     max_new_tokens_limit: int = 2048
+    adaptive_k: bool = False
+    draft_quantization: str = "none"
+    allow_pickle_weights: bool = False
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
     @classmethod
@@ -137,6 +141,15 @@ class HandlerConfig:
             1,
             values["max_new_tokens_limit"],
         )
+        for key in ("adaptive_k", "allow_pickle_weights"):
+            values[key] = _bool(f"handler.{key}", raw.get(key, getattr(default, key)))
+        quantization = raw.get("draft_quantization", default.draft_quantization)
+        if quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(
+                f"model-config.yaml: handler.draft_quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}, "
+                f"got {quantization!r}"
+            )
+        values["draft_quantization"] = quantization
         values["sampling"] = SamplingParams.from_dict(raw.get("sampling", {}))
         return cls(**values)
 

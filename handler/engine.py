@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from handler.adaptive import AcceptanceTracker, AdaptiveK
 from handler.config import SamplingParams
 from handler.kv_cache import RaggedCache, left_pad
 from handler.sampler import draw_step_uniforms, rejection_sample, sample_from_probs, warp_logits_to_probs
@@ -56,6 +57,8 @@ class SpeculativeStats:
     accepted_tokens: int = 0
     target_forward_passes: int = 0
     completion_tokens: int = 0
+    # Adaptive k found speculation slower than plain decoding and stopped drafting.
+    fell_back: bool = False
 
     @property
     def acceptance_rate(self) -> float:
@@ -74,6 +77,7 @@ class SpeculativeStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "target_forward_passes": self.target_forward_passes,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "fell_back_to_target_only": self.fell_back,
         }
 
 
@@ -89,8 +93,16 @@ class GenerationResult:
 class _Row:
     """One request's progress: emitted tokens, stop conditions, counters."""
 
-    def __init__(self, request: GenerationRequest, tokenizer, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        tokenizer,
+        eos_token_ids: frozenset[int],
+        adaptive: AdaptiveK | None,
+    ) -> None:
         self.request = request
+        self.adaptive = adaptive
+        self.tracker = AcceptanceTracker()
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.token_ids: list[int] = []
@@ -109,9 +121,16 @@ class _Row:
     def remaining(self) -> int:
         return self.request.max_new_tokens - len(self.token_ids)
 
-    def step_k(self) -> int:
+    def plan_k(self) -> int:
+        """This step's number of drafts."""
         # Never draft past max_new_tokens: the verify pass must stay inside the context.
-        return max(0, min(self.request.num_speculative_tokens, self.remaining - 1))
+        max_k = max(0, min(self.request.num_speculative_tokens, self.remaining - 1))
+        if self.adaptive is None or max_k == 0 or self.stats.fell_back:
+            return 0 if self.stats.fell_back else max_k
+        k = self.adaptive.choose(self.tracker, max_k)
+        if k == 0:
+            self.stats.fell_back = True
+        return k
 
     def extend(self, new_token_ids: Sequence[int]) -> list[int]:
         """Appends tokens one by one until a stop condition; returns those kept."""
@@ -168,8 +187,18 @@ def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [batch
 class SpeculativeEngine:
     """Lossless speculative decoding with a draft and a target Hugging Face causal LM."""
 
-    def __init__(self, target, draft, tokenizer, eos_token_ids: Sequence[int], pad_token_id: int = 0) -> None:
+    def __init__(
+        self,
+        target,
+        draft,
+        tokenizer,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int = 0,
+        adaptive: AdaptiveK | None = None,
+    ) -> None:
+        """`adaptive`, when given, picks each step's k per request, up to the request's k."""
         self.target = target
+        self.adaptive = adaptive
         self.draft = draft
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -191,7 +220,7 @@ class SpeculativeEngine:
             on_tokens: optional callback (request index, new token ids, row) after
                 every verification step that emitted tokens for that request.
         """
-        rows = [_Row(request, self.tokenizer, self.eos_token_ids) for request in requests]
+        rows = [_Row(request, self.tokenizer, self.eos_token_ids, self.adaptive) for request in requests]
         active = list(range(len(rows)))
         target_cache = RaggedCache(self.target, len(rows))
         draft_cache = RaggedCache(self.draft, len(rows))
@@ -200,7 +229,7 @@ class SpeculativeEngine:
 
         while active:
             batch = [rows[i] for i in active]
-            step_ks = [row.step_k() for row in batch]
+            step_ks = [row.plan_k() for row in batch]
             num_accepted, emitted = self._step(batch, step_ks, target_cache, draft_cache, target_pending, draft_pending)
             k = max(step_ks)
 
@@ -214,6 +243,7 @@ class SpeculativeEngine:
                 row.stats.draft_tokens += step_ks[slot]
                 row.stats.accepted_tokens += accepted
                 row.stats.target_forward_passes += 1
+                row.tracker.update(accepted, step_ks[slot])
                 kept = row.extend(new_tokens)
                 if on_tokens is not None and kept:
                     on_tokens(row_index, kept, row)

@@ -57,16 +57,32 @@ def resolve_model_path(spec: str, model_dir: str | None, key: str) -> str:
     return spec
 
 
-def _load_causal_lm(path: str, key: str, dtype: torch.dtype, device: torch.device):
+def _load_causal_lm(path: str, key: str, dtype: torch.dtype, device: torch.device, allow_pickle: bool):
     from transformers import AutoModelForCausalLM
 
+    # Pickled .bin weights can run code when loaded: only safetensors unless the config allows them.
+    # trust_remote_code stays off: a model folder never brings its own Python.
+    use_safetensors = None if allow_pickle else True
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, use_safetensors=use_safetensors, trust_remote_code=False
+        )
     except Exception as error:  # transformers raises many types; the user needs the path and the cause
-        raise ValueError(
-            f"handler.{key}: cannot load a causal LM with safetensors weights from {path!r}: {error}"
-        ) from error
+        hint = "" if allow_pickle else " (only safetensors weights load unless handler.allow_pickle_weights is true)"
+        raise ValueError(f"handler.{key}: cannot load a causal LM from {path!r}{hint}: {error}") from error
     return model.to(device).eval()
+
+
+def quantize_draft_int8(draft):
+    """Int8 weight-only quantization of the draft's linear layers, on the CPU.
+
+    Only the draft changes: the target's distribution, and so the output, stays
+    exactly the same; a cheaper draft costs some acceptance, which the
+    benchmark measures.
+    """
+    from torch.ao.quantization import quantize_dynamic
+
+    return quantize_dynamic(draft.float(), {torch.nn.Linear}, dtype=torch.qint8)
 
 
 def collect_eos_token_ids(tokenizer, generation_config) -> tuple[int, ...]:
@@ -118,9 +134,13 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
         tokenizer = AutoTokenizer.from_pretrained(target_path)
     except Exception as error:
         raise ValueError(f"handler.target_model: cannot load a tokenizer from {target_path!r}: {error}") from error
-    target = _load_causal_lm(target_path, "target_model", dtype, device)
-    draft = _load_causal_lm(draft_path, "draft_model", dtype, device)
+    target = _load_causal_lm(target_path, "target_model", dtype, device, config.allow_pickle_weights)
+    draft = _load_causal_lm(draft_path, "draft_model", dtype, device, config.allow_pickle_weights)
     check_vocabularies(tokenizer, target, draft, draft_path)
+    if config.draft_quantization == "int8":
+        if device.type != "cpu":
+            raise ValueError("handler.draft_quantization: int8 runs on the CPU only; use none on a GPU")
+        draft = quantize_draft_int8(draft)
     check_cache_support(target)
     check_cache_support(draft)
 

@@ -11,6 +11,7 @@ import logging
 import torch
 from ts.torch_handler.base_handler import BaseHandler
 
+from handler.adaptive import AdaptiveK, measure_cost_model
 from handler.config import handler_config_from_yaml_config
 from handler.engine import SpeculativeEngine
 from handler.loading import load_models
@@ -30,12 +31,18 @@ class SpeculativeHandler(BaseHandler):
         self.config = handler_config_from_yaml_config(context.model_yaml_config)
         self.models = load_models(self.config, properties.get("model_dir"), properties.get("gpu_id"))
         self.device = self.models.device
+        adaptive = None
+        if self.config.adaptive_k:
+            cost = measure_cost_model(self.models.target, self.models.draft, self.config.num_speculative_tokens)
+            logger.info("adaptive k: %s (draft/target cost ratio c = %.3f)", cost, cost.draft_target_ratio)
+            adaptive = AdaptiveK(cost)
         self.engine = SpeculativeEngine(
             self.models.target,
             self.models.draft,
             self.models.tokenizer,
             self.models.eos_token_ids,
             self.models.pad_token_id,
+            adaptive=adaptive,
         )
         self.initialized = True
         logger.info("speculative handler ready: %s", self.config)

@@ -56,6 +56,7 @@ def test_answer_has_the_documented_fields(handler, tiny_models_dir):
         "acceptance_rate",
         "target_forward_passes",
         "mean_accepted_length",
+        "fell_back_to_target_only",
     }
     assert answer["speculative"]["num_speculative_tokens"] == 4
 
