@@ -1,4 +1,4 @@
-"""TorchServe entry point: wires config, loading, request parsing and the engine together.
+"""TorchServe entry point: wires config, loading, request parsing, streaming and metrics to the engine.
 
 `torch-model-archiver --handler handler/spec_handler.py` makes this module the
 model's handler; the rest of the `handler` package travels in the archive.
@@ -6,18 +6,34 @@ model's handler; the rest of the `handler` package travels in the archive.
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 
 import torch
+from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.torch_handler.base_handler import BaseHandler
 
 from handler.adaptive import AdaptiveK, measure_cost_model
 from handler.config import handler_config_from_yaml_config
 from handler.engine import SpeculativeEngine
 from handler.loading import load_models
+from handler.metrics import MetricsRecorder
 from handler.protocol import RequestError, decode_body, error_to_json, parse_request, result_to_json
+from handler.streaming import DeltaTracker
 
 logger = logging.getLogger(__name__)
+
+
+class _Progress:
+    """Per-request bookkeeping during one batch: timing and, when streamed, the deltas sent."""
+
+    def __init__(self, index: int, stream: bool, tokenizer, stop) -> None:
+        self.index = index
+        self.deltas = DeltaTracker(tokenizer, stop) if stream else None
+        self.num_sent_tokens = 0
+        self.first_chunk_at: float | None = None
+        self.finished_at: float | None = None
 
 
 class SpeculativeHandler(BaseHandler):
@@ -45,10 +61,12 @@ class SpeculativeHandler(BaseHandler):
             adaptive=adaptive,
         )
         self.initialized = True
-        logger.info("speculative handler ready: %s", self.config)
+        logger.info("speculative handler ready on %s: %s", self.device, self.config)
 
     def handle(self, data, context):
         self.context = context
+        self.metrics = MetricsRecorder(getattr(context, "metrics", None))
+        self.batch_started = time.perf_counter()
         return self.postprocess(self.inference(self.preprocess(data)))
 
     def preprocess(self, data):
@@ -78,18 +96,49 @@ class SpeculativeHandler(BaseHandler):
         if not valid:
             return outputs
         requests = [data[i].generation for i in valid]
+        self.progress = {
+            i: _Progress(i, data[i].stream, self.models.tokenizer, data[i].generation.stop) for i in valid
+        }
         try:
-            results = self.engine.generate(requests)
+            results = self.engine.generate(
+                requests, on_tokens=lambda n, tokens, row: self._on_tokens(valid[n], tokens, row)
+            )
         except Exception:  # a model failure must not take the worker or the other requests down
             logger.exception("batch of %d failed; retrying its requests one by one", len(requests))
-            results = [self._generate_alone(request) for request in requests]
+            results = [self._generate_alone(i, request) for i, request in zip(valid, requests)]
         for i, result in zip(valid, results):
             outputs[i] = result
         return outputs
 
-    def _generate_alone(self, request):
+    def _on_tokens(self, index: int, new_token_ids: list[int], row) -> None:
+        progress = self.progress[index]
+        if row.finish_reason is not None:
+            progress.finished_at = time.perf_counter()
+            return  # the final chunk carries the rest
+        if progress.deltas is None:
+            return
+        line = {"text_delta": progress.deltas.next_delta(row.token_ids), "token_ids": new_token_ids}
+        progress.num_sent_tokens += len(new_token_ids)
+        if progress.first_chunk_at is None:
+            progress.first_chunk_at = time.perf_counter()
+            self.context.set_response_content_type(index, "application/x-ndjson")
+        request_id = self.context.get_request_id(index)
+        send_intermediate_predict_response(
+            {index: json.dumps(line) + "\n"},
+            {index: request_id},
+            "Intermediate prediction success",
+            200,
+            self.context,
+        )
+
+    def _generate_alone(self, index: int, request):
+        if self.progress[index].first_chunk_at is not None:
+            # Chunks already went out: a retry would send them again.
+            return RequestError("server: generation failed mid-stream", status=500)
         try:
-            return self.engine.generate([request])[0]
+            return self.engine.generate(
+                [request], on_tokens=lambda n, tokens, row: self._on_tokens(index, tokens, row)
+            )[0]
         except torch.cuda.OutOfMemoryError:
             logger.exception("out of memory")
             return RequestError("server: out of memory for this request; try fewer tokens", status=507)
@@ -102,9 +151,29 @@ class SpeculativeHandler(BaseHandler):
         for index, item in enumerate(data):
             if isinstance(item, RequestError):
                 self.context.set_response_status(item.status, str(item), index)
+                self.metrics.record_rejected()
                 answers.append(error_to_json(str(item)))
-            else:
-                answers.append(result_to_json(item))
+                continue
+            answer = result_to_json(item)
+            progress = self.progress[index]
+            finished_at = progress.finished_at or time.perf_counter()
+            if progress.deltas is not None:
+                # The last chunk: the rest of the text and ids, then the request's totals.
+                del answer["text"]
+                answer = {
+                    "text_delta": progress.deltas.final_delta(item.text),
+                    **answer,
+                    "token_ids": item.token_ids[progress.num_sent_tokens :],
+                }
+                if progress.first_chunk_at is None:
+                    progress.first_chunk_at = time.perf_counter()
+                    self.context.set_response_content_type(index, "application/x-ndjson")
+            self.metrics.record_result(
+                item.stats,
+                finished_at - self.batch_started,
+                None if progress.first_chunk_at is None else progress.first_chunk_at - self.batch_started,
+            )
+            answers.append(json.dumps(answer) + "\n" if progress.deltas is not None else answer)
         return answers
 
     def _content_type(self, index: int) -> str | None:

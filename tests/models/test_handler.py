@@ -104,3 +104,74 @@ def test_a_model_failure_mid_batch_fails_only_the_affected_request(handler, tiny
 def test_bad_config_stops_initialize_with_a_message_naming_the_key(tiny_models_dir, section, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeHandler().initialize(make_context(tiny_models_dir, section))
+
+
+class RecordingMetrics:
+    def __init__(self):
+        self.values = {}
+
+    def add_metric(self, name, value, unit, idx=None, dimensions=None, metric_type=None):
+        self.values.setdefault(name, []).append(value)
+
+
+def test_streamed_chunks_join_to_the_plain_answer_and_metrics_agree(handler, tiny_models_dir, monkeypatch):
+    import json
+
+    import handler.spec_handler as spec_handler_module
+
+    sent = []
+    monkeypatch.setattr(
+        spec_handler_module,
+        "send_intermediate_predict_response",
+        lambda ret, req_id_map, message, code, context: sent.append((dict(req_id_map), dict(ret))),
+    )
+    bodies = [
+        {"prompt": "def add(a, b):", "max_new_tokens": 24, "stream": True},
+        {"prompt": "import os", "max_new_tokens": 20, "temperature": 0.8, "seed": 3, "stream": True},
+        {"prompt": "Hello", "max_new_tokens": 10},
+    ]
+    plain = [call(handler, tiny_models_dir, [{k: v for k, v in b.items() if k != "stream"}])[0][0] for b in bodies]
+
+    context = with_requests(make_context(tiny_models_dir), ["application/json"] * 3)
+    context.request_ids = {0: "r0", 1: "r1", 2: "r2"}
+    metrics = RecordingMetrics()
+    context.metrics = metrics
+    answers = handler.handle([{"body": b} for b in bodies], context)
+
+    for index in (0, 1):
+        chunks = [json.loads(ret[index]) for ids, ret in sent if index in ids]
+        assert chunks, "a streamed request sends chunks while it runs"
+        assert all(set(c) == {"text_delta", "token_ids"} for c in chunks)
+        final = json.loads(answers[index])
+        assert {"finish_reason", "usage", "speculative"} <= set(final) and "text" not in final
+        assert "".join(c["text_delta"] for c in chunks) + final["text_delta"] == plain[index]["text"]
+        assert sum((c["token_ids"] for c in chunks), []) + final["token_ids"] == plain[index]["token_ids"]
+        assert context.get_response_content_type(index) == "application/x-ndjson"
+    assert not any(2 in ids for ids, _ in sent), "the non-streamed request gets no chunks"
+    assert answers[2]["token_ids"] == plain[2]["token_ids"]
+
+    stats = [json.loads(answers[0])["speculative"], json.loads(answers[1])["speculative"], answers[2]["speculative"]]
+    assert metrics.values["SpecRequests"] == [1, 1, 1]
+    assert sum(metrics.values["SpecDraftTokens"]) == sum(s["draft_tokens"] for s in stats)
+    assert sum(metrics.values["SpecAcceptedTokens"]) == sum(s["accepted_tokens"] for s in stats)
+    assert sum(metrics.values["SpecTargetForwardPasses"]) == sum(s["target_forward_passes"] for s in stats)
+    assert sum(metrics.values["SpecGeneratedTokens"]) == sum(p["usage"]["completion_tokens"] for p in plain)
+    assert len(metrics.values["SpecTimeToFirstTokenSeconds"]) == 2  # streamed requests only
+    assert all(v > 0 for v in metrics.values["SpecRequestLatencySeconds"])
+
+
+def test_stop_string_does_not_leak_into_the_stream(handler, tiny_models_dir, monkeypatch):
+    import json
+
+    import handler.spec_handler as spec_handler_module
+
+    sent = []
+    monkeypatch.setattr(
+        spec_handler_module, "send_intermediate_predict_response", lambda ret, ids, m, c, ctx: sent.append(ret)
+    )
+    full = call(handler, tiny_models_dir, [{"prompt": "def add(a, b):", "max_new_tokens": 30}])[0][0]
+    stop = full["text"][10:13]
+    answers, _ = call(handler, tiny_models_dir, [{"prompt": "def add(a, b):", "max_new_tokens": 30, "stop": [stop], "stream": True}])
+    streamed = "".join(json.loads(r[0])["text_delta"] for r in sent) + json.loads(answers[0])["text_delta"]
+    assert streamed == full["text"][: full["text"].index(stop)]
+    assert json.loads(answers[0])["finish_reason"] == "stop"

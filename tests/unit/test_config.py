@@ -72,3 +72,13 @@ def test_bad_values_name_the_key(section, key_in_message):
 def test_handler_section_must_be_a_mapping():
     with pytest.raises(ValueError, match="handler section"):
         handler_config_from_yaml_config({"handler": ["target"]})
+
+
+def test_every_handler_metric_is_declared_in_metrics_yaml():
+    """TorchServe drops undeclared model metrics silently, so a missing declaration is a silent outage."""
+    from handler.metrics import COUNTERS, HISTOGRAMS
+
+    declared = yaml.safe_load((REPO_ROOT / "model-config" / "metrics.yaml").read_text())["model_metrics"]
+    assert {m["name"] for m in declared["counter"]} >= set(COUNTERS)
+    assert {m["name"] for m in declared["histogram"]} >= set(HISTOGRAMS)
+    assert yaml.safe_load((REPO_ROOT / "model-config" / "metrics.yaml").read_text())["ts_metrics"]["counter"]
