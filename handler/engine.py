@@ -57,6 +57,9 @@ class SpeculativeStats:
     accepted_tokens: int = 0
     target_forward_passes: int = 0
     completion_tokens: int = 0
+    # Steps that ended on a rejected draft; accepted / (accepted + rejections) estimates
+    # the per-token acceptance probability of Leviathan et al.'s model.
+    rejections: int = 0
     # Adaptive k found speculation slower than plain decoding and stopped drafting.
     fell_back: bool = False
 
@@ -242,6 +245,7 @@ class SpeculativeEngine:
                 new_tokens = emitted[slot][: accepted + 1]
                 row.stats.draft_tokens += step_ks[slot]
                 row.stats.accepted_tokens += accepted
+                row.stats.rejections += int(accepted < step_ks[slot])
                 row.stats.target_forward_passes += 1
                 row.tracker.update(accepted, step_ks[slot])
                 kept = row.extend(new_tokens)
