@@ -1,0 +1,292 @@
+"""A real TorchServe, started once per session on free loopback ports.
+
+The tiny model pair is packaged with scripts/package_mar.py into a temporary
+model store and registered through the management API, the way a user would.
+The server runs with the repository's config.properties, except for the ports
+and the model store, and with token authorization off (test only). Its logs,
+key and pid files stay in a temporary folder: TMPDIR is pointed there, since
+`torchserve` keeps its pid file in the system temp folder.
+
+The server is always stopped in teardown, whatever happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL_NAME = "tiny-spec"
+HTTP_TIMEOUT_S = 120  # one generation on 2 CPU cores takes about a second
+STARTUP_TIMEOUT_S = 120
+REGISTER_TIMEOUT_S = 300
+STOP_TIMEOUT_S = 60
+LOG_TAIL_LINES = 80
+
+
+@dataclasses.dataclass
+class Server:
+    inference_url: str
+    management_url: str
+    metrics_url: str
+    model_name: str
+    log_dir: Path
+
+    def log_tail(self, num_lines: int = LOG_TAIL_LINES) -> str:
+        """The last lines of each TorchServe log, for assertion messages."""
+        parts = []
+        for name in ("model_log.log", "ts_log.log", "console.log"):
+            path = self.log_dir / name
+            if path.is_file():
+                lines = path.read_text(errors="replace").splitlines()[-num_lines:]
+                parts.append(f"----- {name} (last {len(lines)} lines) -----\n" + "\n".join(lines))
+        return "\n".join(parts) or f"(no logs in {self.log_dir})"
+
+    def get(self, url: str) -> requests.Response:
+        return requests.get(url, timeout=HTTP_TIMEOUT_S)
+
+    def predict(self, body, *, headers: dict | None = None) -> requests.Response:
+        """POST one request; a dict is sent as JSON, str/bytes as they are."""
+        url = f"{self.inference_url}/predictions/{self.model_name}"
+        if isinstance(body, dict):
+            return requests.post(url, json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
+        return requests.post(url, data=body, headers=headers, timeout=HTTP_TIMEOUT_S)
+
+    def predict_ok(self, body, **kwargs) -> dict:
+        """POST one request and return its JSON answer, which must be a 200."""
+        response = self.predict(body, **kwargs)
+        assert response.status_code == 200, (
+            f"request {body!r} -> HTTP {response.status_code}: {response.text}\n{self.log_tail()}"
+        )
+        return response.json()
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the OS reports free on 127.0.0.1 (held open together so they differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def write_server_config(path: Path, model_store: Path, ports: list[int]) -> None:
+    """The repository's config.properties with test ports and absolute paths."""
+    overrides = {
+        "inference_address": f"http://127.0.0.1:{ports[0]}",
+        "management_address": f"http://127.0.0.1:{ports[1]}",
+        "metrics_address": f"http://127.0.0.1:{ports[2]}",
+        # gRPC always starts too; its default ports would collide with any
+        # other TorchServe on the machine.
+        "grpc_inference_port": str(ports[3]),
+        "grpc_management_port": str(ports[4]),
+        "model_store": str(model_store),
+        "metrics_config": str(REPO_ROOT / "model-config" / "metrics.yaml"),
+    }
+    lines = []
+    for line in (REPO_ROOT / "model-config" / "config.properties").read_text().splitlines():
+        key = line.split("=", 1)[0].strip()
+        if not line.lstrip().startswith("#") and key in overrides:
+            line = f"{key}={overrides.pop(key)}"
+        lines.append(line)
+    lines += [f"{key}={value}" for key, value in overrides.items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_model_config(path: Path) -> None:
+    """The repository's model-config.yaml, with a batch window wide enough that
+    concurrent test requests share batches, and short default generations."""
+    config = yaml.safe_load((REPO_ROOT / "model-config" / "model-config.yaml").read_text())
+    config.update(batchSize=4, maxBatchDelay=200)
+    config["handler"]["max_new_tokens"] = 16
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def torchserve_executable() -> str:
+    # The console script installed next to this interpreter, so that the
+    # workers run in the same environment as the tests.
+    candidate = Path(sys.executable).parent / "torchserve"
+    if candidate.is_file():
+        return str(candidate)
+    found = shutil.which("torchserve")
+    if found is None:
+        pytest.fail("torchserve is not installed in this environment; run `make install`")
+    return found
+
+
+def wait_until_started(server: Server, process: subprocess.Popen) -> None:
+    """Wait for /ping and for the startup message.
+
+    TorchServe binds the REST APIs before the gRPC ones, and shuts down if a
+    gRPC port is taken, so /ping alone can answer for a server about to die.
+    """
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    last_problem = "no answer"
+    console = server.log_dir / "console.log"
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(
+                f"torchserve exited with code {process.returncode} during startup\n"
+                f"{server.log_tail()}"
+            )
+        try:
+            response = requests.get(f"{server.inference_url}/ping", timeout=5)
+            if response.status_code == 200 and "Model server started" in console.read_text(
+                errors="replace"
+            ):
+                return
+            last_problem = f"HTTP {response.status_code}: {response.text}"
+        except requests.RequestException as error:
+            last_problem = str(error)
+        time.sleep(0.5)
+    pytest.fail(
+        f"torchserve did not start within {STARTUP_TIMEOUT_S} s ({last_problem})\n"
+        f"{server.log_tail()}"
+    )
+
+
+def stop_server(process: subprocess.Popen, env: dict, cwd: Path, log_file) -> None:
+    """`torchserve --stop`, then kill the whole process group if anything is left."""
+    try:
+        subprocess.run(
+            [torchserve_executable(), "--stop"],
+            cwd=cwd,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            timeout=STOP_TIMEOUT_S,
+        )
+        process.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        # The launcher, the Java frontend and the Python workers share the
+        # session started for the launcher; kill whatever is left of it.
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait(timeout=STOP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
+def java_runtime() -> None:
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.skip("no Java runtime: TorchServe needs Java 17+ (see scripts/check_java.sh)")
+
+
+@pytest.fixture(scope="session")
+def model_archive(tiny_models_dir, tmp_path_factory) -> Path:
+    """The tiny pair packaged into a model store by scripts/package_mar.py."""
+    root = tmp_path_factory.mktemp("package")
+    model_config = root / "model-config.yaml"
+    write_model_config(model_config)
+    model_store = root / "model_store"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "scripts" / "package_mar.py"),
+            "--model-name", MODEL_NAME,
+            "--target", str(tiny_models_dir / "target"),
+            "--draft", str(tiny_models_dir / "draft"),
+            "--config", str(model_config),
+            "--export-path", str(model_store),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, f"package_mar.py failed:\n{result.stdout}\n{result.stderr}"
+    archive = model_store / f"{MODEL_NAME}.mar"
+    assert archive.is_file(), result.stdout
+    return archive
+
+
+@pytest.fixture(scope="session")
+def server(java_runtime, model_archive, tmp_path_factory):
+    """A running TorchServe with the tiny model registered; stopped at the end."""
+    root = tmp_path_factory.mktemp("torchserve")
+    log_dir, temp_dir = root / "logs", root / "tmp"
+    log_dir.mkdir()
+    temp_dir.mkdir()
+    ports = free_ports(5)
+    ts_config = root / "config.properties"
+    write_server_config(ts_config, model_archive.parent, ports)
+    server = Server(
+        inference_url=f"http://127.0.0.1:{ports[0]}",
+        management_url=f"http://127.0.0.1:{ports[1]}",
+        metrics_url=f"http://127.0.0.1:{ports[2]}",
+        model_name=MODEL_NAME,
+        log_dir=log_dir,
+    )
+
+    env = dict(os.environ)
+    env.pop("TS_CONFIG_FILE", None)  # it would override --ts-config
+    env.update(
+        LOG_LOCATION=str(log_dir),
+        METRICS_LOCATION=str(log_dir),
+        # The pid file, the Java temp folder and the unpacked archive go here,
+        # so this server cannot collide with another one on the machine.
+        TMPDIR=str(temp_dir),
+        TEMP=str(temp_dir),
+        TMP=str(temp_dir),
+    )
+    console = open(log_dir / "console.log", "w")
+    process = subprocess.Popen(
+        [
+            torchserve_executable(),
+            "--start",
+            "--foreground",
+            "--ncs",
+            "--model-store", str(model_archive.parent),
+            "--ts-config", str(ts_config),
+            "--disable-token-auth",
+            "--enable-model-api",
+        ],
+        cwd=root,  # key_file.json and any stray files land here
+        env=env,
+        stdout=console,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group, killed as one in teardown
+    )
+    try:
+        wait_until_started(server, process)
+        response = requests.post(
+            f"{server.management_url}/models",
+            params={
+                "url": model_archive.name,
+                "model_name": MODEL_NAME,
+                "initial_workers": 1,
+                "synchronous": "true",
+            },
+            timeout=REGISTER_TIMEOUT_S,
+        )
+        assert response.status_code == 200, (
+            f"registration -> HTTP {response.status_code}: {response.text}\n{server.log_tail()}"
+        )
+        yield server
+        response = requests.delete(
+            f"{server.management_url}/models/{MODEL_NAME}", timeout=HTTP_TIMEOUT_S
+        )
+        assert response.status_code == 200, (
+            f"unregistration -> HTTP {response.status_code}: {response.text}\n{server.log_tail()}"
+        )
+    finally:
+        stop_server(process, env, root, console)
+        console.close()
