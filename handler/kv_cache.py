@@ -82,9 +82,12 @@ class RaggedCache:
         position_ids = position_ids.clamp(min=0)
         self.mask = torch.cat([self.mask, chunk_mask], dim=1)
         self.lengths = self.lengths + chunk_mask.sum(dim=1)
+        # Without holes (always so for one request) no mask is needed, and attention can take
+        # its causal fast path instead of materialising a 4D mask on every pass.
+        attention_mask = None if bool(self.mask.all()) else self.mask.to(self.device)
         output = self.model(
             input_ids=input_ids.to(self.device),
-            attention_mask=self.mask.to(self.device),
+            attention_mask=attention_mask,
             position_ids=position_ids.to(self.device),
             past_key_values=self.cache,
             use_cache=True,
