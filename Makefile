@@ -26,6 +26,8 @@ MANAGEMENT_URL ?= http://127.0.0.1:8081
 INFERENCE_URL ?= http://127.0.0.1:8080
 PYTEST_ARGS ?=
 
+# no-archive packages to a folder, the other formats to a .mar file.
+ARCHIVE_NAME = $(MODEL_NAME)$(if $(filter no-archive,$(ARCHIVE_FORMAT)),,.mar)
 INSTALL_STAMP := $(VENV)/.install-stamp
 TORCH_SPEC_FILE := $(VENV)/.torch-spec
 TINY_MODELS := models/tiny
@@ -91,7 +93,7 @@ dev-serve: install ## Like serve, but with token auth OFF (local development onl
 	@echo "TorchServe is starting (console: logs/console.log, log: logs/ts_log.log). Next: make register"
 
 register: $(INSTALL_STAMP) ## Register model_store/MODEL_NAME.mar with the running server
-	$(PY) scripts/register.py --model-name $(MODEL_NAME) \
+	$(PY) scripts/register.py --model-name $(MODEL_NAME) --url $(ARCHIVE_NAME) \
 		--management-url $(MANAGEMENT_URL) --inference-url $(INFERENCE_URL)
 
 unregister: $(INSTALL_STAMP) ## Unregister MODEL_NAME from the running server

@@ -106,7 +106,12 @@ def call(method: str, url: str, headers: dict, timeout_s: float, what: str) -> r
     except requests.RequestException as error:
         raise RegistrationError(f"{what}: cannot reach {url}: {error}") from error
     if not response.ok:
-        raise RegistrationError(f"{what}: HTTP {response.status_code}: {server_message(response)}")
+        hint = ""
+        if response.status_code >= 500:
+            hint = " (the worker's traceback is in logs/model_log.log)"
+        raise RegistrationError(
+            f"{what}: HTTP {response.status_code}: {server_message(response)}{hint}"
+        )
     return response
 
 
