@@ -168,3 +168,15 @@ def test_prometheus_metrics(server):
     # TorchServe's own metrics and the handler's (declared in metrics.yaml).
     for name in ("ts_inference_requests_total", "SpecRequests", "SpecAcceptedTokens"):
         assert name in response.text, f"{name} missing from /metrics:\n{response.text[:3000]}"
+
+
+@pytest.mark.parametrize(
+    "url", ["https://example.com/evil.mar", "file:///somewhere/else/evil.mar"]
+)
+def test_allowed_urls_refuse_outside_archives(server, url):
+    # Refused by config.properties' allowed_urls before anything is fetched.
+    response = requests.post(
+        f"{server.management_url}/models", params={"url": url}, timeout=30
+    )
+    assert response.status_code == 404, response.text
+    assert "does not match any allowed URL" in response.json()["message"]
