@@ -1,0 +1,148 @@
+"""scripts/client.py and scripts/loadtest.py without a server: stream parsing, answer checks, the report."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import client  # noqa: E402
+import loadtest  # noqa: E402
+
+SPECULATIVE = {
+    "num_speculative_tokens": 4,
+    "draft_tokens": 8,
+    "accepted_tokens": 6,
+    "acceptance_rate": 0.75,
+    "target_forward_passes": 3,
+    "mean_accepted_length": 2.6667,
+    "fell_back_to_target_only": False,
+}
+ANSWER = {
+    "text": "ab",
+    "token_ids": [1, 2],
+    "finish_reason": "length",
+    "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+    "speculative": SPECULATIVE,
+}
+STREAM_LINES = [
+    {"text_delta": "a", "token_ids": [1]},
+    {"text_delta": "b", "token_ids": [2], **{k: v for k, v in ANSWER.items() if k not in ("text", "token_ids")}},
+]
+
+
+def ndjson(lines: list[dict]) -> bytes:
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 1000])
+def test_iter_ndjson_parses_lines_split_across_chunks(chunk_size):
+    body = ndjson(STREAM_LINES) + b"\n"  # a blank line is skipped
+    chunks = [body[i : i + chunk_size] for i in range(0, len(body), chunk_size)]
+
+    assert list(client.iter_ndjson(chunks)) == STREAM_LINES
+
+
+def test_iter_ndjson_keeps_a_last_line_without_newline_and_rejects_garbage():
+    assert list(client.iter_ndjson([b'{"a": 1}\n{"b"', b": 2}"])) == [{"a": 1}, {"b": 2}]
+    with pytest.raises(ValueError):
+        list(client.iter_ndjson([b"not json\n"]))
+    with pytest.raises(ValueError):
+        list(client.iter_ndjson([b"[1, 2]\n"]))
+
+
+def test_validate_answer_accepts_the_contract_and_names_each_problem():
+    assert client.validate_answer(ANSWER) == []
+    broken = dict(ANSWER, finish_reason="done", token_ids=[1, "2"], usage={"prompt_tokens": 3})
+    del broken["speculative"]
+    problems = " | ".join(client.validate_answer(broken))
+    for expected in ("finish_reason", "token_ids", "usage.completion_tokens", "speculative"):
+        assert expected in problems
+    assert client.validate_answer([ANSWER]) != []
+
+
+def test_validate_stream_needs_a_final_line_with_finish_reason():
+    assert client.validate_stream(STREAM_LINES) == []
+    assert any("last line" in p for p in client.validate_stream(STREAM_LINES[:1]))
+    assert client.validate_stream([]) == ["stream: no lines"]
+    early_finish = [dict(STREAM_LINES[0], finish_reason="eos"), STREAM_LINES[1]]
+    assert any("before the last line" in p for p in client.validate_stream(early_finish))
+    no_delta = [{"token_ids": [1]}, STREAM_LINES[1]]
+    assert any("text_delta" in p for p in client.validate_stream(no_delta))
+
+
+def test_unauthorized_message_points_at_the_key_file(tmp_path):
+    missing = tmp_path / "key_file.json"
+    assert str(missing) in client.unauthorized_message(missing, "refused")
+    assert "--no-auth" in client.unauthorized_message(None, "refused")
+
+    expired = tmp_path / "expired.json"
+    expired.write_text(json.dumps({"inference": {"key": "k", "expiration time": "2020-01-01T00:00:00.123456789Z"}}))
+    assert "expired" in client.unauthorized_message(expired, "refused")
+    assert client.key_expiry(expired).year == 2020
+    assert client.read_key(expired) == "k"
+    assert client.auth_headers(expired) == {"Authorization": "Bearer k"}
+    assert client.auth_headers(None) == {}
+
+    malformed = tmp_path / "malformed.json"
+    malformed.write_text("{}")
+    with pytest.raises(client.ClientError, match="no inference key"):
+        client.read_key(malformed)
+
+
+def test_client_builds_the_request_body(tmp_path):
+    args = client.build_parser().parse_args(["--stream", "--temperature", "0.7", "--seed", "42", "hello", "world"])
+    assert client.build_body(args) == {"prompt": "hello world", "temperature": 0.7, "seed": 42, "stream": True}
+
+    messages = [{"role": "user", "content": "hi"}]
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps({"messages": messages}))
+    args = client.build_parser().parse_args(["--messages-json", str(path), "--max-new-tokens", "8"])
+    assert client.build_body(args) == {"messages": messages, "max_new_tokens": 8}
+
+
+def test_plan_mixes_requests_reproducibly():
+    config = loadtest.LoadConfig(num_requests=400, stream_fraction=0.25, sampled_fraction=0.5, max_new_tokens=5)
+    planned = loadtest.plan_requests(config)
+
+    assert planned == loadtest.plan_requests(config)
+    assert sum(bool(p.body.get("stream")) for p in planned) == pytest.approx(100, abs=30)
+    sampled = [p for p in planned if p.body["temperature"] > 0]
+    assert len(sampled) == pytest.approx(200, abs=40)
+    assert all(p.body["seed"] == p.index for p in sampled)
+    assert all(p.body["max_new_tokens"] == 5 for p in planned)
+    assert {p.kind for p in planned} == {"greedy/plain", "greedy/stream", "sampled/plain", "sampled/stream"}
+
+
+def test_percentile_interpolates():
+    assert loadtest.percentile([], 50) is None
+    assert loadtest.percentile([3.0], 99) == 3.0
+    assert loadtest.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert loadtest.percentile(list(map(float, range(101))), 95) == 95.0
+
+
+def test_summary_counts_errors_and_lost_requests():
+    config = loadtest.LoadConfig(num_requests=4)
+    outcomes = [
+        loadtest.Outcome(0, "greedy/plain", "ok", 200, latency_s=1.0, completion_tokens=10, acceptance_rate=0.5,
+                         mean_accepted_length=2.0),
+        loadtest.Outcome(1, "greedy/stream", "ok", 200, latency_s=2.0, first_chunk_s=0.5, completion_tokens=10,
+                         acceptance_rate=1.0, mean_accepted_length=3.0),
+        loadtest.Outcome(2, "sampled/plain", "http_error", 507, "HTTP 507: Worker died"),
+        loadtest.Outcome(3, "sampled/stream", "lost", None, "ChunkedEncodingError: Connection broken"),
+    ]
+    summary = loadtest.summarize(config, outcomes, wall_s=2.0)
+
+    assert (summary["ok"], summary["errors"], summary["lost"], summary["malformed"]) == (2, 1, 1, 0)
+    assert summary["errors_by_status"] == {"507": 1}
+    assert summary["lost_by_error"] == {"ChunkedEncodingError": 1}
+    assert summary["tokens_per_s"] == 10.0
+    assert summary["latency_s"]["p50"] == 1.5
+    assert summary["first_chunk_s"]["p50"] == 0.5
+    assert summary["mean_acceptance_rate"] == 0.75
+    table = loadtest.format_table(summary)
+    assert "LOST" in table and "Worker died" in table
+    json.dumps(summary)  # --json-out can write it
