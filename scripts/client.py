@@ -109,7 +109,7 @@ def unauthorized_message(key_file: Path | None, server_said: str) -> str:
     if expiry is not None and expiry < datetime.datetime.now(datetime.timezone.utc):
         return (
             f"token refused ({server_said}). The inference key in {where} expired at {expiry:%Y-%m-%d %H:%M:%S} UTC "
-            "(token_expiration_min in config.properties). Get a new one with\n"
+            "(token_expiration_min in config.properties). Get a new one from the management address:\n"
             '  curl -X POST "http://127.0.0.1:8081/token?type=inference" -H "Authorization: Bearer <API key>"\n'
             f"(the API key is in {where}; TorchServe then rewrites the file) or restart the server."
         )
@@ -155,8 +155,8 @@ def raise_for_status(response: requests.Response, key_file: Path | None) -> None
         raise ClientError(unauthorized_message(key_file, said), status)
     if status == 404:
         raise ClientError(
-            f"HTTP 404: {said}. Is the model registered? List the models with "
-            "GET http://127.0.0.1:8081/models (management key), or pass --model NAME.",
+            f"HTTP 404: {said}. Is the model registered? GET /models on the management address "
+            "lists the registered ones; pass --model NAME to pick one.",
             status,
         )
     if status < 500:
