@@ -2,6 +2,8 @@
 
 `torch-model-archiver --handler handler/spec_handler.py` makes this module the
 model's handler; the rest of the `handler` package travels in the archive.
+TorchServe imports this file as a top-level module and requires it to define
+exactly one class: helpers live in the package's other modules.
 """
 
 from __future__ import annotations
@@ -20,20 +22,9 @@ from handler.engine import SpeculativeEngine
 from handler.loading import load_models
 from handler.metrics import MetricsRecorder
 from handler.protocol import RequestError, decode_body, error_to_json, parse_request, result_to_json
-from handler.streaming import DeltaTracker
+from handler.streaming import RequestProgress
 
 logger = logging.getLogger(__name__)
-
-
-class _Progress:
-    """Per-request bookkeeping during one batch: timing and, when streamed, the deltas sent."""
-
-    def __init__(self, index: int, stream: bool, tokenizer, stop) -> None:
-        self.index = index
-        self.deltas = DeltaTracker(tokenizer, stop) if stream else None
-        self.num_sent_tokens = 0
-        self.first_chunk_at: float | None = None
-        self.finished_at: float | None = None
 
 
 class SpeculativeHandler(BaseHandler):
@@ -76,7 +67,11 @@ class SpeculativeHandler(BaseHandler):
             try:
                 body = row.get("body", row.get("data")) if isinstance(row, dict) else row
                 if body is None:
-                    raise RequestError("body: the request has no body")
+                    # curl -d without a Content-Type sends form data, which TorchServe splits into fields.
+                    raise RequestError(
+                        "body: the request has no body; send JSON with 'Content-Type: application/json' "
+                        "or a plain-text prompt with 'Content-Type: text/plain'"
+                    )
                 parsed.append(
                     parse_request(
                         decode_body(body, self._content_type(index)),
@@ -97,7 +92,7 @@ class SpeculativeHandler(BaseHandler):
             return outputs
         requests = [data[i].generation for i in valid]
         self.progress = {
-            i: _Progress(i, data[i].stream, self.models.tokenizer, data[i].generation.stop) for i in valid
+            i: RequestProgress(data[i].stream, self.models.tokenizer, data[i].generation.stop) for i in valid
         }
         try:
             results = self.engine.generate(

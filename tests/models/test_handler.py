@@ -175,3 +175,13 @@ def test_stop_string_does_not_leak_into_the_stream(handler, tiny_models_dir, mon
     streamed = "".join(json.loads(r[0])["text_delta"] for r in sent) + json.loads(answers[0])["text_delta"]
     assert streamed == full["text"][: full["text"].index(stop)]
     assert json.loads(answers[0])["finish_reason"] == "stop"
+
+
+def test_entry_module_defines_exactly_one_class():
+    """TorchServe refuses a handler file that defines more than one class ("Expected only one class")."""
+    import inspect
+
+    import handler.spec_handler as entry
+
+    classes = [obj for _, obj in inspect.getmembers(entry, inspect.isclass) if obj.__module__ == entry.__name__]
+    assert classes == [SpeculativeHandler]
