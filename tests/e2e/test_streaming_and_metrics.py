@@ -1,0 +1,106 @@
+"""End-to-end: streamed answers through TorchServe, and Prometheus metrics that add up."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+from .conftest import HTTP_TIMEOUT_S
+
+STREAMED = [
+    {"prompt": "def fibonacci(n):", "max_new_tokens": 20},
+    {"prompt": "The weather today is", "max_new_tokens": 14, "temperature": 0.8, "seed": 11},
+    {"messages": [{"role": "user", "content": "Tell me a story."}], "max_new_tokens": 12, "num_speculative_tokens": 2},
+    {"prompt": "Hello!", "max_new_tokens": 16, "num_speculative_tokens": 6},
+]
+
+
+def stream(server, body: dict) -> tuple[list[dict], requests.Response]:
+    response = requests.post(
+        f"{server.inference_url}/predictions/{server.model_name}",
+        json={**body, "stream": True},
+        stream=True,
+        timeout=HTTP_TIMEOUT_S,
+    )
+    assert response.status_code == 200, f"{response.status_code}: {response.text}\n{server.log_tail()}"
+    lines = [json.loads(line) for line in response.iter_lines() if line.strip()]
+    return lines, response
+
+
+def check_stream_equals_plain(lines: list[dict], plain: dict) -> None:
+    *chunks, final = lines
+    assert all(set(chunk) == {"text_delta", "token_ids"} for chunk in chunks)
+    assert {"finish_reason", "usage", "speculative"} <= set(final)
+    assert "".join(line["text_delta"] for line in lines) == plain["text"]
+    assert sum((line["token_ids"] for line in lines), []) == plain["token_ids"]
+    assert final["finish_reason"] == plain["finish_reason"]
+    assert final["usage"] == plain["usage"]
+
+
+def test_stream_is_chunked_ndjson_equal_to_the_plain_answer(server):
+    body = STREAMED[0]
+    plain = server.predict_ok(body)
+    lines, response = stream(server, body)
+    assert response.headers.get("Transfer-Encoding", "").lower() == "chunked"
+    assert len(lines) >= 2, "at least one chunk per verification step, then the final line"
+    check_stream_equals_plain(lines, plain)
+
+
+def test_concurrent_streams_in_shared_batches(server):
+    plain = [server.predict_ok(body) for body in STREAMED]
+    with ThreadPoolExecutor(len(STREAMED)) as pool:
+        streamed = list(pool.map(lambda body: stream(server, body)[0], STREAMED))
+    for lines, answer in zip(streamed, plain):
+        check_stream_equals_plain(lines, answer)
+
+
+def test_stop_strings_do_not_leak_into_the_stream(server):
+    full = server.predict_ok({"prompt": "def fibonacci(n):", "max_new_tokens": 30})
+    stop = full["text"][8:11]
+    body = {"prompt": "def fibonacci(n):", "max_new_tokens": 30, "stop": [stop]}
+    lines, _ = stream(server, body)
+    assert "".join(line["text_delta"] for line in lines) == full["text"][: full["text"].index(stop)]
+    assert lines[-1]["finish_reason"] == "stop"
+
+
+def read_metrics(server) -> dict[str, float]:
+    """Sums each Spec* series over its labels (TorchServe adds ModelName, Level, Hostname)."""
+    text = server.get(f"{server.metrics_url}/metrics").text
+    totals: dict[str, float] = {}
+    for match in re.finditer(r"^(Spec\w+?)(?:\{[^}]*\})? ([0-9.eE+-]+)$", text, re.MULTILINE):
+        totals[match.group(1)] = totals.get(match.group(1), 0.0) + float(match.group(2))
+    return totals
+
+
+def test_prometheus_counters_agree_with_the_responses(server):
+    before = read_metrics(server)
+    bodies = [
+        {"prompt": "import numpy as np", "max_new_tokens": 12},
+        {"prompt": "Once upon a time", "max_new_tokens": 9, "temperature": 0.9, "seed": 1},
+        {"prompt": "x", "top_p": 7},  # rejected: counted apart
+    ]
+    answers = [server.predict(body) for body in bodies]
+    assert [a.status_code for a in answers] == [200, 200, 400]
+    stats = [a.json()["speculative"] for a in answers[:2]]
+    streamed_lines, _ = stream(server, {"prompt": "Hello", "max_new_tokens": 6})
+    stats.append(streamed_lines[-1]["speculative"])
+    completions = [a.json()["usage"]["completion_tokens"] for a in answers[:2]] + [
+        streamed_lines[-1]["usage"]["completion_tokens"]
+    ]
+    after = read_metrics(server)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("SpecRequests") == 3
+    assert delta("SpecRejectedRequests") == 1
+    assert delta("SpecDraftTokens") == sum(s["draft_tokens"] for s in stats)
+    assert delta("SpecAcceptedTokens") == sum(s["accepted_tokens"] for s in stats)
+    assert delta("SpecTargetForwardPasses") == sum(s["target_forward_passes"] for s in stats)
+    assert delta("SpecGeneratedTokens") == sum(completions)
+    assert delta("SpecRequestLatencySeconds_count") == 3
+    assert delta("SpecTimeToFirstTokenSeconds_count") == 1  # only the streamed request
+    assert delta("SpecRequestLatencySeconds_sum") > 0
