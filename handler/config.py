@@ -101,6 +101,7 @@ class HandlerConfig:
     adaptive_k: bool = False
     draft_quantization: str = "none"
     allow_pickle_weights: bool = False
+    cpu_threads: int = 0
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
     @classmethod
@@ -143,6 +144,7 @@ class HandlerConfig:
         )
         for key in ("adaptive_k", "allow_pickle_weights"):
             values[key] = _bool(f"handler.{key}", raw.get(key, getattr(default, key)))
+        values["cpu_threads"] = _int("handler.cpu_threads", raw.get("cpu_threads", default.cpu_threads), 0, 1024)
         quantization = raw.get("draft_quantization", default.draft_quantization)
         if quantization not in DRAFT_QUANTIZATIONS:
             raise ValueError(

@@ -36,6 +36,19 @@ def select_device(gpu_id: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def set_cpu_threads(requested: int) -> int:
+    """Sets torch's CPU threads: `requested`, or every core this process may use when 0.
+
+    TorchServe starts workers with OMP_NUM_THREADS=1, which would leave all but
+    one core idle; one worker holds both models, so it should use them all.
+    """
+    threads = requested
+    if threads == 0:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    return threads
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto` is bfloat16 on a GPU and float32 on the CPU."""
     if name == "auto":
@@ -127,6 +140,8 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
 
     device = select_device(gpu_id)
     dtype = resolve_dtype(config.dtype, device)
+    if device.type == "cpu":
+        logger.info("using %d CPU threads", set_cpu_threads(config.cpu_threads))
     target_path = resolve_model_path(config.target_model, model_dir, "target_model")
     draft_path = resolve_model_path(config.draft_model, model_dir, "draft_model")
     logger.info("loading target %s and draft %s on %s as %s", target_path, draft_path, device, dtype)

@@ -82,3 +82,20 @@ def test_every_handler_metric_is_declared_in_metrics_yaml():
     assert {m["name"] for m in declared["counter"]} >= set(COUNTERS)
     assert {m["name"] for m in declared["histogram"]} >= set(HISTOGRAMS)
     assert yaml.safe_load((REPO_ROOT / "model-config" / "metrics.yaml").read_text())["ts_metrics"]["counter"]
+
+
+def test_cpu_threads_zero_means_every_available_core():
+    import os
+
+    import torch
+
+    from handler.loading import set_cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        assert set_cpu_threads(1) == 1 and torch.get_num_threads() == 1
+        assert set_cpu_threads(0) == len(os.sched_getaffinity(0)) == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="handler.cpu_threads"):
+        HandlerConfig.from_dict({"cpu_threads": -1})
