@@ -39,8 +39,10 @@ def select_device(gpu_id: Any) -> torch.device:
 def set_cpu_threads(requested: int) -> int:
     """Sets torch's CPU threads: `requested`, or every core this process may use when 0.
 
-    TorchServe starts workers with OMP_NUM_THREADS=1, which would leave all but
-    one core idle; one worker holds both models, so it should use them all.
+    torch takes its thread count from OMP_NUM_THREADS when the worker's
+    environment sets it (TorchServe itself sets it only for torchrun workers),
+    so a stray OMP_NUM_THREADS=1 would leave all but one core idle. One worker
+    holds both models, so by default it uses every core it may.
     """
     threads = requested
     if threads == 0:

@@ -115,6 +115,9 @@ def write_model_config(path: Path) -> None:
     config = yaml.safe_load((REPO_ROOT / "model-config" / "model-config.yaml").read_text())
     config.update(batchSize=4, maxBatchDelay=200)
     config["handler"]["max_new_tokens"] = 16
+    # The tiny models gain nothing from a second thread, and on a busy 2-core
+    # machine two spinning torch threads slow the whole server down many times.
+    config["handler"]["cpu_threads"] = 1
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
