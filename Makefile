@@ -33,7 +33,7 @@ TORCH_SPEC_FILE := $(VENV)/.torch-spec
 TINY_MODELS := models/tiny
 
 .PHONY: help install check-java test tiny-models package serve dev-serve register \
-	unregister stop demo install-demo clean FORCE
+	unregister stop loadtest demo install-demo clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [VAR=value ...]"
@@ -103,14 +103,19 @@ unregister: $(INSTALL_STAMP) ## Unregister MODEL_NAME from the running server
 stop: $(INSTALL_STAMP) ## Stop TorchServe
 	$(VENV)/bin/torchserve --stop
 
+LOADTEST_ARGS ?= --requests 50 --concurrency 4
+
+loadtest: $(INSTALL_STAMP) ## Load-test MODEL_NAME on the running server (LOADTEST_ARGS)
+	$(PY) scripts/loadtest.py --url $(INFERENCE_URL) --model $(MODEL_NAME) $(LOADTEST_ARGS)
+
 install-demo: install
 	$(PY) -m pip install -r requirements-demo.txt
 
 demo: install-demo ## Run the demo (scripts/demo.py)
 	$(PY) scripts/demo.py
 
-clean: ## Remove the tiny models, archives in model_store/ and TorchServe logs
+clean: ## Remove the tiny models, archives and no-archive folders in model_store/, and logs
 	rm -rf $(TINY_MODELS) logs
-	rm -rf $(MODEL_STORE)/*.mar
+	rm -rf $(MODEL_STORE)/*.mar $(MODEL_STORE)/*/
 
 FORCE:
