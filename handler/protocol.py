@@ -53,13 +53,16 @@ def decode_body(value: Any, content_type: str | None = None) -> dict:
     passes anything else as bytes or text. A body that is not a JSON object or
     array but is UTF-8 text is taken as the prompt.
     """
+    is_json = (content_type or "").split(";")[0].strip().lower() == "application/json"
+    if isinstance(value, str) and is_json:
+        # TorchServe parsed this JSON body already (it passes bytes when it cannot): a JSON string.
+        raise RequestError("body: a JSON body must be an object, got str")
     if isinstance(value, (bytes, bytearray)):
         try:
             value = bytes(value).decode("utf-8")
         except UnicodeDecodeError as error:
             raise RequestError(f"body: not valid UTF-8 ({error.reason} at byte {error.start})") from None
     if isinstance(value, str):
-        is_json = (content_type or "").split(";")[0].strip().lower() == "application/json"
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError as error:

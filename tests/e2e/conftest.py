@@ -42,6 +42,7 @@ class Server:
     metrics_url: str
     model_name: str
     log_dir: Path
+    model_store: Path
 
     def log_tail(self, num_lines: int = LOG_TAIL_LINES) -> str:
         """The last lines of each TorchServe log, for assertion messages."""
@@ -237,6 +238,7 @@ def server(java_runtime, model_archive, tmp_path_factory):
         metrics_url=f"http://127.0.0.1:{ports[2]}",
         model_name=MODEL_NAME,
         log_dir=log_dir,
+        model_store=model_archive.parent,
     )
 
     env = dict(os.environ)

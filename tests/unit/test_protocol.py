@@ -136,6 +136,7 @@ def test_decode_body_accepts_json_objects_and_plain_text(value, content_type, ex
         ([1, 2], "application/json", "must be an object"),
         (7, "application/json", "must be an object"),
         (b'"just a string"', "application/json", "must be an object"),
+        ("already parsed by TorchServe", "application/json", "must be an object"),
     ],
 )
 def test_decode_body_rejects_what_is_not_a_request(value, content_type, message):
