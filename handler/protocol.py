@@ -140,11 +140,14 @@ def _prompt_ids(body: Mapping, tokenizer) -> list[int]:
                 raise RequestError(f"messages[{index}].{key}: must be a string")
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("messages: this model's tokenizer has no chat template; send 'prompt' instead")
-    rendered = tokenizer.apply_chat_template(
-        [{"role": m["role"], "content": m["content"]} for m in messages],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": m["role"], "content": m["content"]} for m in messages],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+    except Exception as error:  # templates raise their own errors, e.g. for an unknown role
+        raise RequestError(f"messages: the model's chat template rejected them ({error})") from None
     # The template already holds any special tokens the model expects.
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 

@@ -82,6 +82,9 @@ class SpeculativeHandler(BaseHandler):
                 )
             except RequestError as error:
                 parsed.append(error)
+            except Exception as error:  # a parsing failure must cost only this request
+                logger.exception("request %d could not be parsed", index)
+                parsed.append(RequestError(f"server: could not process the request ({type(error).__name__})", 500))
         return parsed
 
     def inference(self, data, *args, **kwargs):

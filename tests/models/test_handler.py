@@ -185,3 +185,21 @@ def test_entry_module_defines_exactly_one_class():
 
     classes = [obj for _, obj in inspect.getmembers(entry, inspect.isclass) if obj.__module__ == entry.__name__]
     assert classes == [SpeculativeHandler]
+
+
+def test_a_chat_template_error_is_a_400_for_that_request_only(handler, tiny_models_dir, monkeypatch):
+    tokenizer = handler.models.tokenizer
+
+    def strict_template(messages, **kwargs):
+        if any(m["role"] not in ("system", "user", "assistant") for m in messages):
+            raise ValueError("roles must be system, user or assistant")
+        return "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", strict_template)
+    answers, statuses = call(
+        handler,
+        tiny_models_dir,
+        [{"messages": [{"role": "wizard", "content": "x"}]}, {"prompt": "Hello", "max_new_tokens": 3}],
+    )
+    assert statuses == [400, 200]
+    assert answers[0]["error"].startswith("messages: the model's chat template rejected them")
