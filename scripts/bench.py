@@ -241,6 +241,17 @@ def measure_rest(args, prompts: list[dict]) -> dict:
     return {"sequential": sequential, "batch_of_4": batch}
 
 
+def rest_summary(rest: dict) -> str:
+    sequential, batch = rest["sequential"], rest["batch_of_4"]
+    return (
+        f"{sequential['tokens_per_second']:.2f} tokens/s sequentially (median per prompt "
+        f"{sequential['median_prompt_tokens_per_second']:.2f}, acceptance {sequential['acceptance_rate']:.2f}, "
+        f"{sequential['mean_accepted_length']:.2f} tokens/pass); 4 concurrent requests with batchSize 4: "
+        f"{batch['concurrent_tokens_per_second']:.2f} tokens/s aggregate vs "
+        f"{batch['sequential_tokens_per_second']:.2f} one after another ({batch['ratio']:.2f}x)."
+    )
+
+
 def predicted_speedup(m: Measurement, c: float) -> float | None:
     """E / (k c + 1) with E from the measured per-token acceptance and k the mean drafts per step."""
     a = m.per_token_acceptance
@@ -308,15 +319,7 @@ def markdown(report: dict) -> str:
             f"{row['hf_tokens_per_second']:.2f} |"
         )
     if report.get("rest"):
-        rest = report["rest"]
-        lines += [
-            "",
-            f"Through TorchServe over REST: {rest['sequential']['tokens_per_second']:.2f} tokens/s sequentially "
-            f"(acceptance {rest['sequential']['acceptance_rate']:.2f}); 4 concurrent requests with batchSize 4: "
-            f"{rest['batch_of_4']['concurrent_tokens_per_second']:.2f} tokens/s aggregate vs "
-            f"{rest['batch_of_4']['sequential_tokens_per_second']:.2f} one after another "
-            f"({rest['batch_of_4']['ratio']:.2f}x).",
-        ]
+        lines += ["", "Through TorchServe over REST: " + rest_summary(report["rest"])]
     return "\n".join(lines) + "\n"
 
 
@@ -483,14 +486,7 @@ def rest_only(args, prompts: list[dict]) -> int:
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_rest.json").write_text(json.dumps(report, indent=2))
-    sequential, batch = rest["sequential"], rest["batch_of_4"]
-    print(
-        f"TorchServe {args.model}: {sequential['tokens_per_second']:.2f} tokens/s sequentially "
-        f"(median per prompt {sequential['median_prompt_tokens_per_second']:.2f}, acceptance "
-        f"{sequential['acceptance_rate']:.2f}, {sequential['mean_accepted_length']:.2f} tokens/pass); "
-        f"4 concurrent: {batch['concurrent_tokens_per_second']:.2f} tokens/s aggregate vs "
-        f"{batch['sequential_tokens_per_second']:.2f} one after another ({batch['ratio']:.2f}x)"
-    )
+    print(f"TorchServe {args.model}: {rest_summary(rest)}")
     print(f"wrote {out / 'bench_rest.json'}")
     return 0
 
