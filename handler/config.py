@@ -53,6 +53,17 @@ def _bool(key: str, value: Any) -> bool:
     return value
 
 
+def sampling_problem(temperature: float, top_k: int, top_p: float) -> str | None:
+    """The sampling rules, shared by the config and the REST request: a message naming the field, or None."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        return f"temperature: must be a finite number >= 0 (0 means greedy), got {temperature}"
+    if top_k < 0:
+        return f"top_k: must be >= 0, got {top_k}"
+    if not 0.0 < top_p <= 1.0:
+        return f"top_p: must be in (0, 1], got {top_p}"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Temperature 0 means greedy; top_k 0 and top_p 1.0 mean no filtering."""
@@ -62,12 +73,9 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        problem = sampling_problem(self.temperature, self.top_k, self.top_p)
+        if problem:
+            raise ValueError(problem)
 
     @property
     def is_greedy(self) -> bool:
@@ -82,10 +90,9 @@ class SamplingParams:
         temperature = _float(section + "temperature", raw.get("temperature", default.temperature))
         top_k = _int(section + "top_k", raw.get("top_k", default.top_k), 0)
         top_p = _float(section + "top_p", raw.get("top_p", default.top_p))
-        if temperature < 0:
-            raise ValueError(f"model-config.yaml: {section}temperature must be >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"model-config.yaml: {section}top_p must be in (0, 1], got {top_p}")
+        problem = sampling_problem(temperature, top_k, top_p)
+        if problem:
+            raise ValueError(f"model-config.yaml: {section}{problem}")
         return cls(temperature=temperature, top_k=top_k, top_p=top_p)
 
 

@@ -12,7 +12,7 @@ import json
 import math
 from typing import Any, Mapping
 
-from handler.config import HandlerConfig, SamplingParams
+from handler.config import HandlerConfig, SamplingParams, sampling_problem
 from handler.engine import GenerationRequest, GenerationResult
 
 REQUEST_FIELDS = (
@@ -98,12 +98,11 @@ def _number(body: Mapping, key: str, default: float) -> float:
 
 def _sampling(body: Mapping, default: SamplingParams) -> SamplingParams:
     temperature = _number(body, "temperature", default.temperature)
-    if temperature < 0:
-        raise RequestError(f"temperature: must be >= 0 (0 means greedy), got {temperature}")
     top_p = _number(body, "top_p", default.top_p)
-    if not 0.0 < top_p <= 1.0:
-        raise RequestError(f"top_p: must be in (0, 1], got {top_p}")
     top_k = _integer(body, "top_k", default.top_k, 0, 2**31 - 1)
+    problem = sampling_problem(temperature, top_k, top_p)
+    if problem:
+        raise RequestError(problem)
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
 
 
