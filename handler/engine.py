@@ -128,8 +128,10 @@ class _Row:
         """This step's number of drafts."""
         # Never draft past max_new_tokens: the verify pass must stay inside the context.
         max_k = max(0, min(self.request.num_speculative_tokens, self.remaining - 1))
-        if self.adaptive is None or max_k == 0 or self.stats.fell_back:
-            return 0 if self.stats.fell_back else max_k
+        if self.stats.fell_back:
+            return 0
+        if self.adaptive is None or max_k == 0:
+            return max_k
         k = self.adaptive.choose(self.tracker, max_k)
         if k == 0:
             self.stats.fell_back = True
