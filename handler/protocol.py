@@ -78,7 +78,8 @@ def decode_body(value: Any, content_type: str | None = None) -> dict:
     return dict(value)
 
 
-def _integer(body: Mapping, key: str, default: int, minimum: int, maximum: int) -> int:
+def integer_field(body: Mapping, key: str, default: int, minimum: int, maximum: int) -> int:
+    """`body[key]` (or `default` when absent) as an int in [minimum, maximum]; 2.0 counts as 2."""
     value = body.get(key, default)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -99,7 +100,7 @@ def _number(body: Mapping, key: str, default: float) -> float:
 def _sampling(body: Mapping, default: SamplingParams) -> SamplingParams:
     temperature = _number(body, "temperature", default.temperature)
     top_p = _number(body, "top_p", default.top_p)
-    top_k = _integer(body, "top_k", default.top_k, 0, 2**31 - 1)
+    top_k = integer_field(body, "top_k", default.top_k, 0, 2**31 - 1)
     problem = sampling_problem(temperature, top_k, top_p)
     if problem:
         raise RequestError(problem)
@@ -156,14 +157,14 @@ def parse_request(body: Mapping, config: HandlerConfig, tokenizer, max_context: 
     unknown = sorted(set(body) - set(REQUEST_FIELDS))
     if unknown:
         raise RequestError(f"{unknown[0]}: unknown field; known fields are {', '.join(REQUEST_FIELDS)}")
-    max_new_tokens = _integer(body, "max_new_tokens", config.max_new_tokens, 1, config.max_new_tokens_limit)
+    max_new_tokens = integer_field(body, "max_new_tokens", config.max_new_tokens, 1, config.max_new_tokens_limit)
     sampling = _sampling(body, config.sampling)
-    num_speculative_tokens = _integer(
+    num_speculative_tokens = integer_field(
         body, "num_speculative_tokens", config.num_speculative_tokens, 0, config.max_num_speculative_tokens
     )
     seed = body.get("seed")
     if seed is not None:
-        seed = _integer(body, "seed", 0, *SEED_RANGE)
+        seed = integer_field(body, "seed", 0, *SEED_RANGE)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(f"stream: must be true or false, got {json.dumps(stream)}")

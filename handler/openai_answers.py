@@ -1,0 +1,284 @@
+"""The OpenAI-compatible API, answers side: response bodies, logprobs, usage and SSE chunks.
+
+Our finish reasons map onto OpenAI's: `eos` and `stop` are `stop`, `length`
+stays `length`. The speculative counters ride in an extra `speculative` field:
+the request's totals in a plain answer, each choice's own in the streamed chunk
+that finishes it.
+
+Logprobs are the target's log-softmax of its raw logits (before temperature,
+top-k and top-p) at each emitted token, as the engine reports them in
+`GenerationResult.logprobs`. A token whose bytes end inside a UTF-8 character
+decodes to U+FFFD; its `bytes` are then null.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+from handler.engine import GenerationResult
+from handler.openai_api import ROUTE_CHAT, OpenAIRequest, error_answer
+from handler.protocol import RequestError
+from handler.streaming import REPLACEMENT_CHARACTER, DeltaTracker
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+# JSON has no -Infinity; OpenAI reports impossible tokens at -9999.
+MIN_LOGPROB = -9999.0
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+def finish_reason(reason: str) -> str:
+    """OpenAI's name for an engine finish reason (unknown ones pass through)."""
+    return FINISH_REASONS.get(reason, reason)
+
+
+def usage(request: OpenAIRequest, results: Sequence[GenerationResult]) -> dict:
+    """Prompt tokens once per prompt, as OpenAI counts them for n > 1; completion tokens of every choice."""
+    prompt_tokens = sum(results[prompt * request.n].prompt_tokens for prompt in range(request.num_prompts))
+    completion_tokens = sum(len(result.token_ids) for result in results)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def speculative_totals(results: Sequence[GenerationResult]) -> dict:
+    """The request's speculative counters: one choice's own, or the choices' sums with the rates recomputed."""
+    per_choice = [result.stats.as_dict() for result in results]
+    if len(per_choice) == 1:
+        return per_choice[0]
+    totals = dict(per_choice[0])
+    for key in ("draft_tokens", "accepted_tokens", "target_forward_passes"):
+        totals[key] = sum(stats[key] for stats in per_choice)
+    completion_tokens = sum(len(result.token_ids) for result in results)
+    totals["acceptance_rate"] = round(totals["accepted_tokens"] / totals["draft_tokens"], 4) if totals["draft_tokens"] else 0.0
+    passes = totals["target_forward_passes"]
+    totals["mean_accepted_length"] = round(completion_tokens / passes, 4) if passes else 0.0
+    totals["fell_back_to_target_only"] = any(stats["fell_back_to_target_only"] for stats in per_choice)
+    return totals
+
+
+# ---------------------------------------------------------------------------
+# Logprobs
+
+
+class TokenTexts:
+    """Each token id's own text, decoded once per answer."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        if token_id not in self.cache:
+            self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.cache[token_id]
+
+
+def _logprob(value: float) -> float:
+    return max(float(value), MIN_LOGPROB)
+
+
+def _token_bytes(text: str) -> list[int] | None:
+    return None if REPLACEMENT_CHARACTER in text else list(text.encode("utf-8"))
+
+
+def chat_logprobs(entries: Sequence, texts: TokenTexts, num_top: int) -> dict:
+    """`choices[].logprobs` of a chat answer.
+
+    Args:
+        entries: TokenLogprob per emitted token (token_id, logprob, top [(id, logprob)...]).
+        texts: the token-text decoder.
+        num_top: how many alternatives to list per token (top_logprobs).
+    """
+    content = []
+    for entry in entries:
+        token = texts(entry.token_id)
+        content.append(
+            {
+                "token": token,
+                "logprob": _logprob(entry.logprob),
+                "bytes": _token_bytes(token),
+                "top_logprobs": [
+                    {"token": texts(token_id), "logprob": _logprob(logprob), "bytes": _token_bytes(texts(token_id))}
+                    for token_id, logprob in entry.top[:num_top]
+                ],
+            }
+        )
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries: Sequence, texts: TokenTexts, num_top: int, text_offset: int = 0) -> dict:
+    """`choices[].logprobs` of a (legacy) completions answer.
+
+    `top_logprobs[i]` maps the `num_top` likeliest tokens' texts, and the
+    emitted token's, to their logprobs, as OpenAI's legacy API does.
+    `text_offset[i]` is where token i's text starts: the token texts' lengths
+    summed from `text_offset`.
+    """
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for entry in entries:
+        token = texts(entry.token_id)
+        tokens.append(token)
+        token_logprobs.append(_logprob(entry.logprob))
+        top = {texts(token_id): _logprob(logprob) for token_id, logprob in entry.top[:num_top]}
+        top.setdefault(token, _logprob(entry.logprob))
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+# ---------------------------------------------------------------------------
+# Plain answers
+
+
+def response_body(request: OpenAIRequest, results: Sequence[GenerationResult], tokenizer) -> dict:
+    """The JSON answer to a non-streamed request.
+
+    Args:
+        request: the parsed request.
+        results: one engine result per choice, in choice order.
+        tokenizer: for the logprobs' token texts.
+    """
+    assert len(results) == len(request.generations)
+    texts = TokenTexts(tokenizer)
+    choices = []
+    for index, result in enumerate(results):
+        logprobs = None
+        if request.num_top_logprobs is not None:
+            assert result.logprobs is not None, "the engine returned no logprobs"
+            format_logprobs = chat_logprobs if request.kind == ROUTE_CHAT else completion_logprobs
+            logprobs = format_logprobs(result.logprobs, texts, request.num_top_logprobs)
+        choice = {"index": index}
+        if request.kind == ROUTE_CHAT:
+            choice["message"] = {"role": "assistant", "content": result.text}
+        else:
+            choice["text"] = result.text
+        choice.update(logprobs=logprobs, finish_reason=finish_reason(result.finish_reason))
+        choices.append(choice)
+    return {
+        "id": request.id,
+        "object": "chat.completion" if request.kind == ROUTE_CHAT else "text_completion",
+        "created": request.created,
+        "model": request.model,
+        "choices": choices,
+        "usage": usage(request, results),
+        "speculative": speculative_totals(results),
+    }
+
+
+# ---------------------------------------------------------------------------
+# Server-Sent Events
+
+
+def sse_event(payload: dict | str) -> str:
+    """One SSE event: `data: <JSON>` and a blank line."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class OpenAIStream:
+    """Turns one request's engine progress into SSE chunks.
+
+    Call `on_tokens` as a choice's tokens arrive, `on_finished` when a choice
+    is done (when the engine says so; `close` finishes any choice left), then
+    `close`, which adds the usage chunk when asked and `data: [DONE]`. Each
+    method returns the text to send now, "" when there is none. Text is held
+    back as on the native stream (`handler.streaming.DeltaTracker`), so the
+    deltas joined equal the plain answer's text.
+    """
+
+    def __init__(self, request: OpenAIRequest, tokenizer) -> None:
+        assert request.stream
+        self.request = request
+        self.texts = TokenTexts(tokenizer)
+        num_choices = len(request.generations)
+        self.deltas = [DeltaTracker(tokenizer, generation.stop) for generation in request.generations]
+        self.role_sent = [False] * num_choices
+        self.finished = [False] * num_choices
+        self.num_logprobs_sent = [0] * num_choices
+        self.text_offsets = [0] * num_choices
+        self.started = False  # whether anything was sent: the status can no longer change
+
+    def on_tokens(self, choice: int, token_ids: Sequence[int], new_logprobs: Sequence = ()) -> str:
+        """After a step: the choice's new stable text, as a chunk.
+
+        Args:
+            choice: the choice index.
+            token_ids: all its tokens so far.
+            new_logprobs: TokenLogprobs of the tokens new in this step, when
+                the engine reports them per step; otherwise they come with the
+                finishing chunk.
+        """
+        assert not self.finished[choice]
+        delta = self.deltas[choice].next_delta(token_ids)
+        if not delta and not new_logprobs:
+            return ""
+        return self._chunk(choice, delta, new_logprobs, None)
+
+    def on_finished(self, choice: int, result: GenerationResult) -> str:
+        """The choice's last chunk: the rest of its text and logprobs, its finish reason and counters."""
+        assert not self.finished[choice]
+        self.finished[choice] = True
+        delta = self.deltas[choice].final_delta(result.text)
+        logprobs = ()
+        if self.request.num_top_logprobs is not None:
+            assert result.logprobs is not None, "the engine returned no logprobs"
+            logprobs = result.logprobs[self.num_logprobs_sent[choice] :]
+        return self._chunk(choice, delta, logprobs, result)
+
+    def close(self, results: Sequence[GenerationResult]) -> str:
+        """The end of the stream: the choices not finished yet, the usage chunk when asked, `[DONE]`."""
+        events = [self.on_finished(i, result) for i, result in enumerate(results) if not self.finished[i]]
+        if self.request.include_usage:
+            events.append(sse_event({**self._envelope(), "choices": [], "usage": usage(self.request, results)}))
+        events.append(DONE_EVENT)
+        self.started = True
+        return "".join(events)
+
+    def error(self, error: RequestError) -> str:
+        """An error after the stream began: an error event (the OpenAI client raises it), then `[DONE]`."""
+        self.started = True
+        return sse_event(error_answer(error)[1]) + DONE_EVENT
+
+    def _envelope(self) -> dict:
+        request = self.request
+        chunk = {
+            "id": request.id,
+            "object": "chat.completion.chunk" if request.kind == ROUTE_CHAT else "text_completion",
+            "created": request.created,
+            "model": request.model,
+        }
+        if request.include_usage:
+            chunk["usage"] = None  # every chunk but the last has usage null, as OpenAI sends it
+        return chunk
+
+    def _chunk(self, choice: int, delta: str, logprobs: Sequence, result: GenerationResult | None) -> str:
+        request = self.request
+        formatted = None
+        if request.num_top_logprobs is not None:
+            if request.kind == ROUTE_CHAT:
+                formatted = chat_logprobs(logprobs, self.texts, request.num_top_logprobs)
+            else:
+                formatted = completion_logprobs(
+                    logprobs, self.texts, request.num_top_logprobs, self.text_offsets[choice]
+                )
+                if formatted["tokens"]:
+                    self.text_offsets[choice] = formatted["text_offset"][-1] + len(formatted["tokens"][-1])
+            self.num_logprobs_sent[choice] += len(logprobs)
+        payload: dict = {"index": choice}
+        if request.kind == ROUTE_CHAT:
+            payload["delta"] = {"content": delta}
+            if not self.role_sent[choice]:
+                payload["delta"] = {"role": "assistant", "content": delta}
+                self.role_sent[choice] = True
+        else:
+            payload["text"] = delta
+        payload["logprobs"] = formatted
+        payload["finish_reason"] = None if result is None else finish_reason(result.finish_reason)
+        chunk = {**self._envelope(), "choices": [payload]}
+        if result is not None:
+            chunk["speculative"] = result.stats.as_dict()
+        self.started = True
+        return sse_event(chunk)
