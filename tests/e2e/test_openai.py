@@ -238,3 +238,17 @@ def test_openai_and_native_requests_share_batches(client, server):
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         assert list(pool.map(send, range(len(prompts)))) == alone
+
+
+def test_the_demo_request_goes_through_the_openai_client(server):
+    import io
+
+    from scripts import openai_demo
+
+    out = io.StringIO()
+    text = openai_demo.run(server.inference_url, server.model_name, None, max_tokens=8, out=out)
+    native = server.predict_ok({"messages": openai_demo.MESSAGES, "max_new_tokens": 8})
+    assert text == native["text"]
+    assert "completion tokens" in out.getvalue() and "acceptance" in out.getvalue()
+    with pytest.raises(openai_demo.OpenAIDemoError, match="404"):
+        openai_demo.run(server.inference_url, "no-such-model", None, max_tokens=8, out=io.StringIO())
