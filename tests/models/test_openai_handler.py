@@ -167,3 +167,29 @@ def test_a_model_failure_is_an_openai_error_for_that_request_only(handler, tiny_
     assert statuses == [200, 500]
     assert answers[0]["choices"][0]["finish_reason"] in ("stop", "length")
     assert answers[1]["error"]["type"] == "server_error" and "generation failed" in answers[1]["error"]["message"]
+
+
+def test_a_failure_mid_stream_ends_the_stream_with_an_error_event(handler, tiny_models_dir, monkeypatch):
+    sent = []
+    monkeypatch.setattr(
+        spec_handler_module,
+        "send_intermediate_predict_response",
+        lambda ret, ids, message, code, context: sent.extend(ret.values()),
+    )
+    real_generate = handler.engine.generate
+
+    def generate_then_fail(requests, on_tokens=None):
+        def failing_on_tokens(n, tokens, row):
+            on_tokens(n, tokens, row)
+            raise RuntimeError("simulated failure after the first chunk")
+
+        return real_generate(requests, on_tokens=failing_on_tokens)
+
+    monkeypatch.setattr(handler.engine, "generate", generate_then_fail)
+    body = {"prompt": "def add(a, b):", "max_tokens": 24, "stream": True}
+    (final,), statuses, _ = call(handler, tiny_models_dir, [(COMPLETIONS, body)])
+    assert sent, "a chunk went out before the failure"
+    assert statuses == [200], "the status was sent with the first chunk"
+    events = sse_events(final)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[0])["error"]["message"] == "server: generation failed mid-stream"
