@@ -389,7 +389,7 @@ def _text_of_parts(parts: list, field: str) -> str:
 # Errors and the model list
 
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]/]*): ")
-_NOT_PARAMS = ("body", "server")
+_NOT_PARAMS = ("body", "server", "url")
 
 
 def error_answer(error: RequestError) -> tuple[int, dict]:

@@ -243,7 +243,8 @@ def test_error_answer_shapes():
         {"error": {"message": "server: generation failed (X)", "type": "server_error", "param": None, "code": None}},
     )
     status, body = error_answer(unknown_route_error(route_from_url_path("v1/embeddings")))
-    assert status == 404 and body["error"]["code"] == "unknown_url" and "/v1/embeddings" in body["error"]["message"]
+    assert status == 404 and body["error"]["code"] == "unknown_url" and body["error"]["param"] is None
+    assert "/v1/embeddings" in body["error"]["message"]
     status, body = error_answer(RequestError("model: the model \"x\" does not exist", 404))
     assert body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
     assert error_answer(RequestError("body: empty"))[1]["error"]["param"] is None
