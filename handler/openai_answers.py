@@ -7,12 +7,12 @@ that finishes it.
 
 Logprobs are the target's log-softmax of its raw logits (before temperature,
 top-k and top-p) at each emitted token, as the engine reports them in
-`GenerationResult.logprobs`. A token whose bytes end inside a UTF-8 character
-decodes to U+FFFD; its `bytes` are then null.
+`GenerationResult.logprobs`. Token texts and bytes: see `TokenTexts`.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 from typing import Sequence
 
@@ -44,44 +44,99 @@ def usage(request: OpenAIRequest, results: Sequence[GenerationResult]) -> dict:
 
 
 def speculative_totals(results: Sequence[GenerationResult]) -> dict:
-    """The request's speculative counters: one choice's own, or the choices' sums with the rates recomputed."""
+    """The request's speculative counters: one choice's own, or the choices' added up.
+
+    Counts add up (per drafter and per position too), `fell_back_to_target_only`
+    is any choice's, the settings (k, drafter) are the request's, and the two
+    rates are recomputed from the sums.
+    """
     per_choice = [result.stats.as_dict() for result in results]
     if len(per_choice) == 1:
         return per_choice[0]
-    totals = dict(per_choice[0])
-    for key in ("draft_tokens", "accepted_tokens", "target_forward_passes"):
-        totals[key] = sum(stats[key] for stats in per_choice)
+    totals = _add_up(per_choice)
+    for key in ("num_speculative_tokens", "drafter"):
+        if key in totals:
+            totals[key] = per_choice[0][key]
     completion_tokens = sum(len(result.token_ids) for result in results)
-    totals["acceptance_rate"] = round(totals["accepted_tokens"] / totals["draft_tokens"], 4) if totals["draft_tokens"] else 0.0
-    passes = totals["target_forward_passes"]
+    draft, passes = totals["draft_tokens"], totals["target_forward_passes"]
+    totals["acceptance_rate"] = round(totals["accepted_tokens"] / draft, 4) if draft else 0.0
     totals["mean_accepted_length"] = round(completion_tokens / passes, 4) if passes else 0.0
-    totals["fell_back_to_target_only"] = any(stats["fell_back_to_target_only"] for stats in per_choice)
     return totals
+
+
+def _add_up(values: list):
+    """Adds JSON-like values: numbers, element-wise lists, key-wise objects; bools are or-ed."""
+    first = values[0]
+    if isinstance(first, bool):
+        return any(values)
+    if isinstance(first, (int, float)):
+        return sum(values)
+    if isinstance(first, list):
+        length = max(len(value) for value in values)
+        return [_add_up([value[i] for value in values if i < len(value)]) for i in range(length)]
+    if isinstance(first, dict):
+        keys = dict.fromkeys(key for value in values for key in value)
+        return {key: _add_up([value[key] for value in values if key in value]) for key in keys}
+    return first
 
 
 # ---------------------------------------------------------------------------
 # Logprobs
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's spelling of bytes as characters (GPT-2, Llama 3, Qwen): character -> byte.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 are shifted to
+    code points 256 and up, in byte order, so that no token holds a space or a
+    control character.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    alphabet = {chr(byte): byte for byte in printable}
+    shifted = (byte for byte in range(256) if byte not in alphabet.values())
+    alphabet.update((chr(256 + n), byte) for n, byte in enumerate(shifted))
+    return alphabet
+
+
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+
+
 class TokenTexts:
-    """Each token id's own text, decoded once per answer."""
+    """Each token id's own text and bytes, decoded once per answer.
+
+    A token that ends inside a UTF-8 character decodes to U+FFFD on its own;
+    with a byte-level tokenizer its exact bytes are known, and its text is
+    written `bytes:\\xe2\\x80` so that such tokens stay apart. Otherwise its
+    `bytes` are None.
+    """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self.cache: dict[int, tuple[str, list[int] | None]] = {}
 
     def __call__(self, token_id: int) -> str:
+        return self.text_and_bytes(token_id)[0]
+
+    def bytes(self, token_id: int) -> list[int] | None:
+        return self.text_and_bytes(token_id)[1]
+
+    def text_and_bytes(self, token_id: int) -> tuple[str, list[int] | None]:
         if token_id not in self.cache:
-            self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            token_bytes = None if REPLACEMENT_CHARACTER in text else list(text.encode("utf-8"))
+            if token_bytes is None and self.byte_level:
+                piece = self.tokenizer.convert_ids_to_tokens(token_id)
+                if isinstance(piece, str) and all(char in BYTE_LEVEL_ALPHABET for char in piece):
+                    token_bytes = [BYTE_LEVEL_ALPHABET[char] for char in piece]
+                    text = "bytes:" + "".join(f"\\x{byte:02x}" for byte in token_bytes)
+            self.cache[token_id] = (text, token_bytes)
         return self.cache[token_id]
 
 
 def _logprob(value: float) -> float:
     return max(float(value), MIN_LOGPROB)
-
-
-def _token_bytes(text: str) -> list[int] | None:
-    return None if REPLACEMENT_CHARACTER in text else list(text.encode("utf-8"))
 
 
 def chat_logprobs(entries: Sequence, texts: TokenTexts, num_top: int) -> dict:
@@ -94,14 +149,13 @@ def chat_logprobs(entries: Sequence, texts: TokenTexts, num_top: int) -> dict:
     """
     content = []
     for entry in entries:
-        token = texts(entry.token_id)
         content.append(
             {
-                "token": token,
+                "token": texts(entry.token_id),
                 "logprob": _logprob(entry.logprob),
-                "bytes": _token_bytes(token),
+                "bytes": texts.bytes(entry.token_id),
                 "top_logprobs": [
-                    {"token": texts(token_id), "logprob": _logprob(logprob), "bytes": _token_bytes(texts(token_id))}
+                    {"token": texts(token_id), "logprob": _logprob(logprob), "bytes": texts.bytes(token_id)}
                     for token_id, logprob in entry.top[:num_top]
                 ],
             }
@@ -109,25 +163,47 @@ def chat_logprobs(entries: Sequence, texts: TokenTexts, num_top: int) -> dict:
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(entries: Sequence, texts: TokenTexts, num_top: int, text_offset: int = 0) -> dict:
+class TextOffsets:
+    """Where each token's text starts in the completion, in characters.
+
+    The tokens' bytes run through an incremental UTF-8 decoder, so a character
+    split across tokens counts once, when its last byte arrives.
+    """
+
+    def __init__(self) -> None:
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.num_chars = 0
+
+    def advance(self, token_bytes: bytes) -> int:
+        """The offset of the token with these bytes; moves past it."""
+        offset = self.num_chars
+        self.num_chars += len(self.decoder.decode(token_bytes))
+        return offset
+
+
+def completion_logprobs(entries: Sequence, texts: TokenTexts, num_top: int, offsets: TextOffsets | None = None) -> dict:
     """`choices[].logprobs` of a (legacy) completions answer.
 
     `top_logprobs[i]` maps the `num_top` likeliest tokens' texts, and the
     emitted token's, to their logprobs, as OpenAI's legacy API does.
-    `text_offset[i]` is where token i's text starts: the token texts' lengths
-    summed from `text_offset`.
+    `text_offset[i]` is where token i's text starts; pass the same `offsets`
+    to successive calls for one streamed choice.
     """
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offsets = offsets or TextOffsets()
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for entry in entries:
         token = texts(entry.token_id)
         tokens.append(token)
         token_logprobs.append(_logprob(entry.logprob))
-        top = {texts(token_id): _logprob(logprob) for token_id, logprob in entry.top[:num_top]}
+        top: dict[str, float] = {}
+        # Tokens may share a text: each text keeps its likeliest token's logprob.
+        for token_id, logprob in entry.top[:num_top]:
+            top.setdefault(texts(token_id), _logprob(logprob))
         top.setdefault(token, _logprob(entry.logprob))
         top_logprobs.append(top)
-        offsets.append(text_offset)
-        text_offset += len(token)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+        token_bytes = texts.bytes(entry.token_id)
+        text_offset.append(offsets.advance(bytes(token_bytes) if token_bytes is not None else token.encode("utf-8")))
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
 
 
 # ---------------------------------------------------------------------------
@@ -198,7 +274,7 @@ class OpenAIStream:
         self.role_sent = [False] * num_choices
         self.finished = [False] * num_choices
         self.num_logprobs_sent = [0] * num_choices
-        self.text_offsets = [0] * num_choices
+        self.text_offsets = [TextOffsets() for _ in range(num_choices)]
         self.started = False  # whether anything was sent: the status can no longer change
 
     def on_tokens(self, choice: int, token_ids: Sequence[int], new_logprobs: Sequence = ()) -> str:
@@ -264,8 +340,6 @@ class OpenAIStream:
                 formatted = completion_logprobs(
                     logprobs, self.texts, request.num_top_logprobs, self.text_offsets[choice]
                 )
-                if formatted["tokens"]:
-                    self.text_offsets[choice] = formatted["text_offset"][-1] + len(formatted["tokens"][-1])
             self.num_logprobs_sent[choice] += len(logprobs)
         payload: dict = {"index": choice}
         if request.kind == ROUTE_CHAT:

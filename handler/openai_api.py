@@ -60,6 +60,7 @@ SHARED_FIELDS = (
     # Extensions, as in vLLM: not in the OpenAI API.
     "top_k",
     "num_speculative_tokens",
+    "drafter",
 )
 ROUTE_FIELDS = {
     ROUTE_COMPLETIONS: ("prompt",),
@@ -244,7 +245,9 @@ def parse_openai_request(
     num_top_logprobs = _logprobs_fields(kind, body)
 
     native: dict[str, Any] = {
-        key: body[key] for key in ("temperature", "top_p", "top_k", "seed", "num_speculative_tokens") if key in body
+        key: body[key]
+        for key in ("temperature", "top_p", "top_k", "seed", "num_speculative_tokens", "drafter")
+        if key in body
     }
     max_tokens_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens_key in body:
@@ -272,7 +275,9 @@ def parse_openai_request(
                 raise RequestError(f"prompt[{index}]:{str(error)[len('prompt:'):]}", error.status) from None
             raise
         for choice in range(n):
-            generations.append(dataclasses.replace(generation, seed=choice_seed(generation.seed, choice)))
+            generations.append(
+                dataclasses.replace(generation, seed=choice_seed(generation.seed, choice), logprobs=num_top_logprobs)
+            )
     prefix = "chatcmpl-" if kind == ROUTE_CHAT else "cmpl-"
     return OpenAIRequest(
         kind=kind,

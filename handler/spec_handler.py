@@ -159,6 +159,9 @@ class SpeculativeHandler(BaseHandler):
         progress = self.progress[index]
         if row.finish_reason is not None:
             progress.finished_at = time.perf_counter()
+            if index in self.streams and row.result is not None:
+                # This choice is done while others may run on: its last chunk goes now.
+                self._send(index, self.streams[index].on_finished(choice, row.result), "text/event-stream")
             return  # the final chunk carries the rest
         if index in self.streams:
             self._send(index, self.streams[index].on_tokens(choice, row.token_ids), "text/event-stream")

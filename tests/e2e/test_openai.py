@@ -252,3 +252,44 @@ def test_the_demo_request_goes_through_the_openai_client(server):
     assert "completion tokens" in out.getvalue() and "acceptance" in out.getvalue()
     with pytest.raises(openai_demo.OpenAIDemoError, match="404"):
         openai_demo.run(server.inference_url, "no-such-model", None, max_tokens=8, out=io.StringIO())
+
+
+def test_logprobs_equal_a_direct_forward_of_the_target(client, server, tiny_models_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_models_dir / "target", dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models_dir / "target")
+    sampling = {"temperature": 0.7, "top_p": 0.9, "seed": 5}
+
+    def reference(prompt_ids: list[int], token_ids: list[int]) -> torch.Tensor:  # [completion, vocab]
+        with torch.no_grad():
+            logits = target(torch.tensor([prompt_ids + token_ids])).logits[0, len(prompt_ids) - 1 : -1]
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    prompt = "def fibonacci(n):"
+    native = server.predict_ok({"prompt": prompt, "max_new_tokens": 12, **sampling})
+    answer = complete(client, server, prompt=prompt, max_tokens=12, logprobs=2, **sampling)
+    expected = reference(tokenizer(prompt)["input_ids"], native["token_ids"])
+    logprobs = answer.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == answer.usage.completion_tokens == len(native["token_ids"])
+    chosen = expected.gather(-1, torch.tensor(native["token_ids"])[:, None])[:, 0]
+    assert logprobs.token_logprobs == pytest.approx(chosen.tolist(), abs=1e-4)
+    assert [max(top.values()) for top in logprobs.top_logprobs] == pytest.approx(
+        expected.max(dim=-1).values.tolist(), abs=1e-4
+    )
+
+    native = server.predict_ok({"messages": CHAT, "max_new_tokens": 10, **sampling})
+    answer = chat(client, server, messages=CHAT, max_tokens=10, logprobs=True, top_logprobs=3, **sampling)
+    rendered = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    expected = reference(tokenizer(rendered, add_special_tokens=False)["input_ids"], native["token_ids"])
+    content = answer.choices[0].logprobs.content
+    assert [entry.logprob for entry in content] == pytest.approx(
+        expected.gather(-1, torch.tensor(native["token_ids"])[:, None])[:, 0].tolist(), abs=1e-4
+    )
+    for entry, row in zip(content, expected):
+        assert [top.logprob for top in entry.top_logprobs] == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+    chunks = list(chat(client, server, messages=CHAT, max_tokens=10, logprobs=True, top_logprobs=3, stream=True,
+                       **sampling))
+    streamed = [entry for chunk in chunks if chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    assert [entry.token for entry in streamed] == [entry.token for entry in content]

@@ -143,16 +143,50 @@ def test_chat_logprobs_format():
 
 
 def test_completion_logprobs_format():
-    formatted = completion_logprobs(logprobs_of([1, 2, 3]), TokenTexts(PieceTokenizer()), num_top=1, text_offset=4)
+    formatted = completion_logprobs(logprobs_of([1, 2, 3]), TokenTexts(PieceTokenizer()), num_top=1)
     assert formatted["tokens"] == ["Hel", "lo", " wor"]
     assert formatted["token_logprobs"] == [-0.25, -0.5, -0.75]
-    assert formatted["text_offset"] == [4, 7, 9]
+    assert formatted["text_offset"] == [0, 3, 5]
     # The top entry, plus the emitted token when it is not among them (legacy API).
     assert formatted["top_logprobs"] == [{"Hel": -0.25}, {"lo": -0.5}, {" wor": -0.75}]
     zero = completion_logprobs(logprobs_of([1]), TokenTexts(PieceTokenizer()), num_top=0)
     assert zero["top_logprobs"] == [{"Hel": -0.25}]
     two = completion_logprobs(logprobs_of([1]), TokenTexts(PieceTokenizer()), num_top=2)
     assert two["top_logprobs"] == [{"Hel": -0.25, "!": -1.5}]
+
+
+def test_tokens_sharing_a_text_keep_the_likeliest_logprob():
+    # Ids 5 and 6 both read "!" here; the likelier one's logprob stands for the text.
+    pieces = {**PIECES, 6: "!"}
+
+    class SharedTexts(PieceTokenizer):
+        def decode(self, token_ids, skip_special_tokens=False):
+            return "".join(pieces[i] for i in token_ids)
+
+    entry = FakeLogprob(1, -0.5, ((5, -1.0), (6, -2.0), (1, -0.5)))
+    formatted = completion_logprobs([entry], TokenTexts(SharedTexts()), num_top=3)
+    assert formatted["top_logprobs"] == [{"!": -1.0, "Hel": -0.5}]
+
+
+def test_split_characters_have_exact_bytes_with_a_byte_level_tokenizer(tiny_models_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models_dir / "target")
+    text = "naïve 世界 ok"
+    token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    texts = TokenTexts(tokenizer)
+    assert texts.byte_level
+    assert bytes(sum((texts.bytes(t) for t in token_ids), [])).decode("utf-8") == text
+    split = [t for t in token_ids if "\ufffd" in tokenizer.decode([t])]
+    assert split, "the tiny vocabulary has no token for these characters: they split into bytes"
+    assert all(texts(t).startswith("bytes:\\x") for t in split)
+    assert texts(tokenizer.eos_token_id) == tokenizer.eos_token and texts.bytes(tokenizer.eos_token_id) is not None
+    entries = [FakeLogprob(t, -1.0, ()) for t in token_ids]
+    offsets = completion_logprobs(entries, texts, num_top=0)["text_offset"]
+    # Each token starts where the text decoded from the tokens before it ends.
+    for index, offset in enumerate(offsets):
+        prefix = tokenizer.decode(token_ids[:index])
+        assert offset == len(prefix.rstrip("\ufffd")), (index, prefix)
 
 
 def test_bodies_carry_logprobs_when_asked():

@@ -151,6 +151,14 @@ def test_stream_options_and_logprobs_fields(tokenizer):
     assert parse(ROUTE_COMPLETIONS, {"prompt": "x", "logprobs": 5}, tokenizer).num_top_logprobs == 5
 
 
+def test_logprobs_and_drafter_reach_every_row(tokenizer):
+    request = parse(ROUTE_COMPLETIONS, {"prompt": "x", "logprobs": 3, "n": 2, "drafter": "ngram"}, tokenizer)
+    assert [(g.logprobs, g.drafter) for g in request.generations] == [(3, "ngram"), (3, "ngram")]
+    chat = parse(ROUTE_CHAT, {"messages": MESSAGES, "logprobs": True}, tokenizer)
+    assert chat.generations[0].logprobs == 0 and chat.generations[0].drafter == CONFIG.drafter
+    assert parse(ROUTE_CHAT, {"messages": MESSAGES}, tokenizer).generations[0].logprobs is None
+
+
 NEUTRAL_ACCEPTED = [
     (ROUTE_COMPLETIONS, {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "echo": False,
                          "best_of": 1, "suffix": "", "user": "u1"}),
@@ -191,6 +199,7 @@ REFUSED = [
     (ROUTE_COMPLETIONS, {"logprobs": 21}, "logprobs", 400),
     (ROUTE_COMPLETIONS, {"model": "gpt-4o"}, "model", 404),
     (ROUTE_COMPLETIONS, {"num_speculative_tokens": 9}, "num_speculative_tokens", 400),
+    (ROUTE_COMPLETIONS, {"drafter": "eagle"}, "drafter", 400),
     (ROUTE_CHAT, {"tools": [{"type": "function"}]}, "tools", 400),
     (ROUTE_CHAT, {"response_format": {"type": "json_object"}}, "response_format", 400),
     (ROUTE_CHAT, {"top_logprobs": 2}, "top_logprobs", 400),
