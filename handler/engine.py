@@ -30,12 +30,10 @@ from handler.adaptive import AcceptanceTracker, AdaptiveK
 from handler.config import SamplingParams
 from handler.kv_cache import RaggedCache, left_pad
 from handler.sampler import draw_step_uniforms, rejection_sample, sample_from_probs, warp_logits_to_probs
+from handler.schema import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
+from handler.stopping import StopChecker
 
 logger = logging.getLogger(__name__)
-
-FINISH_LENGTH = "length"
-FINISH_EOS = "eos"
-FINISH_STOP = "stop"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +108,7 @@ class _Row:
         self.eos_token_ids = eos_token_ids
         self.token_ids: list[int] = []
         self.text = ""
+        self.stop_checker = StopChecker(tokenizer, request.stop) if request.stop else None
         self.finish_reason: str | None = None
         self.stats = SpeculativeStats(num_speculative_tokens=request.num_speculative_tokens)
         self.generator = None
@@ -155,15 +154,11 @@ class _Row:
         return kept
 
     def _hit_stop_string(self) -> bool:
-        # Only the tail can hold a stop string that the last token completed.
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        search_from = max(0, len(self.text) - max(len(s) for s in self.request.stop))
-        self.text = text
-        hits = [i for i in (text.find(s, search_from) for s in self.request.stop) if i >= 0]
-        if hits:
-            self.text = text[: min(hits)]
-            return True
-        return False
+        match = self.stop_checker.add_token(self.token_ids[-1])
+        if match is None:
+            return False
+        self.text = match.text
+        return True
 
     def result(self) -> GenerationResult:
         assert self.finish_reason is not None
