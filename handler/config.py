@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFT_QUANTIZATIONS = ("none", "int8")
@@ -82,7 +83,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @classmethod
-    def from_dict(cls, raw: Any, section: str = "handler.sampling.") -> "SamplingParams":
+    def from_dict(cls, raw: Any, section: str = "handler.sampling.") -> SamplingParams:
         if not isinstance(raw, Mapping):
             raise ValueError(f"model-config.yaml: {section.rstrip('.')} must be a mapping")
         _check_keys(section, raw, ("temperature", "top_k", "top_p"))
@@ -112,7 +113,7 @@ class HandlerConfig:
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
     @classmethod
-    def from_dict(cls, raw: Any) -> "HandlerConfig":
+    def from_dict(cls, raw: Any) -> HandlerConfig:
         """Builds the config from the `handler` mapping; raises ValueError naming the bad key."""
         if raw is None:
             raw = {}

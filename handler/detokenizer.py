@@ -27,7 +27,7 @@ so the text is always exactly `tokenizer.decode(ids, skip_special_tokens=True)`.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 REPLACEMENT_CHARACTER = "\ufffd"
 # Tokens decoded before the live ones; SentencePiece needs one, a few cost nothing.

@@ -11,7 +11,7 @@ request's own error answer, never the batch's.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 from handler import schema
 from handler.config import HandlerConfig, SamplingParams, sampling_problem
@@ -76,9 +76,7 @@ def _prompt_ids(body: Mapping, tokenizer) -> list[int]:
 def parse_request(body: Mapping, config: HandlerConfig, tokenizer, max_context: int) -> ParsedRequest:
     """Validates one JSON request against the config and the model's context size."""
     schema.check_known_fields(body)
-    max_new_tokens = schema.integer_field(
-        body, "max_new_tokens", config.max_new_tokens, 1, config.max_new_tokens_limit
-    )
+    max_new_tokens = schema.integer_field(body, "max_new_tokens", config.max_new_tokens, 1, config.max_new_tokens_limit)
     sampling = _sampling(body, config.sampling)
     num_speculative_tokens = schema.integer_field(
         body, "num_speculative_tokens", config.num_speculative_tokens, 0, config.max_num_speculative_tokens

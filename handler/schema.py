@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 # --- Request -------------------------------------------------------------------------------------
 
@@ -170,9 +171,7 @@ def decode_body(value: Any, content_type: str | None = None) -> dict:
 # --- Answer builders -----------------------------------------------------------------------------
 
 
-def answer(
-    text: str, token_ids: Sequence[int], finish_reason: str, prompt_tokens: int, speculative: Mapping
-) -> dict:
+def answer(text: str, token_ids: Sequence[int], finish_reason: str, prompt_tokens: int, speculative: Mapping) -> dict:
     """The JSON answer of a finished request (also the fields of a stream's last line)."""
     assert finish_reason in FINISH_REASONS, finish_reason
     return {

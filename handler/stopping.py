@@ -15,7 +15,7 @@ decodes a bounded window per token, so one token costs O(longest stop string
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from handler.detokenizer import IncrementalDecoder
 

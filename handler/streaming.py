@@ -10,7 +10,7 @@ the same at the 10th token as at the 2,000th.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from handler.detokenizer import REPLACEMENT_CHARACTER, IncrementalDecoder
 

@@ -9,7 +9,9 @@ import pytest
 from handler.config import HandlerConfig, SamplingParams
 from handler.protocol import RequestError, decode_body, parse_request
 
-CONFIG = HandlerConfig(num_speculative_tokens=4, max_num_speculative_tokens=8, max_new_tokens=32, max_new_tokens_limit=64)
+CONFIG = HandlerConfig(
+    num_speculative_tokens=4, max_num_speculative_tokens=8, max_new_tokens=32, max_new_tokens_limit=64
+)
 MAX_CONTEXT = 512
 
 

