@@ -64,7 +64,7 @@ test: install ## Run the whole test suite (every tier)
 	$(PY) -m pytest tests -q -ra $(PYTEST_ARGS)
 
 test-fast: install ## Run the unit tier only (under 30 s)
-	$(PY) -m pytest tests -q -ra -m unit $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/scripts -q -ra -m unit $(PYTEST_ARGS)
 
 lint: install ## ruff: lint and formatting check
 	$(PY) -m ruff check .

@@ -38,7 +38,7 @@ from urllib.parse import urlparse
 import psutil
 import requests
 
-from scripts import torchserve
+from scripts import package_mar, torchserve
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -120,28 +120,12 @@ def package_if_needed(fingerprint: str) -> bool:
         return False
     print(f"packaging {TARGET_DIR} + {DRAFT_DIR} + {MODEL_CONFIG} into {archive}/ (copies ~4 GB) ...", flush=True)
     started = time.monotonic()
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scripts.package_mar",
-            "--model-name",
-            MODEL_NAME,
-            "--target",
-            str(TARGET_DIR),
-            "--draft",
-            str(DRAFT_DIR),
-            "--config",
-            str(MODEL_CONFIG),
-            "--export-path",
-            str(MODEL_STORE),
-            "--archive-format",
-            "no-archive",
-            "--force",
-        ]
-    )
-    if result.returncode != 0:
-        raise DemoError("scripts.package_mar failed (see its messages above)")
+    try:
+        package_mar.package(
+            MODEL_NAME, TARGET_DIR, DRAFT_DIR, MODEL_CONFIG, MODEL_STORE, archive_format="no-archive", force=True
+        )
+    except package_mar.PackagingError as error:
+        raise DemoError(f"packaging failed: {error}") from None
     stamp.write_text(fingerprint)
     print(f"packaged in {time.monotonic() - started:.0f} s")
     return True

@@ -305,6 +305,15 @@ def measure_acceptance(
     }
 
 
+def save_tokenizer(out: Path) -> None:
+    """Only the tokenizer, with the target's config.json so that transformers loads it as it loads the pair's."""
+    tokenizer = build_tokenizer()
+    eos_token_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    out.mkdir(parents=True, exist_ok=True)
+    build_config(TARGET_VOCAB_SIZE, eos_token_id).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
 def build(out: Path, seed: int, draft_noise: float):
     """Build and save the pair; returns (target, draft, tokenizer)."""
     torch.manual_seed(seed)

@@ -10,7 +10,8 @@ own with `pytestmark`):
 - deploy: tests/deploy, static checks of the Dockerfile and the manifests.
 
 The one model fixture, `tiny_models_dir`, builds the tiny random target/draft
-pair offline, once per session.
+pair offline, once per session; `tiny_tokenizer` is the pair's tokenizer alone,
+for the unit tier, without building the models.
 """
 
 from __future__ import annotations
@@ -34,6 +35,18 @@ TIER_BY_FOLDER = {
 TIERS = frozenset(TIER_BY_FOLDER.values())
 
 
+def run_module(module: str, *args: str, timeout_s: float = 300, check: bool = False) -> subprocess.CompletedProcess:
+    """`python -m module args` from the repository root, as the Makefile runs the scripts; output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=check,
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if TIERS & {marker.name for marker in item.iter_markers()}:
@@ -49,11 +62,17 @@ def pytest_collection_modifyitems(config, items):
 def tiny_models_dir(tmp_path_factory) -> pathlib.Path:
     """A folder with `target/` and `draft/`, made by scripts.make_tiny_models once per session."""
     out = tmp_path_factory.mktemp("tiny-models")
-    subprocess.run(
-        [sys.executable, "-m", "scripts.make_tiny_models", "--out", str(out)],
-        cwd=REPO_ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    run_module("scripts.make_tiny_models", "--out", str(out), check=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):
+    """The tiny pair's tokenizer, loaded as the handler loads the target's."""
+    from transformers import AutoTokenizer
+
+    from scripts import make_tiny_models
+
+    out = tmp_path_factory.mktemp("tiny-tokenizer")
+    make_tiny_models.save_tokenizer(out)
+    return AutoTokenizer.from_pretrained(out)

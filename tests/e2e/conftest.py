@@ -17,8 +17,6 @@ import dataclasses
 import os
 import shutil
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,7 @@ import requests
 import yaml
 
 from scripts import torchserve
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, run_module
 
 MODEL_NAME = "tiny-spec"
 HTTP_TIMEOUT_S = 120  # one generation on 2 CPU cores takes about a second
@@ -134,26 +132,10 @@ def model_archive(tiny_models_dir, tmp_path_factory) -> Path:
     model_config = root / "model-config.yaml"
     write_model_config(model_config)
     model_store = root / "model_store"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scripts.package_mar",
-            "--model-name",
-            MODEL_NAME,
-            "--target",
-            str(tiny_models_dir / "target"),
-            "--draft",
-            str(tiny_models_dir / "draft"),
-            "--config",
-            str(model_config),
-            "--export-path",
-            str(model_store),
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_module(
+        "scripts.package_mar",
+        *("--model-name", MODEL_NAME, "--config", str(model_config), "--export-path", str(model_store)),
+        *("--target", str(tiny_models_dir / "target"), "--draft", str(tiny_models_dir / "draft")),
     )
     assert result.returncode == 0, f"package_mar failed:\n{result.stdout}\n{result.stderr}"
     archive = model_store / f"{MODEL_NAME}.mar"

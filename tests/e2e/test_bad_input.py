@@ -6,8 +6,6 @@ and promptly instead of hanging, and leaves the server serving.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +13,7 @@ import pytest
 import requests
 import yaml
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, run_module
 
 from .conftest import HTTP_TIMEOUT_S
 
@@ -117,27 +115,11 @@ def test_bad_handler_config_fails_registration_promptly(server, tiny_models_dir,
     config_path = tmp_path / "bad.yaml"
     config_path.write_text(yaml.safe_dump(config))
     store = server.model_store
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scripts.package_mar",
-            "--model-name",
-            "broken",
-            "--target",
-            str(tiny_models_dir / "target"),
-            "--draft",
-            str(tiny_models_dir / "draft"),
-            "--config",
-            str(config_path),
-            "--export-path",
-            str(store),
-            "--force",
-        ],
+    run_module(
+        "scripts.package_mar",
+        *("--model-name", "broken", "--config", str(config_path), "--export-path", str(store), "--force"),
+        *("--target", str(tiny_models_dir / "target"), "--draft", str(tiny_models_dir / "draft")),
         check=True,
-        capture_output=True,
-        timeout=300,
-        cwd=REPO_ROOT,
     )
     started = time.monotonic()
     try:

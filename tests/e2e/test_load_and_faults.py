@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -27,7 +25,7 @@ import pytest
 import requests
 
 from scripts import loadtest, torchserve
-from tests.conftest import REPO_ROOT
+from tests.conftest import run_module
 
 REQUEST_TIMEOUT_S = 60  # longest wait for the next bytes of one answer
 RESTART_TIMEOUT_S = 90  # TorchServe restarts a dead worker after a short backoff, then it reloads
@@ -119,31 +117,10 @@ def wait_for_new_worker(server, old_pid: int, deadline: float) -> tuple[int | No
 
 def test_loadtest_200_requests_no_errors_none_lost(server, tmp_path):
     report = tmp_path / "load.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scripts.loadtest",
-            "--url",
-            server.inference_url,
-            "--model",
-            server.model_name,
-            "--no-auth",
-            "--requests",
-            "200",
-            "--concurrency",
-            "8",
-            "--max-new-tokens",
-            "12",
-            "--timeout",
-            str(REQUEST_TIMEOUT_S),
-            "--json-out",
-            str(report),
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_module(
+        "scripts.loadtest",
+        *("--url", server.inference_url, "--model", server.model_name, "--no-auth", "--json-out", str(report)),
+        *("--requests", "200", "--concurrency", "8", "--max-new-tokens", "12", "--timeout", str(REQUEST_TIMEOUT_S)),
     )
     print(result.stdout)
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{server.log_tail()}"

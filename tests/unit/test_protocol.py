@@ -16,10 +16,8 @@ MAX_CONTEXT = 512
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_models_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_models_dir / "target")
+def tokenizer(tiny_tokenizer):
+    return tiny_tokenizer
 
 
 def parse(body, tokenizer, config=CONFIG):

@@ -59,13 +59,6 @@ class CountingTokenizer:
 
 
 @pytest.fixture(scope="module")
-def tiny_tokenizer(tiny_models_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_models_dir / "target")
-
-
-@pytest.fixture(scope="module")
 def sentencepiece_tokenizer():
     """A Metaspace BPE, trained on the fly, in the way of Llama's and Mistral's tokenizers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
