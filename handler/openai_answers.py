@@ -16,10 +16,11 @@ import codecs
 import json
 from typing import Sequence
 
+from handler.detokenizer import REPLACEMENT_CHARACTER
 from handler.engine import GenerationResult
 from handler.openai_api import ROUTE_CHAT, OpenAIRequest, error_answer
-from handler.protocol import RequestError
-from handler.streaming import REPLACEMENT_CHARACTER, DeltaTracker
+from handler.schema import RequestError
+from handler.streaming import DeltaTracker
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 # JSON has no -Infinity; OpenAI reports impossible tokens at -9999.
@@ -203,7 +204,12 @@ def completion_logprobs(entries: Sequence, texts: TokenTexts, num_top: int, offs
         top_logprobs.append(top)
         token_bytes = texts.bytes(entry.token_id)
         text_offset.append(offsets.advance(bytes(token_bytes) if token_bytes is not None else token.encode("utf-8")))
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
 
 
 # ---------------------------------------------------------------------------

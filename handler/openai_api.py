@@ -30,7 +30,8 @@ from typing import Any, Callable, Mapping
 
 from handler.config import HandlerConfig
 from handler.engine import GenerationRequest
-from handler.protocol import SEED_RANGE, RequestError, integer_field, parse_request
+from handler.protocol import parse_request
+from handler.schema import SEED_RANGE, RequestError, integer_field
 
 ROUTE_NATIVE = "native"
 ROUTE_COMPLETIONS = "completions"
@@ -272,7 +273,7 @@ def parse_openai_request(
             generation = parse_request({**native, **prompt}, config, tokenizer, max_context).generation
         except RequestError as error:
             if len(prompts) > 1 and str(error).startswith("prompt:"):
-                raise RequestError(f"prompt[{index}]:{str(error)[len('prompt:'):]}", error.status) from None
+                raise RequestError(f"prompt[{index}]:{str(error)[len('prompt:') :]}", error.status) from None
             raise
         for choice in range(n):
             generations.append(
@@ -317,7 +318,7 @@ def _stream_fields(body: Mapping) -> tuple[bool, bool]:
     if not stream:
         raise RequestError("stream_options: only allowed with stream: true")
     if not isinstance(options, Mapping):
-        raise RequestError("stream_options: must be an object such as {\"include_usage\": true}")
+        raise RequestError('stream_options: must be an object such as {"include_usage": true}')
     for key, value in options.items():
         if key not in STREAM_OPTIONS:
             raise RequestError(f"stream_options.{key}: unknown option; known options are {', '.join(STREAM_OPTIONS)}")
@@ -385,7 +386,7 @@ def _text_of_parts(parts: list, field: str) -> str:
     texts = []
     for index, part in enumerate(parts):
         if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise RequestError(f"{field}[{index}]: only {{\"type\": \"text\", \"text\": ...}} parts are supported")
+            raise RequestError(f'{field}[{index}]: only {{"type": "text", "text": ...}} parts are supported')
         texts.append(part["text"])
     return "\n".join(texts)
 

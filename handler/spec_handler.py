@@ -16,12 +16,12 @@ import torch
 from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.torch_handler.base_handler import BaseHandler
 
+from handler import openai_api
 from handler.adaptive import measure_cost_model
 from handler.config import handler_config_from_yaml_config
 from handler.engine import SpeculativeEngine
 from handler.loading import load_models
 from handler.metrics import MetricsRecorder
-from handler import openai_api
 from handler.openai_answers import OpenAIStream, response_body
 from handler.openai_api import OpenAIRequest
 from handler.protocol import (
@@ -133,7 +133,9 @@ class SpeculativeHandler(BaseHandler):
         requests = [_generations(data[i])[choice] for i, choice in rows]
         self.progress = {
             i: RequestProgress(
-                isinstance(data[i], ParsedRequest) and data[i].stream, self.models.tokenizer, _generations(data[i])[0].stop
+                isinstance(data[i], ParsedRequest) and data[i].stream,
+                self.models.tokenizer,
+                _generations(data[i])[0].stop,
             )
             for i in valid
         }

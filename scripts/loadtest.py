@@ -14,8 +14,8 @@ The exit status is 1 when any request failed, was malformed or was lost,
 unless --allow-errors is given.
 
 Usage:
-    python scripts/loadtest.py --requests 200 --concurrency 8
-    python scripts/loadtest.py --model tiny-spec --no-auth --requests 50 --json-out load.json
+    python -m scripts.loadtest --requests 200 --concurrency 8
+    python -m scripts.loadtest --model tiny-spec --no-auth --requests 50 --json-out load.json
 """
 
 from __future__ import annotations
@@ -29,16 +29,15 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from client import (  # noqa: E402  (the sibling script, importable once its folder is on the path)
+from scripts.torchserve import (
+    DEFAULT_INFERENCE_URL,
     DEFAULT_KEY_FILE,
     DEFAULT_MODEL,
-    DEFAULT_URL,
     ClientError,
     auth_headers,
     generate,
@@ -60,7 +59,7 @@ OUTCOMES = ("ok", "http_error", "malformed", "lost")
 
 @dataclasses.dataclass(frozen=True)
 class LoadConfig:
-    url: str = DEFAULT_URL
+    url: str = DEFAULT_INFERENCE_URL
     model: str = DEFAULT_MODEL
     key_file: Path | None = DEFAULT_KEY_FILE  # None: send no key
     num_requests: int = 100
@@ -249,28 +248,45 @@ def format_table(summary: dict) -> str:
     kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(summary["by_kind"].items()))
     rows = [
         ("model", f"{config['model']} at {config['url']}"),
-        ("requests", f"{summary['requests']} at concurrency {config['concurrency']}, "
-                     f"max_new_tokens {config['max_new_tokens']} ({kinds})"),
+        (
+            "requests",
+            f"{summary['requests']} at concurrency {config['concurrency']}, "
+            f"max_new_tokens {config['max_new_tokens']} ({kinds})",
+        ),
         ("ok", str(summary["ok"])),
         ("errors", f"{summary['errors']} {summary['errors_by_status'] or ''}".rstrip()),
         ("malformed", str(summary["malformed"])),
         ("LOST", f"{summary['lost']} {summary['lost_by_error'] or ''}".rstrip()),
         ("wall time", f"{summary['wall_s']:.2f} s"),
-        ("throughput", f"{summary['requests_per_s']:.2f} req/s, {summary['tokens_per_s']:.1f} tokens/s "
-                       f"({summary['completion_tokens']} completion tokens)"),
-        ("latency p50/p95/p99", " / ".join(_seconds(latency[p]) for p in ("p50", "p95", "p99"))
-         + f" s (max {_seconds(latency['max'])} s)"),
-        ("first chunk p50/p95/p99", " / ".join(_seconds(first_chunk[p]) for p in ("p50", "p95", "p99"))
-         + " s (streams)"),
+        (
+            "throughput",
+            f"{summary['requests_per_s']:.2f} req/s, {summary['tokens_per_s']:.1f} tokens/s "
+            f"({summary['completion_tokens']} completion tokens)",
+        ),
+        (
+            "latency p50/p95/p99",
+            " / ".join(_seconds(latency[p]) for p in ("p50", "p95", "p99")) + f" s (max {_seconds(latency['max'])} s)",
+        ),
+        (
+            "first chunk p50/p95/p99",
+            " / ".join(_seconds(first_chunk[p]) for p in ("p50", "p95", "p99")) + " s (streams)",
+        ),
     ]
     if summary["mean_acceptance_rate"] is not None:
-        rows.append(("acceptance", f"{100 * summary['mean_acceptance_rate']:.1f}% mean, "
-                                   f"mean accepted length {summary['mean_accepted_length']:.2f} tokens/target pass"))
+        rows.append(
+            (
+                "acceptance",
+                f"{100 * summary['mean_acceptance_rate']:.1f}% mean, "
+                f"mean accepted length {summary['mean_accepted_length']:.2f} tokens/target pass",
+            )
+        )
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]
     for failure in summary["failures"][:10]:
-        lines.append(f"  #{failure['index']} {failure['kind']}: {failure['outcome']} "
-                     f"(status {failure['status']}) {failure['error'][:160]}")
+        lines.append(
+            f"  #{failure['index']} {failure['kind']}: {failure['outcome']} "
+            f"(status {failure['status']}) {failure['error'][:160]}"
+        )
     if len(summary["failures"]) > 10:
         lines.append(f"  ... and {len(summary['failures']) - 10} more (see --json-out)")
     return "\n".join(lines)
@@ -298,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--url", default=DEFAULT_URL, help=f"inference address (default {DEFAULT_URL})")
+    parser.add_argument(
+        "--url", default=DEFAULT_INFERENCE_URL, help=f"inference address (default {DEFAULT_INFERENCE_URL})"
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"registered model name (default {DEFAULT_MODEL})")
     auth = parser.add_mutually_exclusive_group()
     auth.add_argument("--key-file", type=Path, default=DEFAULT_KEY_FILE, help="default ./key_file.json")
@@ -329,8 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout,
         mix_seed=args.mix_seed,
     )
-    print(f"sending {config.num_requests} requests to {config.url}/predictions/{config.model} "
-          f"at concurrency {config.concurrency} ...", file=sys.stderr)
+    print(
+        f"sending {config.num_requests} requests to {config.url}/predictions/{config.model} "
+        f"at concurrency {config.concurrency} ...",
+        file=sys.stderr,
+    )
     done = [0]
     lock = threading.Lock()
 

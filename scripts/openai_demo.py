@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """One streamed chat request through the official OpenAI client, against the served model.
 
 The OpenAI-compatible routes live under
@@ -6,32 +5,28 @@ The OpenAI-compatible routes live under
 on, the client's api_key is TorchServe's inference key (sent as
 `Authorization: Bearer ...`).
 
-`scripts/demo.py` calls `run()`; on its own:
+`scripts.demo` calls `run()`; on its own, against a running server:
 
-    python scripts/openai_demo.py --url http://127.0.0.1:8080 --model qwen-coder-spec --key-file key_file.json
+    python -m scripts.openai_demo [--url http://127.0.0.1:8080] [--model qwen-coder-spec] [--key-file key_file.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import TextIO
 
-MODEL_VERSION = "1.0"  # what scripts/package_mar.py writes into the archive
+from scripts import package_mar, torchserve
+
 MESSAGES = [
     {"role": "system", "content": "You are a concise coding assistant."},
     {"role": "user", "content": "Write a Python function that reverses the order of the words in a sentence."},
 ]
 
 
-class OpenAIDemoError(Exception):
-    """The request failed; the message says why."""
-
-
-def base_url(inference_url: str, model_name: str, version: str = MODEL_VERSION) -> str:
-    """The OpenAI base URL of a model served by TorchServe."""
+def base_url(inference_url: str, model_name: str, version: str = package_mar.MODEL_VERSION) -> str:
+    """The OpenAI base URL of a model served by TorchServe; the version is part of it."""
     return f"{inference_url.rstrip('/')}/predictions/{model_name}/{version}/v1"
 
 
@@ -49,17 +44,19 @@ def run(
         model_name: the registered model.
         api_key: the inference key from key_file.json; None when token auth is off.
         max_tokens: the answer's token budget.
-        out: where the answer and its statistics are written.
+        out: where the question, the answer and its statistics are written.
+    Returns:
+        The answer's text.
     Raises:
-        OpenAIDemoError: when the server refuses or cannot be reached.
+        torchserve.ClientError: the server refused the request or could not be reached.
     """
     import openai  # only this demo needs the client
 
     client = openai.OpenAI(
         base_url=base_url(inference_url, model_name),
-        api_key=api_key or "no-key",  # the client insists on one; the server ignores it when auth is off
+        api_key=api_key or "no-key",  # the client insists on one; a server without token auth ignores it
         max_retries=0,
-        timeout=600,
+        timeout=torchserve.DEFAULT_TIMEOUT_S,
     )
     out.write(f">>> {MESSAGES[-1]['content']}\n\n")
     parts, usage, speculative = [], None, None
@@ -80,9 +77,11 @@ def run(
             speculative = (chunk.model_extra or {}).get("speculative", speculative)
             usage = chunk.usage or usage
     except openai.APIStatusError as error:
-        raise OpenAIDemoError(f"the server answered HTTP {error.status_code}: {error.message}") from None
+        raise torchserve.ClientError(
+            f"{client.base_url}: HTTP {error.status_code}: {error.message}", error.status_code
+        ) from None
     except openai.APIError as error:
-        raise OpenAIDemoError(f"no answer from {client.base_url}: {error}") from None
+        raise torchserve.ClientError(f"no answer from {client.base_url}: {error}") from None
     summary = [f"{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens"] if usage else []
     if speculative:
         summary.append(f"acceptance {speculative['acceptance_rate']:.0%}")
@@ -93,18 +92,19 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8080", help="TorchServe inference address")
-    parser.add_argument("--model", default="qwen-coder-spec", help="registered model name")
-    parser.add_argument("--key-file", type=Path, default=Path("key_file.json"),
-                        help="TorchServe's key file (ignored when it does not exist: token auth off)")
+    parser.add_argument("--url", default=torchserve.DEFAULT_INFERENCE_URL, help="TorchServe inference address")
+    parser.add_argument("--model", default=torchserve.DEFAULT_MODEL, help="registered model name")
+    parser.add_argument(
+        "--key-file",
+        type=Path,
+        default=torchserve.DEFAULT_KEY_FILE,
+        help="TorchServe's key file (no key is sent when it does not exist: token auth off)",
+    )
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args(argv)
-    key = None
-    if args.key_file.is_file():
-        key = json.loads(args.key_file.read_text(encoding="utf-8"))["inference"]["key"]
     try:
-        run(args.url, args.model, key, args.max_tokens)
-    except OpenAIDemoError as error:
+        run(args.url, args.model, torchserve.read_key(args.key_file), args.max_tokens)
+    except torchserve.ClientError as error:
         print(f"openai demo failed: {error}", file=sys.stderr)
         return 1
     return 0

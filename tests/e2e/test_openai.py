@@ -75,7 +75,9 @@ def test_greedy_completion_equals_the_native_answer(client, server):
     assert answer.object == "text_completion" and answer.model == server.model_name
     assert answer.id.startswith("cmpl-") and answer.created > 0
     assert answer.choices[0].text == native["text"]
-    assert answer.choices[0].finish_reason == {"eos": "stop", "stop": "stop", "length": "length"}[native["finish_reason"]]
+    assert (
+        answer.choices[0].finish_reason == {"eos": "stop", "stop": "stop", "length": "length"}[native["finish_reason"]]
+    )
     assert answer.usage.prompt_tokens == native["usage"]["prompt_tokens"]
     assert answer.usage.completion_tokens == native["usage"]["completion_tokens"]
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
@@ -145,8 +147,11 @@ def test_seeds_repeat_and_n_choices_have_their_own(client, server):
     assert [c.text for c in complete(client, server, **fields, n=3).choices] == [c.text for c in three.choices]
     assert three.usage.prompt_tokens == once.usage.prompt_tokens
     assert three.usage.completion_tokens == sum(
-        len(server.predict_ok({"prompt": fields["prompt"], "max_new_tokens": 12, "temperature": 1.0,
-                               "seed": seed})["token_ids"])
+        len(
+            server.predict_ok({"prompt": fields["prompt"], "max_new_tokens": 12, "temperature": 1.0, "seed": seed})[
+                "token_ids"
+            ]
+        )
         for seed in [choice_seed(21, choice) for choice in range(3)]
     )
 
@@ -165,8 +170,9 @@ def test_stop_strings_cut_the_answer_streamed_or_not(client, server):
     stop = full[8:11]
     answer = complete(client, server, prompt="def fibonacci(n):", max_tokens=30, temperature=0, stop=stop)
     assert answer.choices[0].text == full[: full.index(stop)] and answer.choices[0].finish_reason == "stop"
-    chunks = list(complete(client, server, prompt="def fibonacci(n):", max_tokens=30, temperature=0, stop=[stop],
-                           stream=True))
+    chunks = list(
+        complete(client, server, prompt="def fibonacci(n):", max_tokens=30, temperature=0, stop=[stop], stream=True)
+    )
     assert streamed_text(chunks) == answer.choices[0].text
 
 
@@ -204,8 +210,17 @@ def test_chat_errors_and_neutral_values(client, server):
     with pytest.raises(openai.BadRequestError, match="messages"):
         chat(client, server, messages=[])
     # Standard fields at their neutral values pass.
-    answer = chat(client, server, messages=CHAT, max_tokens=3, presence_penalty=0, frequency_penalty=0,
-                  logit_bias={}, response_format={"type": "text"}, user="test")
+    answer = chat(
+        client,
+        server,
+        messages=CHAT,
+        max_tokens=3,
+        presence_penalty=0,
+        frequency_penalty=0,
+        logit_bias={},
+        response_format={"type": "text"},
+        user="test",
+    )
     assert answer.choices[0].finish_reason in ("stop", "length")
 
 
@@ -221,8 +236,9 @@ def test_other_errors_have_their_status(client, server, base_url):
     # A streamed request refused up front is a plain JSON 400, not a stream.
     with pytest.raises(openai.BadRequestError):
         complete(client, server, prompt="Hello", stream=True, presence_penalty=1)
-    response = requests.post(f"{base_url}/completions", data=b"{broken", timeout=HTTP_TIMEOUT_S,
-                             headers={"Content-Type": "application/json"})
+    response = requests.post(
+        f"{base_url}/completions", data=b"{broken", timeout=HTTP_TIMEOUT_S, headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == 400
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
@@ -243,14 +259,14 @@ def test_openai_and_native_requests_share_batches(client, server):
 def test_the_demo_request_goes_through_the_openai_client(server):
     import io
 
-    from scripts import openai_demo
+    from scripts import openai_demo, torchserve
 
     out = io.StringIO()
     text = openai_demo.run(server.inference_url, server.model_name, None, max_tokens=8, out=out)
     native = server.predict_ok({"messages": openai_demo.MESSAGES, "max_new_tokens": 8})
     assert text == native["text"]
     assert "completion tokens" in out.getvalue() and "acceptance" in out.getvalue()
-    with pytest.raises(openai_demo.OpenAIDemoError, match="404"):
+    with pytest.raises(torchserve.ClientError, match="HTTP 404"):
         openai_demo.run(server.inference_url, "no-such-model", None, max_tokens=8, out=io.StringIO())
 
 
@@ -289,7 +305,8 @@ def test_logprobs_equal_a_direct_forward_of_the_target(client, server, tiny_mode
     )
     for entry, row in zip(content, expected):
         assert [top.logprob for top in entry.top_logprobs] == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
-    chunks = list(chat(client, server, messages=CHAT, max_tokens=10, logprobs=True, top_logprobs=3, stream=True,
-                       **sampling))
+    chunks = list(
+        chat(client, server, messages=CHAT, max_tokens=10, logprobs=True, top_logprobs=3, stream=True, **sampling)
+    )
     streamed = [entry for chunk in chunks if chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
     assert [entry.token for entry in streamed] == [entry.token for entry in content]

@@ -6,83 +6,53 @@ on its own free ports; stopped in teardown.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import time
 
 import openai
 import pytest
 import requests
 
-from .conftest import (
-    HTTP_TIMEOUT_S,
-    MODEL_NAME,
-    REGISTER_TIMEOUT_S,
-    STARTUP_TIMEOUT_S,
-    free_ports,
-    stop_server,
-    torchserve_executable,
-    write_server_config,
-)
+from scripts import openai_demo, torchserve
 
-
-def read_keys(key_file) -> dict | None:
-    try:
-        keys = json.loads(key_file.read_text())
-        return {"inference": keys["inference"]["key"], "management": keys["management"]["key"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # not written yet, or half-written
+from .conftest import HTTP_TIMEOUT_S, MODEL_NAME, REGISTER_TIMEOUT_S, STARTUP_TIMEOUT_S, free_ports, write_server_config
 
 
 @pytest.fixture(scope="module")
 def auth_server(java_runtime, model_archive, tmp_path_factory):
     """(inference URL, keys) of a TorchServe with token auth on and the tiny model registered."""
     root = tmp_path_factory.mktemp("torchserve-auth")
-    (root / "logs").mkdir()
-    (root / "tmp").mkdir()
     ports = free_ports(5)
     write_server_config(root / "config.properties", model_archive.parent, ports)
     inference_url, management_url = f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}"
     env = dict(os.environ)
-    env.pop("TS_CONFIG_FILE", None)
-    env.update(LOG_LOCATION=str(root / "logs"), METRICS_LOCATION=str(root / "logs"),
-               TMPDIR=str(root / "tmp"), TEMP=str(root / "tmp"), TMP=str(root / "tmp"))
-    console = open(root / "logs" / "console.log", "w")
-    process = subprocess.Popen(
-        [torchserve_executable(), "--start", "--foreground", "--ncs", "--model-store", str(model_archive.parent),
-         "--ts-config", str(root / "config.properties"), "--enable-model-api"],
-        cwd=root, env=env, stdout=console, stderr=subprocess.STDOUT, start_new_session=True,
+    env.pop("TS_CONFIG_FILE", None)  # it would override --ts-config
+    temp_dir = root / "tmp"
+    temp_dir.mkdir()
+    env.update(LOG_LOCATION=str(root / "logs"), METRICS_LOCATION=str(root / "logs"))
+    env.update(TMPDIR=str(temp_dir), TEMP=str(temp_dir), TMP=str(temp_dir))  # its pid file, apart from others
+    started = torchserve.start_server(
+        root / "config.properties",
+        model_archive.parent,
+        root / "logs" / "console.log",
+        cwd=root,
+        env=env,
+        extra_args=["--enable-model-api"],
     )
     try:
-        deadline, keys = time.monotonic() + STARTUP_TIMEOUT_S, None
-        while time.monotonic() < deadline and process.poll() is None:
-            keys = read_keys(root / "key_file.json")
-            try:
-                if keys and requests.get(f"{inference_url}/ping", timeout=5,
-                                         headers={"Authorization": f"Bearer {keys['inference']}"}).ok:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"the token-auth TorchServe did not start\n{(root / 'logs' / 'console.log').read_text()}")
-        response = requests.post(
-            f"{management_url}/models",
-            params={"url": model_archive.name, "model_name": MODEL_NAME, "initial_workers": 1, "synchronous": "true"},
-            headers={"Authorization": f"Bearer {keys['management']}"},
-            timeout=REGISTER_TIMEOUT_S,
-        )
-        assert response.status_code == 200, response.text
+        keys = torchserve.wait_for_ping(inference_url, root / torchserve.DEFAULT_KEY_FILE, STARTUP_TIMEOUT_S, started)
+        assert keys, "token auth is on: the server wrote a key file"
+        management = {"Authorization": f"Bearer {keys['management']}"}
+        torchserve.register(management_url, model_archive.name, MODEL_NAME, management, REGISTER_TIMEOUT_S)
         yield inference_url, keys
+    except torchserve.ClientError as error:
+        pytest.fail(f"{error}\n{torchserve.log_tail(root / 'logs' / 'ts_log.log')}")
     finally:
-        stop_server(process, env, root, console)
-        console.close()
+        torchserve.stop_server(started)
 
 
 def test_api_key_is_the_inference_key(auth_server):
     inference_url, keys = auth_server
-    base_url = f"{inference_url}/predictions/{MODEL_NAME}/1.0/v1"
+    base_url = openai_demo.base_url(inference_url, MODEL_NAME)
     client = openai.OpenAI(base_url=base_url, api_key=keys["inference"], timeout=HTTP_TIMEOUT_S, max_retries=0)
     answer = client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=4
@@ -98,3 +68,14 @@ def test_api_key_is_the_inference_key(auth_server):
             refused.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=4)
     response = requests.get(f"{base_url}/models", timeout=HTTP_TIMEOUT_S)
     assert response.status_code == 400 and "Token Authorization failed" in response.text
+
+
+def test_the_demo_request_sends_the_inference_key(auth_server):
+    import io
+
+    inference_url, keys = auth_server
+    out = io.StringIO()
+    assert openai_demo.run(inference_url, MODEL_NAME, keys["inference"], max_tokens=6, out=out)
+    assert "completion tokens" in out.getvalue()
+    with pytest.raises(torchserve.ClientError, match="HTTP 400"):
+        openai_demo.run(inference_url, MODEL_NAME, None, max_tokens=6, out=io.StringIO())

@@ -29,7 +29,12 @@ COMPLETIONS, CHAT, MODELS, NATIVE = "v1/completions", "v1/chat/completions", "v1
 
 def make_context(model_dir, url_paths) -> Context:
     context = Context(
-        MODEL, str(model_dir), {"model": {"modelName": MODEL}}, 4, None, "0.12.0",
+        MODEL,
+        str(model_dir),
+        {"model": {"modelName": MODEL}},
+        4,
+        None,
+        "0.12.0",
         model_yaml_config={"batchSize": 4, "handler": dict(HANDLER_SECTION)},
     )
     context.request_processor = [
@@ -110,15 +115,20 @@ def test_usage_of_n_choices_adds_up(handler, tiny_models_dir):
     (single,), _, _ = call(handler, tiny_models_dir, [(COMPLETIONS, {**body, "n": 1})])
     assert answer["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"], "the prompt counts once"
     assert answer["choices"][0]["text"] == single["choices"][0]["text"]
-    lengths = [native_answer(handler, tiny_models_dir, {"prompt": "Hello", "max_new_tokens": 6, "temperature": 1.0,
-                                                        "seed": choice_seed(1, i)})["usage"]["completion_tokens"]
-               for i in range(3)]
+    lengths = [
+        native_answer(
+            handler,
+            tiny_models_dir,
+            {"prompt": "Hello", "max_new_tokens": 6, "temperature": 1.0, "seed": choice_seed(1, i)},
+        )["usage"]["completion_tokens"]
+        for i in range(3)
+    ]
     assert answer["usage"]["completion_tokens"] == sum(lengths)
     assert answer["speculative"]["target_forward_passes"] >= 3
 
 
 def sse_events(text: str) -> list:
-    return [block[len("data: "):] for block in text.split("\n\n") if block]
+    return [block[len("data: ") :] for block in text.split("\n\n") if block]
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])

@@ -23,8 +23,9 @@ MESSAGES = [{"role": "user", "content": "Tell me a story."}]
 
 @pytest.fixture(scope="module")
 def handler(tiny_models_dir):
-    from .test_openai_handler import make_context
     from handler.spec_handler import SpeculativeHandler
+
+    from .test_openai_handler import make_context
 
     handler = SpeculativeHandler()
     handler.initialize(make_context(tiny_models_dir, []))
@@ -80,8 +81,7 @@ def test_completion_logprobs_equal_a_direct_forward(handler, target, tiny_models
             assert max(top.values()) == pytest.approx(reference[position].max().item(), abs=ATOL)
             for text, value in top.items():
                 assert any(
-                    texts(i) == text and abs(reference[position, i].item() - value) < ATOL
-                    for i in candidates
+                    texts(i) == text and abs(reference[position, i].item() - value) < ATOL for i in candidates
                 ), (position, text, value)
 
 
@@ -91,9 +91,9 @@ def test_chat_logprobs_streamed_or_not_equal_a_direct_forward(handler, target, t
     body = {"messages": MESSAGES, "max_tokens": 12, "logprobs": True, "top_logprobs": 2, **SAMPLED}
     (answer,), _, _ = call(handler, tiny_models_dir, [(CHAT, body)])
     (content,) = [choice["logprobs"]["content"] for choice in answer["choices"]]
-    token_ids = native_answer(
-        handler, tiny_models_dir, {"messages": MESSAGES, "max_new_tokens": 12, **SAMPLED}
-    )["token_ids"]
+    token_ids = native_answer(handler, tiny_models_dir, {"messages": MESSAGES, "max_new_tokens": 12, **SAMPLED})[
+        "token_ids"
+    ]
     reference = reference_logprobs(target, prompt_ids_of(handler, {"messages": MESSAGES}), token_ids)
     texts = TokenTexts(handler.models.tokenizer)
     assert len(content) == len(token_ids) == answer["usage"]["completion_tokens"]

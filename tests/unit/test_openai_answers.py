@@ -58,8 +58,12 @@ class FakeResult:
 
 def stats(draft: int, accepted: int, passes: int, completion: int, fell_back: bool = False) -> SpeculativeStats:
     return SpeculativeStats(
-        num_speculative_tokens=4, draft_tokens=draft, accepted_tokens=accepted, target_forward_passes=passes,
-        completion_tokens=completion, fell_back=fell_back,
+        num_speculative_tokens=4,
+        draft_tokens=draft,
+        accepted_tokens=accepted,
+        target_forward_passes=passes,
+        completion_tokens=completion,
+        fell_back=fell_back,
     )
 
 
@@ -74,8 +78,13 @@ def logprobs_of(token_ids: list[int]) -> list[FakeLogprob]:
 def make_request(kind: str, num_choices: int = 1, n: int | None = None, **fields) -> OpenAIRequest:
     generation = GenerationRequest(prompt_ids=(1, 2, 3), max_new_tokens=8, stop=fields.pop("stop", ()))
     return OpenAIRequest(
-        kind=kind, model="tiny-spec", generations=(generation,) * num_choices, n=n or num_choices,
-        id="cmpl-x", created=1700000000, **fields,
+        kind=kind,
+        model="tiny-spec",
+        generations=(generation,) * num_choices,
+        n=n or num_choices,
+        id="cmpl-x",
+        created=1700000000,
+        **fields,
     )
 
 
@@ -128,7 +137,9 @@ def test_chat_logprobs_format():
     formatted = chat_logprobs(entries, TokenTexts(PieceTokenizer()), num_top=2)
     first, second = formatted["content"]
     assert first == {
-        "token": "Hel", "logprob": -0.25, "bytes": list(b"Hel"),
+        "token": "Hel",
+        "logprob": -0.25,
+        "bytes": list(b"Hel"),
         "top_logprobs": [
             {"token": "Hel", "logprob": -0.25, "bytes": list(b"Hel")},
             {"token": "!", "logprob": -1.5, "bytes": list(b"!")},
@@ -212,7 +223,7 @@ def events_of(text: str) -> list:
     events = []
     for block in text.split("\n\n")[:-1]:
         assert block.startswith("data: "), block
-        data = block[len("data: "):]
+        data = block[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -283,7 +294,13 @@ def test_error_after_the_stream_began_is_an_error_event():
     stream = OpenAIStream(make_request(ROUTE_CHAT, stream=True), PieceTokenizer())
     events = events_of(stream.error(RequestError("server: generation failed mid-stream", 500)))
     assert events == [
-        {"error": {"message": "server: generation failed mid-stream", "type": "server_error", "param": None,
-                   "code": None}},
+        {
+            "error": {
+                "message": "server: generation failed mid-stream",
+                "type": "server_error",
+                "param": None,
+                "code": None,
+            }
+        },
         "[DONE]",
     ]

@@ -23,7 +23,9 @@ from handler.openai_api import (
 )
 from handler.protocol import RequestError, parse_request
 
-CONFIG = HandlerConfig(num_speculative_tokens=4, max_num_speculative_tokens=8, max_new_tokens=32, max_new_tokens_limit=64)
+CONFIG = HandlerConfig(
+    num_speculative_tokens=4, max_num_speculative_tokens=8, max_new_tokens=32, max_new_tokens_limit=64
+)
 MAX_CONTEXT = 512
 MODEL = "tiny-spec"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -72,13 +74,30 @@ def test_routes_from_url_path(url_path, kind, path):
 def test_completion_is_the_native_request_with_openai_names(tokenizer):
     request = parse(
         ROUTE_COMPLETIONS,
-        {"model": MODEL, "prompt": "hello", "max_tokens": 10, "temperature": 0.5, "top_p": 0.9, "top_k": 7,
-         "seed": 3, "stop": "END", "num_speculative_tokens": 2},
+        {
+            "model": MODEL,
+            "prompt": "hello",
+            "max_tokens": 10,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 7,
+            "seed": 3,
+            "stop": "END",
+            "num_speculative_tokens": 2,
+        },
         tokenizer,
     )
     expected = native(
-        {"prompt": "hello", "max_new_tokens": 10, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3,
-         "stop": ["END"], "num_speculative_tokens": 2},
+        {
+            "prompt": "hello",
+            "max_new_tokens": 10,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 7,
+            "seed": 3,
+            "stop": ["END"],
+            "num_speculative_tokens": 2,
+        },
         tokenizer,
     )
     assert request.generations == (expected,)
@@ -140,8 +159,13 @@ def test_prompt_lists_are_prompt_major(tokenizer):
 def test_stream_options_and_logprobs_fields(tokenizer):
     request = parse(
         ROUTE_CHAT,
-        {"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": True}, "logprobs": True,
-         "top_logprobs": 3},
+        {
+            "messages": MESSAGES,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
         tokenizer,
     )
     assert request.stream and request.include_usage and request.num_top_logprobs == 3
@@ -160,12 +184,36 @@ def test_logprobs_and_drafter_reach_every_row(tokenizer):
 
 
 NEUTRAL_ACCEPTED = [
-    (ROUTE_COMPLETIONS, {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "echo": False,
-                         "best_of": 1, "suffix": "", "user": "u1"}),
-    (ROUTE_CHAT, {"presence_penalty": 0, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
-                  "store": False, "service_tier": "auto", "modalities": ["text"], "parallel_tool_calls": True,
-                  "metadata": {"a": "b"}, "audio": None, "user": "u1", "stream": True,
-                  "stream_options": {"include_usage": False, "include_obfuscation": True}}),
+    (
+        ROUTE_COMPLETIONS,
+        {
+            "presence_penalty": 0,
+            "frequency_penalty": 0.0,
+            "logit_bias": {},
+            "echo": False,
+            "best_of": 1,
+            "suffix": "",
+            "user": "u1",
+        },
+    ),
+    (
+        ROUTE_CHAT,
+        {
+            "presence_penalty": 0,
+            "tools": [],
+            "tool_choice": "none",
+            "response_format": {"type": "text"},
+            "store": False,
+            "service_tier": "auto",
+            "modalities": ["text"],
+            "parallel_tool_calls": True,
+            "metadata": {"a": "b"},
+            "audio": None,
+            "user": "u1",
+            "stream": True,
+            "stream_options": {"include_usage": False, "include_obfuscation": True},
+        },
+    ),
 ]
 
 
@@ -254,14 +302,17 @@ def test_error_answer_shapes():
     status, body = error_answer(unknown_route_error(route_from_url_path("v1/embeddings")))
     assert status == 404 and body["error"]["code"] == "unknown_url" and body["error"]["param"] is None
     assert "/v1/embeddings" in body["error"]["message"]
-    status, body = error_answer(RequestError("model: the model \"x\" does not exist", 404))
+    status, body = error_answer(RequestError('model: the model "x" does not exist', 404))
     assert body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
     assert error_answer(RequestError("body: empty"))[1]["error"]["param"] is None
 
 
 def test_model_list_and_card():
     listing = models_answer(route_from_url_path("v1/models"), MODEL, 123)
-    assert listing == {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 123, "owned_by": "torchserve"}]}
+    assert listing == {
+        "object": "list",
+        "data": [{"id": MODEL, "object": "model", "created": 123, "owned_by": "torchserve"}],
+    }
     assert models_answer(route_from_url_path(f"v1/models/{MODEL}"), MODEL, 123) == listing["data"][0]
     with pytest.raises(RequestError) as info:
         models_answer(route_from_url_path("v1/models/gpt-4o"), MODEL, 123)
