@@ -26,6 +26,8 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 # JSON has no -Infinity; OpenAI reports impossible tokens at -9999.
 MIN_LOGPROB = -9999.0
 DONE_EVENT = "data: [DONE]\n\n"
+SSE_CONTENT_TYPE = "text/event-stream"
+JSON_CONTENT_TYPE = "application/json"
 
 
 def finish_reason(reason: str) -> str:

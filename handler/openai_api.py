@@ -65,6 +65,7 @@ SHARED_FIELDS = (
 )
 ROUTE_FIELDS = {
     ROUTE_COMPLETIONS: ("prompt",),
+    # prompt_cache_key and safety_identifier are routing and abuse hints, like user: accepted, not used.
     ROUTE_CHAT: ("messages", "max_completion_tokens", "top_logprobs", "prompt_cache_key", "safety_identifier"),
 }
 

@@ -22,7 +22,7 @@ from handler.config import handler_config_from_yaml_config
 from handler.engine import SpeculativeEngine
 from handler.loading import load_models
 from handler.metrics import MetricsRecorder
-from handler.openai_answers import OpenAIStream, response_body
+from handler.openai_answers import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, OpenAIStream, response_body
 from handler.openai_api import OpenAIRequest
 from handler.protocol import (
     ParsedRequest,
@@ -163,10 +163,10 @@ class SpeculativeHandler(BaseHandler):
             progress.finished_at = time.perf_counter()
             if index in self.streams and row.result is not None:
                 # This choice is done while others may run on: its last chunk goes now.
-                self._send(index, self.streams[index].on_finished(choice, row.result), "text/event-stream")
+                self._send(index, self.streams[index].on_finished(choice, row.result), SSE_CONTENT_TYPE)
             return  # the final chunk carries the rest
         if index in self.streams:
-            self._send(index, self.streams[index].on_tokens(choice, row.token_ids), "text/event-stream")
+            self._send(index, self.streams[index].on_tokens(choice, row.token_ids), SSE_CONTENT_TYPE)
             return
         if progress.deltas is None:
             return
@@ -219,7 +219,7 @@ class SpeculativeHandler(BaseHandler):
                 answers.append(error_to_json(str(item)))
                 continue
             if isinstance(item, dict):  # GET v1/models
-                self.context.set_response_content_type(index, "application/json")
+                self.context.set_response_content_type(index, JSON_CONTENT_TYPE)
                 answers.append(item)
                 continue
             if isinstance(self.parsed[index], OpenAIRequest):
@@ -259,9 +259,9 @@ class SpeculativeHandler(BaseHandler):
                 None if progress.first_chunk_at is None else progress.first_chunk_at - self.batch_started,
             )
         if index in self.streams:
-            self.context.set_response_content_type(index, "text/event-stream")
+            self.context.set_response_content_type(index, SSE_CONTENT_TYPE)
             return self.streams[index].close(results)
-        self.context.set_response_content_type(index, "application/json")
+        self.context.set_response_content_type(index, JSON_CONTENT_TYPE)
         return response_body(request, results, self.models.tokenizer)
 
     def _openai_error(self, index: int, error: RequestError) -> dict | str:
@@ -270,7 +270,7 @@ class SpeculativeHandler(BaseHandler):
             return stream.error(error)  # the 200 and the first chunks are out: an error event ends the stream
         status, body = openai_api.error_answer(error)
         self.context.set_response_status(status, str(error), index)
-        self.context.set_response_content_type(index, "application/json")
+        self.context.set_response_content_type(index, JSON_CONTENT_TYPE)
         return body
 
     def _route(self, index: int) -> openai_api.Route:
