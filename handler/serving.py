@@ -298,6 +298,10 @@ class ContinuousBatcher:
         self.running: dict[Hashable, _Tracked] = {}
         # Answered completely; the frontend may send them once more.
         self.closing: set[Hashable] = set()
+        # Metrics go out through the worker's log, one line each: per-step figures are
+        # gathered and sent when a request finishes, the occupancy when it changes.
+        self.tally = SpeculationTally()
+        self.recorded_occupancy: int | None = None
 
     def knows(self, request_id: Hashable) -> bool:
         return request_id in self.waiting or request_id in self.running or request_id in self.closing
@@ -394,7 +398,9 @@ class ContinuousBatcher:
         """One engine step over the running requests; fills `finished` and the stream `lines`."""
         if not self.running:
             return
-        metrics.record_batch_occupancy(len(self.running))
+        if len(self.running) != self.recorded_occupancy:
+            self.recorded_occupancy = len(self.running)
+            metrics.record_batch_occupancy(len(self.running))
         try:
             outputs = self.engine.step()
         except Exception as error:  # the whole step failed: its requests fail, the worker carries on
@@ -406,9 +412,11 @@ class ContinuousBatcher:
                     logger.exception("request %s: abort after a failed step failed", request_id)
                 finished[request_id] = (tracked, failure_error(error))
             self.running.clear()
+            self.recorded_occupancy = 0
+            metrics.record_batch_occupancy(0)
             return
         now = self.clock()
-        tally = SpeculationTally()
+        tally = self.tally
         for output in outputs:
             tracked = self.running.get(output.request_id)
             if tracked is None:
@@ -425,7 +433,12 @@ class ContinuousBatcher:
             first_chunk = None if tracked.deltas is None else (tracked.first_chunk_at or now) - tracked.arrived_at
             metrics.record_result(result.stats, now - tracked.arrived_at, first_chunk)
             finished[output.request_id] = (tracked, result)
-        tally.record(metrics)
+        if finished:
+            tally.record(metrics)
+            self.tally = SpeculationTally()
+        if not self.running:
+            self.recorded_occupancy = 0
+            metrics.record_batch_occupancy(0)
 
     @staticmethod
     def _stream_line(tracked: _Tracked, output) -> str:
