@@ -99,7 +99,7 @@ class MetricsRecorder:
 
     def record_drafts(
         self,
-        num_drafts: int,
+        num_drafts: int | None,
         num_draft_tokens: int,
         num_accepted_tokens: int,
         accepted_per_position: Sequence[int] = (),
@@ -107,7 +107,7 @@ class MetricsRecorder:
         """vLLM's speculative-decoding counters for a set of steps.
 
         Args:
-            num_drafts: proposals with k > 0 (one per request per step).
+            num_drafts: proposals with k > 0 (one per request per step); None when unknown.
             num_draft_tokens: draft tokens proposed in them.
             num_accepted_tokens: draft tokens the target accepted.
             accepted_per_position: accepted drafts at positions 0, 1, ...; empty when unknown.
@@ -115,7 +115,7 @@ class MetricsRecorder:
         assert not accepted_per_position or sum(accepted_per_position) == num_accepted_tokens
         counter = MetricTypes.COUNTER
         for name, value in (
-            ("spec_decode_num_drafts", num_drafts),
+            ("spec_decode_num_drafts", num_drafts or 0),
             ("spec_decode_num_draft_tokens", num_draft_tokens),
             ("spec_decode_num_accepted_tokens", num_accepted_tokens),
         ):

@@ -100,20 +100,28 @@ def failure_error(error: BaseException) -> RequestError:
 
 
 class SpeculationTally:
-    """vLLM's per-step speculation counters, from the engine's step outputs.
+    """vLLM's speculation counters (drafts, draft tokens, accepted tokens per position).
 
-    A step output may carry `num_draft_tokens` (this step's k for the request)
-    and `num_accepted_tokens`; accepted drafts are always a prefix, so they
-    give the per-position counts. An engine without them is counted from each
-    request's final stats instead, without drafts or positions.
+    Counted per step when the engine's step outputs carry `num_draft_tokens`
+    (this step's k for the request) and `num_accepted_tokens`: accepted drafts
+    are a prefix, so they give the per-position counts. Otherwise each
+    request's final stats give them (`num_drafts` and `accepted_per_position`
+    read when present), and an aborted request is not counted.
     """
 
     def __init__(self) -> None:
-        self.num_drafts = 0
+        self.num_drafts: int | None = 0  # None: the engine does not tell
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.accepted_per_position: list[int] = []
+        self.accepted_per_position: list[int] | None = []  # None: the engine does not tell
         self.per_step = True
+
+    def _add_positions(self, accepted_per_position: Sequence[int]) -> None:
+        assert self.accepted_per_position is not None
+        if len(self.accepted_per_position) < len(accepted_per_position):
+            self.accepted_per_position.extend([0] * (len(accepted_per_position) - len(self.accepted_per_position)))
+        for position, count in enumerate(accepted_per_position):
+            self.accepted_per_position[position] += count
 
     def add_step(self, output) -> None:
         num_draft_tokens = getattr(output, "num_draft_tokens", None)
@@ -127,23 +135,25 @@ class SpeculationTally:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_position) < num_accepted:
-            self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
-        for position in range(num_accepted):
-            self.accepted_per_position[position] += 1
+        self._add_positions([1] * num_accepted)
 
     def add_final(self, stats) -> None:
-        if not self.per_step:
-            self.num_draft_tokens += stats.draft_tokens
-            self.num_accepted_tokens += stats.accepted_tokens
+        if self.per_step:
+            return
+        self.num_draft_tokens += stats.draft_tokens
+        self.num_accepted_tokens += stats.accepted_tokens
+        num_drafts = getattr(stats, "num_drafts", None)
+        self.num_drafts = None if num_drafts is None or self.num_drafts is None else self.num_drafts + num_drafts
+        per_position = getattr(stats, "accepted_per_position", None)
+        if per_position is None or self.accepted_per_position is None:
+            self.accepted_per_position = None
+        else:
+            self._add_positions(per_position)
 
     def record(self, metrics: MetricsRecorder) -> None:
-        if self.per_step:
-            metrics.record_drafts(
-                self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.accepted_per_position
-            )
-        else:
-            metrics.record_drafts(0, self.num_draft_tokens, self.num_accepted_tokens)
+        metrics.record_drafts(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.accepted_per_position or ()
+        )
 
 
 class StaticBatch:
@@ -405,11 +415,8 @@ class ContinuousBatcher:
             outputs = self.engine.step()
         except Exception as error:  # the whole step failed: its requests fail, the worker carries on
             logger.exception("engine step failed; failing its %d requests", len(self.running))
+            self._drop_everything()
             for request_id, tracked in self.running.items():
-                try:
-                    self.engine.abort_request(request_id)
-                except Exception:
-                    logger.exception("request %s: abort after a failed step failed", request_id)
                 finished[request_id] = (tracked, failure_error(error))
             self.running.clear()
             self.recorded_occupancy = 0
@@ -439,6 +446,18 @@ class ContinuousBatcher:
         if not self.running:
             self.recorded_occupancy = 0
             metrics.record_batch_occupancy(0)
+
+    def _drop_everything(self) -> None:
+        """After a failed step the caches are undefined: the engine drops every request."""
+        reset = getattr(self.engine, "reset", None)
+        if reset is not None:
+            reset()
+            return
+        for request_id in self.running:
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("request %s: abort after a failed step failed", request_id)
 
     @staticmethod
     def _stream_line(tracked: _Tracked, output) -> str:

@@ -51,6 +51,7 @@ class FakeEngine:
         self.rows_per_step: list[int] = []
         self.aborted: list[Hashable] = []
         self.fail_next_step = False
+        self.resets = 0
 
     def add_request(self, request_id: Hashable, request: GenerationRequest) -> None:
         assert request_id not in self.requests, "a request id is added once"
@@ -61,6 +62,12 @@ class FakeEngine:
         self.aborted.append(request_id)
         self.requests.pop(request_id, None)
         self.tokens.pop(request_id, None)
+
+    def reset(self) -> None:
+        """Drops every request in flight, as the engine does after a failed step."""
+        self.resets += 1
+        self.requests.clear()
+        self.tokens.clear()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

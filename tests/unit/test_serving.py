@@ -225,7 +225,7 @@ def test_a_failed_step_fails_its_requests_and_the_next_ones_are_served():
     # The stream's status went out with its first chunk: the error is its last line.
     assert started_reply.more is False and "generation failed" in json.loads(started_reply.body)["error"]
     assert (new_reply.status, new_reply.more) == (500, None)
-    assert sorted(harness.engine.aborted) == ["new", "started"]
+    assert harness.engine.resets == 1 and not harness.engine.has_unfinished_requests()
     harness.call()  # the frontend's last call for the complete 500
     harness.submit("after", {"prompt": "a", "max_new_tokens": 4})
     harness.run_until_done()
@@ -251,17 +251,30 @@ def test_metrics_count_steps_drafts_and_accepted_positions():
     assert recorded.total("SpecRequests") == 2
 
 
-def test_the_tally_falls_back_to_final_stats_without_per_step_figures():
-    from handler.engine import SpeculativeStats
+def test_without_per_step_figures_the_tally_reads_each_requests_final_stats():
+    from types import SimpleNamespace
 
     tally = SpeculationTally()
     tally.add_step(object())
-    tally.add_final(SpeculativeStats(num_speculative_tokens=4, draft_tokens=12, accepted_tokens=7))
+    tally.add_final(SimpleNamespace(draft_tokens=12, accepted_tokens=7, num_drafts=4, accepted_per_position=[4, 2, 1]))
+    tally.add_final(SimpleNamespace(draft_tokens=3, accepted_tokens=1, num_drafts=1, accepted_per_position=[1]))
     recorded = RecordingMetrics()
     tally.record(MetricsRecorder(recorded))
-    assert recorded.total("spec_decode_num_draft_tokens") == 12
-    assert recorded.total("spec_decode_num_accepted_tokens") == 7
+    assert recorded.total("spec_decode_num_drafts") == 5
+    assert recorded.total("spec_decode_num_draft_tokens") == 15
+    assert recorded.total("spec_decode_num_accepted_tokens") == 8
+    assert sorted(recorded.values["spec_decode_num_accepted_tokens_per_pos"]) == [
+        (1, (("position", "2"),)), (2, (("position", "1"),)), (5, (("position", "0"),))
+    ]
+    # Stats without the vLLM figures: totals only.
+    tally = SpeculationTally()
+    tally.add_step(object())
+    tally.add_final(SimpleNamespace(draft_tokens=12, accepted_tokens=7))
+    recorded = RecordingMetrics()
+    tally.record(MetricsRecorder(recorded))
+    assert recorded.total("spec_decode_num_draft_tokens") == 12 and recorded.total("spec_decode_num_accepted_tokens") == 7
     assert "spec_decode_num_drafts" not in recorded.values
+    assert "spec_decode_num_accepted_tokens_per_pos" not in recorded.values
 
 
 def test_accepted_drafts_are_counted_as_a_prefix():
