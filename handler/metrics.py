@@ -41,9 +41,9 @@ GAUGES = {
     "SpecBatchOccupancy": "requests in the engine's running batch at the last step",
 }
 HISTOGRAMS = {
-    "SpecRequestLatencySeconds": "handler time from batch start to a request's last token",
+    "SpecRequestLatencySeconds": "handler time from the request's arrival to its last token",
     "SpecTimePerOutputTokenSeconds": "request latency divided by completion tokens",
-    "SpecTimeToFirstTokenSeconds": "streamed requests: batch start to the first chunk",
+    "SpecTimeToFirstTokenSeconds": "streamed requests: arrival in the handler to the first chunk",
     "SpecQueueWaitSeconds": "time a request waited in the handler for room in the batch (max_batch_tokens)",
 }
 POSITION_DIMENSION = "position"
