@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Sequence
 
 import torch
 
@@ -33,6 +34,13 @@ class CostModel:
     def step_cost(self, k: int) -> float:
         return k * self.draft_step + self.target_step + k * self.target_per_extra_token
 
+    def target_seconds(self, batch_size: int, width: int) -> float:
+        """The cost-table view of this linear model (it ignores the batch size)."""
+        return self.target_step + (width - 1) * self.target_per_extra_token
+
+    def draft_seconds(self, batch_size: int) -> float:
+        return self.draft_step
+
     @property
     def draft_target_ratio(self) -> float:
         """c in the speedup formula E / (k c + 1)."""
@@ -50,6 +58,37 @@ def best_k(acceptance: float, max_k: int, cost: CostModel) -> int:
     """The k in 0..max_k with the most expected tokens per second."""
     rates = [expected_tokens(acceptance, k) / cost.step_cost(k) for k in range(max_k + 1)]
     return max(range(max_k + 1), key=rates.__getitem__)
+
+
+def plan_step_k(
+    acceptances: Sequence[float],
+    max_ks: Sequence[int],
+    table,
+    model_drafting: bool,
+    batch_size: int | None = None,
+) -> int:
+    """The step's k that maximises the batch's expected tokens per second.
+
+    Args:
+        acceptances: each planned row's per-token acceptance estimate.
+        max_ks: each planned row's cap; a row drafts min(k, cap).
+        table: measured costs, `target_seconds(batch_size, width)` and `draft_seconds(batch_size)`.
+        model_drafting: whether a draft model runs k passes (False for look-up drafts only).
+        batch_size: rows in the forward passes, planned or not (default: the planned rows).
+
+    Returns:
+        k in 0..max(max_ks); 0 when no k beats plain decoding.
+    """
+    batch_size = batch_size or len(max_ks)
+    best, best_rate = 0, 0.0
+    for k in range(max(max_ks, default=0) + 1):
+        tokens = sum(expected_tokens(a, min(k, cap)) for a, cap in zip(acceptances, max_ks))
+        seconds = table.target_seconds(batch_size, k + 1)
+        if model_drafting:
+            seconds += k * table.draft_seconds(batch_size)
+        if tokens / seconds > best_rate:
+            best, best_rate = k, tokens / seconds
+    return best
 
 
 class AcceptanceTracker:
@@ -113,7 +152,7 @@ def measure_cost_model(target, draft, max_k: int, repeats: int = 3) -> CostModel
             times.append(time.perf_counter() - start)
         return sorted(times[1:])[len(times[1:]) // 2]  # median, after one warm-up
 
-    draft_step = seconds(draft, 1)
+    draft_step = seconds(draft, 1) if draft is not None else 0.0
     target_step = seconds(target, 1)
     wide = max(max_k, 1) + 1
     target_wide = seconds(target, wide)

@@ -12,6 +12,11 @@ from typing import Any, Mapping
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFT_QUANTIZATIONS = ("none", "int8")
+# Who proposes drafts: a draft model, an n-gram look-up in the prompt and completion
+# (prompt lookup), or the look-up with the draft model where it finds nothing.
+DRAFTERS = ("model", "ngram", "hybrid")
+# Longest n-gram the look-up matches; longer suffixes rarely add matches.
+MAX_PROMPT_LOOKUP = 16
 # Largest K the engine supports; a config may lower it, never raise it.
 MAX_K = 32
 
@@ -99,7 +104,10 @@ class SamplingParams:
 @dataclasses.dataclass(frozen=True)
 class HandlerConfig:
     target_model: str = "target"
-    draft_model: str = "draft"
+    draft_model: str | None = "draft"
+    drafter: str = "model"
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
     dtype: str = "auto"
     num_speculative_tokens: int = 4
     max_num_speculative_tokens: int = 16
@@ -114,6 +122,11 @@ class HandlerConfig:
     max_batch_tokens: int = 0
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """The drafters this deployment can run: all three with a draft model, else the look-up only."""
+        return DRAFTERS if self.draft_model is not None else ("ngram",)
+
     @classmethod
     def from_dict(cls, raw: Any) -> "HandlerConfig":
         """Builds the config from the `handler` mapping; raises ValueError naming the bad key."""
@@ -125,8 +138,29 @@ class HandlerConfig:
         _check_keys("handler.", raw, names)
         default = cls()
         values: dict[str, Any] = {}
-        for key in ("target_model", "draft_model"):
-            values[key] = _str(f"handler.{key}", raw.get(key, getattr(default, key)))
+        values["target_model"] = _str("handler.target_model", raw.get("target_model", default.target_model))
+        drafter = raw.get("drafter", default.drafter)
+        if drafter not in DRAFTERS:
+            raise ValueError(f"model-config.yaml: handler.drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
+        values["drafter"] = drafter
+        if drafter == "ngram":
+            if raw.get("draft_model") is not None:
+                raise ValueError(
+                    "model-config.yaml: handler.draft_model is set but handler.drafter is ngram, which uses no "
+                    "draft model; remove draft_model or choose drafter: model or hybrid"
+                )
+            values["draft_model"] = None
+        else:
+            values["draft_model"] = _str("handler.draft_model", raw.get("draft_model", default.draft_model))
+        values["prompt_lookup_min"] = _int(
+            "handler.prompt_lookup_min", raw.get("prompt_lookup_min", default.prompt_lookup_min), 1, MAX_PROMPT_LOOKUP
+        )
+        values["prompt_lookup_max"] = _int(
+            "handler.prompt_lookup_max",
+            raw.get("prompt_lookup_max", default.prompt_lookup_max),
+            values["prompt_lookup_min"],
+            MAX_PROMPT_LOOKUP,
+        )
         dtype = raw.get("dtype", default.dtype)
         if dtype not in DTYPES:
             raise ValueError(f"model-config.yaml: handler.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

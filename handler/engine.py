@@ -1,19 +1,27 @@
-"""The speculative decoding loop: draft -> verify -> accept -> roll back the caches.
+"""The speculative decoding engine, one step at a time: draft -> verify -> accept -> roll back.
 
 Vocabulary (draft, target, accepted, recovered, bonus) is defined in
-`handler.sampler`. One call to `SpeculativeEngine.generate` runs a batch of
-requests together:
+`handler.sampler`. The engine serves a changing batch of requests:
 
-- Each row keeps its own k, sampling settings, seed and acceptance (ragged).
-- Pending tokens are committed tokens a model has not processed yet. At the
-  start the whole prompt is pending, so the first draft pass is the draft's
-  prefill and the first verification is the target's prefill: no separate
-  prefill pass. Afterwards the target has one pending token (the last
-  emitted), and the draft one or two: when all k drafts are accepted, the
-  draft never saw the last one, so it is fed in the next step.
-- The target verifies all drafts in one forward pass over just the new tokens.
-- After verification both caches roll back to the committed length.
-- A finished row leaves the batch; the others carry on undisturbed.
+- `add_request` queues a request; at the next `step` its prompt, all but the
+  last token, is prefilled in a cache of its own and its row joins the
+  running batch. `abort_request` frees a row at the next step.
+- `step` runs one speculative step over every row in flight: each row's
+  drafter proposes (a draft model, an n-gram look-up, or the look-up with the
+  model as fallback), the target verifies all drafts in one forward pass over
+  the new tokens only, the rejection sampler decides, and both caches roll
+  back to the committed length. A finished row leaves at once.
+- After its prefill a row always has exactly one pending target token: the
+  last committed one, which the target has not processed yet. The draft model
+  has its own pending tokens (see `handler.drafter_model`).
+- `generate(requests)` is the static batch: add all, step until done.
+
+How many drafts a step verifies: each row has a cap (its request's k, the
+tokens it may still emit, what its look-up found). With a measured cost table,
+greedy and unseeded rows follow the k that maximises the batch's expected
+tokens per second, which can be 0 (plain decoding) when nothing wins. A seeded
+sampled request always drafts its cap: its random draws, and so its output,
+then depend only on its own seed and tokens, never on the batch it shares.
 
 Nothing here imports TorchServe.
 """
@@ -22,20 +30,27 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
-from handler.adaptive import AcceptanceTracker, AdaptiveK
+from handler.adaptive import MIN_STEPS_BEFORE_FALLBACK, AcceptanceTracker, plan_step_k
 from handler.config import SamplingParams
-from handler.kv_cache import RaggedCache, left_pad
-from handler.sampler import draw_step_uniforms, rejection_sample, sample_from_probs, warp_logits_to_probs
+from handler.drafter_model import ModelDrafter
+from handler.drafter_ngram import NgramDrafter
+from handler.kv_cache import RaggedCache, left_pad, prefill
+from handler.sampler import draw_step_uniforms, rejection_sample, warp_logits_to_probs
 
 logger = logging.getLogger(__name__)
 
 FINISH_LENGTH = "length"
 FINISH_EOS = "eos"
 FINISH_STOP = "stop"
+
+DRAFTER_MODEL = "model"
+DRAFTER_NGRAM = "ngram"
+DRAFTER_HYBRID = "hybrid"
+DRAFTERS = (DRAFTER_MODEL, DRAFTER_NGRAM, DRAFTER_HYBRID)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +61,19 @@ class GenerationRequest:
     num_speculative_tokens: int = 4
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # "model" | "ngram" | "hybrid"; None means the engine's default drafter.
+    drafter: str | None = None
+    # None: no log-probabilities; N >= 0: each emitted token's, plus the top N.
+    logprobs: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of an emitted token, from its raw logits (before any warping)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
 @dataclasses.dataclass
@@ -53,6 +81,7 @@ class SpeculativeStats:
     """Per-request counters. One verification of a batch counts once for each row in it."""
 
     num_speculative_tokens: int
+    drafter: str = DRAFTER_MODEL
     draft_tokens: int = 0
     accepted_tokens: int = 0
     target_forward_passes: int = 0
@@ -60,8 +89,15 @@ class SpeculativeStats:
     # Steps that ended on a rejected draft; accepted / (accepted + rejections) estimates
     # the per-token acceptance probability of Leviathan et al.'s model.
     rejections: int = 0
-    # Adaptive k found speculation slower than plain decoding and stopped drafting.
+    # Steps that verified at least one draft (vLLM's num_drafts).
+    num_drafts: int = 0
+    # The cost table found plain decoding faster for some steps and drafted nothing.
     fell_back: bool = False
+    # Proposed and accepted drafts per drafter that proposed them ("model", "ngram").
+    draft_tokens_by_drafter: dict[str, int] = dataclasses.field(default_factory=dict)
+    accepted_tokens_by_drafter: dict[str, int] = dataclasses.field(default_factory=dict)
+    # accepted_per_position[j]: steps whose draft j was accepted.
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -72,15 +108,41 @@ class SpeculativeStats:
         """Tokens emitted per target forward pass."""
         return self.completion_tokens / self.target_forward_passes if self.target_forward_passes else 0.0
 
+    def record(self, proposer: str, num_drafts: int, num_accepted: int) -> None:
+        """Counts one verification of `num_drafts` drafts from `proposer`, `num_accepted` of them kept."""
+        self.target_forward_passes += 1
+        if num_drafts == 0:
+            return
+        self.num_drafts += 1
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+        self.rejections += int(num_accepted < num_drafts)
+        self.draft_tokens_by_drafter[proposer] = self.draft_tokens_by_drafter.get(proposer, 0) + num_drafts
+        self.accepted_tokens_by_drafter[proposer] = self.accepted_tokens_by_drafter.get(proposer, 0) + num_accepted
+        if len(self.accepted_per_position) < num_accepted:
+            self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
     def as_dict(self) -> dict:
+        proposers = sorted(self.draft_tokens_by_drafter)
         return {
             "num_speculative_tokens": self.num_speculative_tokens,
+            "drafter": self.drafter,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "target_forward_passes": self.target_forward_passes,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "fell_back_to_target_only": self.fell_back,
+            "by_drafter": {
+                name: {
+                    "draft_tokens": self.draft_tokens_by_drafter[name],
+                    "accepted_tokens": self.accepted_tokens_by_drafter[name],
+                }
+                for name in proposers
+            },
+            "accepted_per_position": list(self.accepted_per_position),
         }
 
 
@@ -91,27 +153,35 @@ class GenerationResult:
     finish_reason: str
     prompt_tokens: int
     stats: SpeculativeStats
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: Hashable
+    new_token_ids: list[int]  # emitted this step, possibly none
+    token_ids: list[int]  # everything emitted so far; do not mutate
+    finish_reason: str | None  # set when the request finished this step
+    result: GenerationResult | None  # set when the request finished this step
 
 
 class _Row:
-    """One request's progress: emitted tokens, stop conditions, counters."""
+    """One request in flight: emitted tokens, stop conditions, counters, its random stream."""
 
-    def __init__(
-        self,
-        request: GenerationRequest,
-        tokenizer,
-        eos_token_ids: frozenset[int],
-        adaptive: AdaptiveK | None,
-    ) -> None:
+    def __init__(self, request_id: Hashable, request: GenerationRequest, drafter: str, tokenizer, eos_token_ids):
+        self.request_id = request_id
         self.request = request
-        self.adaptive = adaptive
-        self.tracker = AcceptanceTracker()
+        self.drafter = drafter
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.token_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
-        self.stats = SpeculativeStats(num_speculative_tokens=request.num_speculative_tokens)
+        self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
+        self.trackers = {DRAFTER_MODEL: AcceptanceTracker(), DRAFTER_NGRAM: AcceptanceTracker()}
+        self.stats = SpeculativeStats(num_speculative_tokens=request.num_speculative_tokens, drafter=drafter)
         self.generator = None
         if not request.sampling.is_greedy:
             self.generator = torch.Generator()
@@ -124,18 +194,15 @@ class _Row:
     def remaining(self) -> int:
         return self.request.max_new_tokens - len(self.token_ids)
 
-    def plan_k(self) -> int:
-        """This step's number of drafts."""
-        # Never draft past max_new_tokens: the verify pass must stay inside the context.
-        max_k = max(0, min(self.request.num_speculative_tokens, self.remaining - 1))
-        if self.stats.fell_back:
-            return 0
-        if self.adaptive is None or max_k == 0:
-            return max_k
-        k = self.adaptive.choose(self.tracker, max_k)
-        if k == 0:
-            self.stats.fell_back = True
-        return k
+    @property
+    def follows_batch_plan(self) -> bool:
+        """False for a seeded sampled request, whose k must not depend on the batch."""
+        return self.request.sampling.is_greedy or self.request.seed is None
+
+    def cap(self) -> int:
+        """The most drafts this row may verify now: its k, and never past max_new_tokens."""
+        # The verify pass must stay inside the context.
+        return max(0, min(self.request.num_speculative_tokens, self.remaining - 1))
 
     def extend(self, new_token_ids: Sequence[int]) -> list[int]:
         """Appends tokens one by one until a stop condition; returns those kept."""
@@ -175,22 +242,12 @@ class _Row:
             finish_reason=self.finish_reason,
             prompt_tokens=len(self.request.prompt_ids),
             stats=self.stats,
+            logprobs=self.logprobs,
         )
 
 
-def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [batch, positions, draft_vocab]
-    """Puts draft logits on the target's vocabulary: extra ids cut, missing ids impossible."""
-    draft_vocab = logits.shape[-1]
-    if draft_vocab > vocab_size:
-        return logits[..., :vocab_size]
-    if draft_vocab < vocab_size:
-        padding = logits.new_full((*logits.shape[:-1], vocab_size - draft_vocab), float("-inf"))
-        return torch.cat([logits, padding], dim=-1)
-    return logits
-
-
 class SpeculativeEngine:
-    """Lossless speculative decoding with a draft and a target Hugging Face causal LM."""
+    """Lossless speculative decoding of a target Hugging Face causal LM, with pluggable drafters."""
 
     def __init__(
         self,
@@ -199,135 +256,275 @@ class SpeculativeEngine:
         tokenizer,
         eos_token_ids: Sequence[int],
         pad_token_id: int = 0,
-        adaptive: AdaptiveK | None = None,
+        *,
+        default_drafter: str | None = None,
+        cost_table=None,
+        prompt_lookup_min: int = 1,
+        prompt_lookup_max: int = 4,
     ) -> None:
-        """`adaptive`, when given, picks each step's k per request, up to the request's k."""
+        """
+        Args:
+            target: the model whose output distribution is kept.
+            draft: the draft model, or None when only the n-gram drafter is served.
+            default_drafter: the drafter of requests that name none; "model" when a draft
+                model is given, else "ngram".
+            cost_table: measured forward-pass costs (`handler.cost_table.CostTable`, or any
+                object with `target_seconds(batch_size, width)` and `draft_seconds(batch_size)`).
+                When given, each step's k is planned for the batch; else every row drafts its cap.
+            prompt_lookup_min, prompt_lookup_max: the n-gram drafter's suffix lengths.
+        """
         self.target = target
-        self.adaptive = adaptive
-        self.draft = draft
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.device = next(target.parameters()).device
         self.vocab_size = target.config.get_text_config().vocab_size
-        self.draft_vocab_size = draft.config.get_text_config().vocab_size
+        self.cost_table = cost_table
+        self.model_drafter = ModelDrafter(draft, self.vocab_size, pad_token_id) if draft is not None else None
+        self.ngram_drafter = NgramDrafter(prompt_lookup_min, prompt_lookup_max)
+        self.drafters = DRAFTERS if draft is not None else (DRAFTER_NGRAM,)
+        self.default_drafter = default_drafter or (DRAFTER_MODEL if draft is not None else DRAFTER_NGRAM)
+        assert self.default_drafter in self.drafters, (self.default_drafter, self.drafters)
+        self.target_cache: RaggedCache | None = None
+        self.rows: list[_Row] = []  # in target cache row order
+        self.waiting: list[_Row] = []
+        self.aborted: set[Hashable] = set()
+
+    @property
+    def draft(self):
+        return None if self.model_drafter is None else self.model_drafter.model
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(self, request_id: Hashable, request: GenerationRequest) -> None:
+        """Queues a request; it is prefilled and joins the batch at the next `step`."""
+        if any(row.request_id == request_id for row in (*self.rows, *self.waiting)):
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        drafter = request.drafter or self.default_drafter
+        if drafter not in self.drafters:
+            raise ValueError(f"drafter: {drafter!r} is not available here; choose one of {', '.join(self.drafters)}")
+        assert request.prompt_ids, "a request needs at least one prompt token"
+        self.aborted.discard(request_id)
+        self.waiting.append(_Row(request_id, request, drafter, self.tokenizer, self.eos_token_ids))
+
+    def abort_request(self, request_id: Hashable) -> None:
+        """Frees the request's row at the next `step`; it produces no more output."""
+        self.aborted.add(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.rows or self.waiting)
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self.rows) + len(self.waiting)
+
+    # --------------------------------------------------------------------- step
 
     @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """Runs one speculative step over every request in flight.
+
+        Returns:
+            one StepOutput per request that was in the step, in batch order.
+        """
+        self._drop([row for row in self.rows if row.request_id in self.aborted])
+        self.waiting = [row for row in self.waiting if row.request_id not in self.aborted]
+        self.aborted.clear()
+        self._admit()
+        if not self.rows:
+            return []
+        rows = self.rows
+        lookups = self._lookups(rows)
+        uses_model = [row.drafter == DRAFTER_MODEL or (row.drafter == DRAFTER_HYBRID and not lookups[i])
+                      for i, row in enumerate(rows)]
+        max_ks = [row.cap() if uses_model[i] else len(lookups[i]) for i, row in enumerate(rows)]
+        step_ks = self._plan(rows, max_ks, uses_model)
+        num_accepted, emitted, logits = self._verify(rows, step_ks, lookups, uses_model)
+
+        outputs, finished, committed = [], [], {}
+        target_lengths = self.target_cache.lengths.clone()
+        width = max(step_ks)
+        for slot, row in enumerate(rows):
+            accepted = num_accepted[slot]
+            new_tokens = emitted[slot][: accepted + 1]
+            proposer = DRAFTER_MODEL if uses_model[slot] else DRAFTER_NGRAM
+            row.stats.record(proposer, step_ks[slot], accepted)
+            row.trackers[proposer].update(accepted, step_ks[slot])
+            kept = row.extend(new_tokens)
+            if row.logprobs is not None and kept:
+                row.logprobs.extend(self._logprobs(logits[slot, : len(kept)], kept, row.request.logprobs))
+            committed[row.request_id] = kept
+            # Roll back: the target keeps its pending token and the accepted drafts.
+            target_lengths[slot] -= width - accepted
+            outputs.append(StepOutput(row.request_id, kept, row.token_ids, row.finish_reason, None))
+            if row.finish_reason is not None:
+                outputs[-1].result = row.result()
+                finished.append(row)
+        self.target_cache.rollback(target_lengths)
+        self.ngram_drafter.observe(committed)
+        if self.model_drafter is not None:
+            self.model_drafter.observe(committed)
+        self._drop(finished)
+        return outputs
+
     def generate(
         self,
         requests: Sequence[GenerationRequest],
-        on_tokens: Callable[[int, list[int], _Row], None] | None = None,
+        on_tokens: Callable[[int, list[int], StepOutput], None] | None = None,
     ) -> list[GenerationResult]:
-        """Runs all requests in one batched loop and returns their results in order.
+        """Runs the requests to completion in one batch and returns their results in order.
 
         Args:
-            requests: the batch; each has its own k, sampling settings and seed.
-            on_tokens: optional callback (request index, new token ids, row) after
-                every verification step that emitted tokens for that request.
+            requests: the batch; each has its own k, sampling settings, seed and drafter.
+            on_tokens: optional callback (request index, new token ids, step output) after
+                every step that emitted tokens for that request.
         """
-        rows = [_Row(request, self.tokenizer, self.eos_token_ids, self.adaptive) for request in requests]
-        active = list(range(len(rows)))
-        target_cache = RaggedCache(self.target, len(rows))
-        draft_cache = RaggedCache(self.draft, len(rows))
-        target_pending = [list(request.prompt_ids) for request in requests]
-        draft_pending = [list(request.prompt_ids) for request in requests]
+        assert not self.has_unfinished_requests(), "generate() needs an idle engine"
+        keys = [object() for _ in requests]
+        index_of = {key: index for index, key in enumerate(keys)}
+        for key, request in zip(keys, requests):
+            self.add_request(key, request)
+        results: list[GenerationResult | None] = [None] * len(requests)
+        try:
+            while self.has_unfinished_requests():
+                for output in self.step():
+                    index = index_of[output.request_id]
+                    if on_tokens is not None and output.new_token_ids:
+                        on_tokens(index, output.new_token_ids, output)
+                    if output.result is not None:
+                        results[index] = output.result
+        except BaseException:
+            self.reset()
+            raise
+        return results
 
-        while active:
-            batch = [rows[i] for i in active]
-            step_ks = [row.plan_k() for row in batch]
-            num_accepted, emitted = self._step(batch, step_ks, target_cache, draft_cache, target_pending, draft_pending)
-            k = max(step_ks)
+    def reset(self) -> None:
+        """Drops every request in flight, e.g. after a failed step left the caches undefined."""
+        self.waiting = []
+        self.aborted.clear()
+        self._drop(list(self.rows))
 
-            target_lengths = target_cache.lengths.clone()
-            draft_lengths = draft_cache.lengths.clone()
-            still_active = []
-            for slot, row_index in enumerate(active):
-                row = rows[row_index]
-                accepted = num_accepted[slot]
-                new_tokens = emitted[slot][: accepted + 1]
-                row.stats.draft_tokens += step_ks[slot]
-                row.stats.accepted_tokens += accepted
-                row.stats.rejections += int(accepted < step_ks[slot])
-                row.stats.target_forward_passes += 1
-                row.tracker.update(accepted, step_ks[slot])
-                kept = row.extend(new_tokens)
-                if on_tokens is not None and kept:
-                    on_tokens(row_index, kept, row)
-                if row.finish_reason is not None:
-                    continue
-                still_active.append(slot)
-                # Roll back: the target keeps its pending tokens and the accepted drafts,
-                # the draft keeps what it has seen of them.
-                target_lengths[slot] -= k - accepted
-                num_drafts_fed = max(k - 1, 0)
-                draft_lengths[slot] -= num_drafts_fed - min(accepted, num_drafts_fed)
-                target_pending[slot] = [new_tokens[-1]]
-                if k == 0:
-                    draft_pending[slot].append(new_tokens[-1])
-                elif accepted == k:
-                    draft_pending[slot] = [new_tokens[-2], new_tokens[-1]]
-                else:
-                    draft_pending[slot] = [new_tokens[-1]]
+    # ---------------------------------------------------------------- internals
 
-            target_cache.rollback(target_lengths)
-            if k > 0:
-                draft_cache.rollback(draft_lengths)
-            if len(still_active) < len(active):
-                target_cache.select_rows(still_active)
-                draft_cache.select_rows(still_active)
-                target_pending[:] = [target_pending[slot] for slot in still_active]
-                draft_pending[:] = [draft_pending[slot] for slot in still_active]
-                active = [active[slot] for slot in still_active]
-        return [row.result() for row in rows]
+    def _admit(self) -> None:
+        """Prefills the waiting requests and appends their rows to the batch."""
+        if not self.waiting:
+            return
+        new_rows, self.waiting = self.waiting, []
+        new_cache = prefill(self.target, [row.request.prompt_ids[:-1] for row in new_rows], self.pad_token_id)
+        if self.target_cache is None:
+            self.target_cache = new_cache
+        else:
+            self.target_cache.extend(new_cache)
+        self.rows.extend(new_rows)
+        self.ngram_drafter.add({r.request_id: r.request.prompt_ids for r in new_rows if r.drafter != DRAFTER_MODEL})
+        if self.model_drafter is not None:
+            self.model_drafter.add({r.request_id: r.request.prompt_ids for r in new_rows if r.drafter != DRAFTER_NGRAM})
 
-    def _step(
-        self,
-        batch: list[_Row],
-        step_ks: list[int],
-        target_cache: RaggedCache,
-        draft_cache: RaggedCache,
-        target_pending: list[list[int]],
-        draft_pending: list[list[int]],
-    ) -> tuple[list[int], list[list[int]]]:
-        """One draft + verify step over the active rows, with k = max(step_ks).
+    def _drop(self, rows: list[_Row]) -> None:
+        """Removes rows from the batch and from every drafter."""
+        if not rows:
+            return
+        gone = {row.request_id for row in rows}
+        keep = [slot for slot, row in enumerate(self.rows) if row.request_id not in gone]
+        self.rows = [self.rows[slot] for slot in keep]
+        if not self.rows:
+            self.target_cache = None  # an empty batch restarts from a fresh cache
+        elif len(keep) < self.target_cache.lengths.shape[0]:
+            self.target_cache.select_rows(keep)
+        self.ngram_drafter.remove(list(gone))
+        if self.model_drafter is not None:
+            self.model_drafter.remove(list(gone))
+
+    def _lookups(self, rows: list[_Row]) -> list[list[int]]:
+        """The n-gram drafter's proposal for each row that uses it ([] for the others)."""
+        return [
+            self.ngram_drafter.lookup(row.request_id, row.cap()) if row.drafter != DRAFTER_MODEL else []
+            for row in rows
+        ]
+
+    def _plan(self, rows: list[_Row], max_ks: list[int], uses_model: list[bool]) -> list[int]:
+        """Each row's number of drafts this step."""
+        if self.cost_table is None:
+            return list(max_ks)
+        planned = [slot for slot, row in enumerate(rows) if row.follows_batch_plan]
+        if not planned:
+            return list(max_ks)
+        acceptances = [rows[s].trackers[DRAFTER_MODEL if uses_model[s] else DRAFTER_NGRAM].acceptance for s in planned]
+        k = plan_step_k(
+            acceptances,
+            [max_ks[s] for s in planned],
+            self.cost_table,
+            model_drafting=any(uses_model[s] and max_ks[s] > 0 for s in planned),
+            batch_size=len(rows),
+        )
+        warming_up = any(
+            rows[s].trackers[DRAFTER_MODEL if uses_model[s] else DRAFTER_NGRAM].num_steps < MIN_STEPS_BEFORE_FALLBACK
+            for s in planned
+        )
+        if k == 0 and warming_up:
+            k = 1  # too few steps observed to give up on drafting yet
+        step_ks = list(max_ks)
+        for slot in planned:
+            step_ks[slot] = min(k, max_ks[slot])
+            if step_ks[slot] == 0 and max_ks[slot] > 0:
+                rows[slot].stats.fell_back = True
+        return step_ks
+
+    def _verify(
+        self, rows: list[_Row], step_ks: list[int], lookups: list[list[int]], uses_model: list[bool]
+    ) -> tuple[list[int], list[list[int]], torch.Tensor]:
+        """Drafts and verifies one step.
 
         Returns:
-            num_accepted per row, and emitted tokens per row ([k + 1], -1 padded).
+            num_accepted per row, emitted tokens per row ([k + 1], -1 padded), and the
+            target's raw logits [batch, k + 1, vocab] at the verified positions.
         """
-        k = max(step_ks)
-        # Rows whose k is below the batch's k have their extra drafts ignored;
-        # `draw_step_uniforms` draws only for each row's own k.
-        draft_uniforms, verify_uniforms = draw_step_uniforms([row.generator for row in batch], step_ks, k)
-        temperature = torch.tensor([row.request.sampling.temperature for row in batch], device=self.device)
-        top_k = torch.tensor([row.request.sampling.top_k for row in batch], device=self.device)
-        top_p = torch.tensor([row.request.sampling.top_p for row in batch], device=self.device)
+        batch_size, k = len(rows), max(step_ks)
+        # Each row draws for its own k only (`draw_step_uniforms`), so a seeded row's stream
+        # does not depend on the rows beside it.
+        draft_uniforms, verify_uniforms = draw_step_uniforms([row.generator for row in rows], step_ks, k)
+        sampling = [row.request.sampling for row in rows]
+        temperature = torch.tensor([s.temperature for s in sampling], device=self.device)
+        top_k = torch.tensor([s.top_k for s in sampling], device=self.device)
+        top_p = torch.tensor([s.top_p for s in sampling], device=self.device)
 
-        draft_token_ids = torch.empty((len(batch), 0), dtype=torch.long, device=self.device)  # [batch, k]
-        draft_probs = torch.empty((len(batch), 0, self.vocab_size), device=self.device)  # [batch, k, vocab]
-        if k > 0:
-            input_ids, chunk_mask = left_pad(draft_pending, self.pad_token_id)
-            # A padded target vocabulary can emit ids the draft has no embedding for (never
-            # real tokens); the draft sees the pad id instead, which only costs acceptance.
-            input_ids = input_ids.masked_fill(input_ids >= self.draft_vocab_size, self.pad_token_id)
-            logits = draft_cache.forward(input_ids, chunk_mask, logits_to_keep=1)  # [batch, 1, draft_vocab]
-            draft_uniforms = draft_uniforms.to(self.device)
-            sampled, probs_per_step = [], []
-            for j in range(k):
-                probs = warp_logits_to_probs(_fit_vocab(logits, self.vocab_size), temperature, top_k, top_p)[:, 0]
-                token_ids = sample_from_probs(probs, draft_uniforms[:, j])  # [batch]
-                sampled.append(token_ids)
-                probs_per_step.append(probs)
-                if j < k - 1:
-                    ones = torch.ones((len(batch), 1), dtype=torch.long)
-                    logits = draft_cache.forward(token_ids[:, None], ones, logits_to_keep=1)
-            draft_token_ids = torch.stack(sampled, dim=1)
-            draft_probs = torch.stack(probs_per_step, dim=1)
+        draft_token_ids = torch.full((batch_size, k), self.pad_token_id, dtype=torch.long)  # [batch, k]
+        draft_probs = torch.zeros((batch_size, k, self.vocab_size), device=self.device)  # [batch, k, vocab]
+        model_slots = [slot for slot in range(batch_size) if uses_model[slot] and step_ks[slot] > 0]
+        if model_slots:
+            model_k = max(step_ks[slot] for slot in model_slots)
+            proposals = self.model_drafter.propose(
+                model_k,
+                {
+                    rows[slot].request_id: (
+                        sampling[slot].temperature,
+                        sampling[slot].top_k,
+                        sampling[slot].top_p,
+                        draft_uniforms[slot, :model_k],
+                    )
+                    for slot in model_slots
+                },
+            )
+            for slot in model_slots:
+                token_ids, probs = proposals[rows[slot].request_id]  # [model_k], [model_k, vocab]
+                num = step_ks[slot]
+                draft_token_ids[slot, :num] = token_ids[:num].cpu()
+                draft_probs[slot, :num] = probs[:num]
+        for slot in range(batch_size):
+            if not uses_model[slot] and step_ks[slot] > 0:
+                # A look-up is deterministic: its draft distribution is one-hot.
+                proposal = torch.tensor(lookups[slot][: step_ks[slot]], dtype=torch.long)
+                draft_token_ids[slot, : len(proposal)] = proposal
+                draft_probs[slot, torch.arange(len(proposal)), proposal.to(self.device)] = 1.0
+        draft_token_ids = draft_token_ids.to(self.device)
 
-        input_ids, chunk_mask = left_pad(target_pending, self.pad_token_id)
-        input_ids = torch.cat([input_ids.to(self.device), draft_token_ids], dim=1)  # [batch, width + k]
-        chunk_mask = torch.cat([chunk_mask, torch.ones((len(batch), k), dtype=torch.long)], dim=1)
-        logits = target_cache.forward(input_ids, chunk_mask, logits_to_keep=k + 1)  # [batch, k + 1, vocab]
-        target_probs = warp_logits_to_probs(logits[..., : self.vocab_size], temperature, top_k, top_p)
+        pending = torch.tensor([[row.token_ids[-1] if row.token_ids else row.request.prompt_ids[-1]] for row in rows])
+        input_ids = torch.cat([pending.to(self.device), draft_token_ids], dim=1)  # [batch, 1 + k]
+        chunk_mask = torch.ones((batch_size, 1 + k), dtype=torch.long)
+        logits = self.target_cache.forward(input_ids, chunk_mask, logits_to_keep=k + 1)  # [batch, k + 1, vocab']
+        logits = logits[..., : self.vocab_size]
+        target_probs = warp_logits_to_probs(logits, temperature, top_k, top_p)
 
         num_accepted, output_token_ids = rejection_sample(
             target_probs,
@@ -336,5 +533,19 @@ class SpeculativeEngine:
             torch.tensor(step_ks, device=self.device),
             verify_uniforms.to(self.device),
         )
-        # The step's one synchronisation point: the bookkeeping below is plain Python.
-        return num_accepted.tolist(), output_token_ids.tolist()
+        # The step's one synchronisation point: the bookkeeping after it is plain Python.
+        return num_accepted.tolist(), output_token_ids.tolist(), logits
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:  # [n, vocab]
+        """The emitted tokens' log-probabilities under the target's raw logits, and the top `num_top`."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
+        chosen = logprobs.gather(-1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
+        if num_top == 0:
+            return [TokenLogprob(t, lp) for t, lp in zip(token_ids, chosen)]
+        top = logprobs.topk(num_top, dim=-1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+        return [
+            TokenLogprob(t, lp, tuple(zip(ids, values)))
+            for t, lp, ids, values in zip(token_ids, chosen, top_ids, top_values)
+        ]

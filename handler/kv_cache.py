@@ -10,7 +10,9 @@ row from the valid tokens only, so a hole never shifts a rotary position.
   crops the columns no row uses. The prefix is never recomputed.
 - When holes take more than `COMPACT_SLACK` columns beyond the longest row,
   the rows are re-packed to the right (left padding) with one gather per layer.
-- `select_rows` drops finished requests from the batch.
+- `select_rows` drops finished requests from the batch; `extend` adds
+  requests prefilled in a cache of their own, so that requests can join a
+  running batch (continuous batching) without padding the others' chunks.
 
 The mask lives on the CPU: bookkeeping then needs no device synchronisation.
 """
@@ -25,6 +27,19 @@ from transformers.cache_utils import DynamicLayer
 
 # Hole columns tolerated beyond the longest row before re-packing the cache.
 COMPACT_SLACK = 16
+
+
+def _padded_states(layer, name: str, num_rows: int, like, width: int) -> torch.Tensor:
+    """A layer's keys or values left-padded to `width` columns; zeros when the layer holds none yet."""
+    reference = getattr(like, name)  # [batch, heads, columns, head_dim]
+    if not layer.is_initialized:
+        return reference.new_zeros((num_rows, reference.shape[1], width, reference.shape[3]))
+    states = getattr(layer, name)
+    missing = width - states.shape[2]
+    if missing == 0:
+        return states
+    padding = states.new_zeros((states.shape[0], states.shape[1], missing, states.shape[3]))
+    return torch.cat([padding, states], dim=2)
 
 
 def check_cache_support(model: torch.nn.Module) -> None:
@@ -117,6 +132,24 @@ class RaggedCache:
                 layer.values = layer.values[device_index]
         self._crop_unused_columns()
 
+    def extend(self, other: "RaggedCache") -> None:
+        """Appends `other`'s rows after this cache's rows; the narrower one is left-padded with holes."""
+        assert other.device == self.device
+        width = max(self.num_columns, other.num_columns)
+        num_mine, num_theirs = self.mask.shape[0], other.mask.shape[0]
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            if not (mine.is_initialized or theirs.is_initialized):
+                continue  # only one-token prompts so far: no columns anywhere
+            like = mine if mine.is_initialized else theirs
+            for name in ("keys", "values"):
+                parts = [_padded_states(layer, name, rows, like, width) for layer, rows in ((mine, num_mine), (theirs, num_theirs))]
+                setattr(mine, name, torch.cat(parts))  # [rows, heads, width, head_dim]
+            mine.dtype, mine.device, mine.is_initialized = like.dtype, like.device, True
+        pad_mine = self.mask.new_zeros((num_mine, width - self.num_columns))
+        pad_theirs = other.mask.new_zeros((num_theirs, width - other.num_columns))
+        self.mask = torch.cat([torch.cat([pad_mine, self.mask], dim=1), torch.cat([pad_theirs, other.mask], dim=1)])
+        self.lengths = torch.cat([self.lengths, other.lengths])
+
     def _crop_unused_columns(self) -> None:
         used = self.mask.any(dim=0).nonzero()
         keep = int(used.max()) + 1 if used.numel() else 0
@@ -138,3 +171,23 @@ class RaggedCache:
             index = device_order[:, None, :, None].expand(batch, heads, width, head_dim)
             layer.keys = layer.keys.gather(2, index)
             layer.values = layer.values.gather(2, index)
+
+
+def prefill(model: torch.nn.Module, prefixes: Sequence[Sequence[int]], pad_id: int) -> RaggedCache:
+    """A cache holding each prefix, one row each in order, for rows about to join a batch.
+
+    Rows with an empty prefix take no part in the forward pass (a row of nothing
+    but padding would attend to nothing at all) and join with no valid tokens.
+    """
+    filled = [row for row, prefix in enumerate(prefixes) if prefix]
+    empty = [row for row, prefix in enumerate(prefixes) if not prefix]
+    cache = RaggedCache(model, len(filled))
+    if filled:
+        input_ids, chunk_mask = left_pad([prefixes[row] for row in filled], pad_id)
+        cache.forward(input_ids, chunk_mask, logits_to_keep=1)
+    if empty:
+        cache.extend(RaggedCache(model, len(empty)))
+        if filled:
+            # Back to the callers' order: position of each original row in filled + empty.
+            cache.select_rows(sorted(range(len(prefixes)), key=(filled + empty).__getitem__))
+    return cache

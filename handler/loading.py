@@ -20,7 +20,7 @@ DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 @dataclasses.dataclass
 class LoadedModels:
     target: Any
-    draft: Any
+    draft: Any  # None when the deployment drafts by n-gram look-up only
     tokenizer: Any
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
@@ -145,21 +145,25 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
     if device.type == "cpu":
         logger.info("using %d CPU threads", set_cpu_threads(config.cpu_threads))
     target_path = resolve_model_path(config.target_model, model_dir, "target_model")
-    draft_path = resolve_model_path(config.draft_model, model_dir, "draft_model")
-    logger.info("loading target %s and draft %s on %s as %s", target_path, draft_path, device, dtype)
+    draft_path = None
+    if config.draft_model is not None:
+        draft_path = resolve_model_path(config.draft_model, model_dir, "draft_model")
+    logger.info("loading target %s and draft %s on %s as %s", target_path, draft_path or "(none: n-gram look-up)", device, dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(target_path)
     except Exception as error:
         raise ValueError(f"handler.target_model: cannot load a tokenizer from {target_path!r}: {error}") from error
     target = _load_causal_lm(target_path, "target_model", dtype, device, config.allow_pickle_weights)
-    draft = _load_causal_lm(draft_path, "draft_model", dtype, device, config.allow_pickle_weights)
-    check_vocabularies(tokenizer, target, draft, draft_path)
-    if config.draft_quantization == "int8":
-        if device.type != "cpu":
-            raise ValueError("handler.draft_quantization: int8 runs on the CPU only; use none on a GPU")
-        draft = quantize_draft_int8(draft)
+    draft = None
+    if draft_path is not None:
+        draft = _load_causal_lm(draft_path, "draft_model", dtype, device, config.allow_pickle_weights)
+        check_vocabularies(tokenizer, target, draft, draft_path)
+        if config.draft_quantization == "int8":
+            if device.type != "cpu":
+                raise ValueError("handler.draft_quantization: int8 runs on the CPU only; use none on a GPU")
+            draft = quantize_draft_int8(draft)
+        check_cache_support(draft)
     check_cache_support(target)
-    check_cache_support(draft)
 
     eos_token_ids = collect_eos_token_ids(tokenizer, target.generation_config)
     if not eos_token_ids:
@@ -170,6 +174,7 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
     max_context = min(
         getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2**31 - 1
         for model in (target, draft)
+        if model is not None
     )
     return LoadedModels(
         target=target,

@@ -26,6 +26,7 @@ REQUEST_FIELDS = (
     "num_speculative_tokens",
     "stop",
     "stream",
+    "drafter",
 )
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -168,6 +169,12 @@ def parse_request(body: Mapping, config: HandlerConfig, tokenizer, max_context: 
     if not isinstance(stream, bool):
         raise RequestError(f"stream: must be true or false, got {json.dumps(stream)}")
     stop = _stop_strings(body)
+    drafter = body.get("drafter", config.drafter)
+    if drafter not in config.drafters:
+        raise RequestError(
+            f"drafter: {json.dumps(drafter)} is not available in this model archive; choose one of "
+            f"{', '.join(config.drafters)}"
+        )
     prompt_ids = _prompt_ids(body, tokenizer)
     if not prompt_ids:
         raise RequestError("prompt: encodes to no tokens")
@@ -184,6 +191,7 @@ def parse_request(body: Mapping, config: HandlerConfig, tokenizer, max_context: 
         num_speculative_tokens=num_speculative_tokens,
         seed=seed,
         stop=stop,
+        drafter=drafter,
     )
     return ParsedRequest(generation=generation, stream=stream)
 

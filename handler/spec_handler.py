@@ -17,7 +17,7 @@ import logging
 from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.torch_handler.base_handler import BaseHandler
 
-from handler.adaptive import AdaptiveK, measure_cost_model
+from handler.adaptive import measure_cost_model
 from handler.config import handler_config_from_yaml_config
 from handler.engine import SpeculativeEngine
 from handler.loading import load_models
@@ -38,18 +38,20 @@ class SpeculativeHandler(BaseHandler):
         self.config = handler_config_from_yaml_config(context.model_yaml_config)
         self.models = load_models(self.config, properties.get("model_dir"), properties.get("gpu_id"))
         self.device = self.models.device
-        adaptive = None
+        cost_table = None
         if self.config.adaptive_k:
-            cost = measure_cost_model(self.models.target, self.models.draft, self.config.num_speculative_tokens)
-            logger.info("adaptive k: %s (draft/target cost ratio c = %.3f)", cost, cost.draft_target_ratio)
-            adaptive = AdaptiveK(cost)
+            cost_table = measure_cost_model(self.models.target, self.models.draft, self.config.num_speculative_tokens)
+            logger.info("adaptive k: %s (draft/target cost ratio c = %.3f)", cost_table, cost_table.draft_target_ratio)
         self.engine = SpeculativeEngine(
             self.models.target,
             self.models.draft,
             self.models.tokenizer,
             self.models.eos_token_ids,
             self.models.pad_token_id,
-            adaptive=adaptive,
+            default_drafter=self.config.drafter,
+            cost_table=cost_table,
+            prompt_lookup_min=self.config.prompt_lookup_min,
+            prompt_lookup_max=self.config.prompt_lookup_max,
         )
         self.continuous = (context.model_yaml_config or {}).get("continuousBatching") is True
         tokenizer, max_batch_tokens = self.models.tokenizer, self.config.max_batch_tokens

@@ -33,7 +33,7 @@ import torch
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from handler.adaptive import AdaptiveK, expected_tokens, measure_cost_model  # noqa: E402
+from handler.adaptive import CostModel, expected_tokens, measure_cost_model  # noqa: E402
 from handler.config import HandlerConfig, SamplingParams  # noqa: E402
 from handler.engine import GenerationRequest, SpeculativeEngine  # noqa: E402
 from handler.loading import load_models, quantize_draft_int8  # noqa: E402
@@ -110,14 +110,14 @@ class Bench:
             self.engine_draft = quantize_draft_int8(_copy_model(self.draft))
         self.max_new_tokens = args.max_new_tokens
 
-    def engine(self, adaptive: AdaptiveK | None = None) -> SpeculativeEngine:
+    def engine(self, cost_table: CostModel | None = None) -> SpeculativeEngine:
         return SpeculativeEngine(
             self.target,
             self.engine_draft,
             self.tokenizer,
             self.models.eos_token_ids,
             self.models.pad_token_id,
-            adaptive=adaptive,
+            cost_table=cost_table,
         )
 
     def encode(self, prompts: list[dict]) -> list[tuple[int, ...]]:
@@ -165,8 +165,8 @@ class Bench:
             outputs.append(tokens)
         return Measurement(name, k, num_tokens, seconds, rates, outputs=outputs)
 
-    def measure_engine(self, name, prompts_ids, max_new_tokens, k, sampling=GREEDY, adaptive=None):
-        engine = self.engine(adaptive)
+    def measure_engine(self, name, prompts_ids, max_new_tokens, k, sampling=GREEDY, cost_table=None):
+        engine = self.engine(cost_table)
         engine.generate([GenerationRequest(prompts_ids[0], 4, sampling, k, seed=0)])  # warm-up
         m = Measurement(name, k, 0, 0.0, [])
         for i, prompt_ids in enumerate(prompts_ids):
@@ -415,7 +415,7 @@ def main(argv=None) -> int:
     engine_k0 = bench.measure_engine("this engine, k=0 (plain decoding)", prompts_ids, args.max_new_tokens, 0)
     engine_fixed = bench.measure_engine(f"this engine, fixed k={best_k}", prompts_ids, args.max_new_tokens, best_k)
     engine_adaptive = bench.measure_engine(
-        f"this engine, adaptive k<={max(sweep_ks)}", prompts_ids, args.max_new_tokens, max(sweep_ks), adaptive=AdaptiveK(cost)
+        f"this engine, adaptive k<={max(sweep_ks)}", prompts_ids, args.max_new_tokens, max(sweep_ks), cost_table=cost
     )
     measurements = [target_only, hf_assisted, engine_k0, engine_fixed, engine_adaptive]
     # Greedy speculative output is the target's own output: check it here too, on the real pair.

@@ -45,6 +45,9 @@ SPECULATIVE_FIELDS = {
     "target_forward_passes": int,
     "mean_accepted_length": (int, float),
     "fell_back_to_target_only": bool,
+    "drafter": str,
+    "by_drafter": dict,
+    "accepted_per_position": list,
 }
 
 

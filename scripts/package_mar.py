@@ -92,7 +92,7 @@ def check_config(path: Path) -> dict:
     return config
 
 
-def check_handler_section(config: dict, path: Path) -> None:
+def check_handler_section(config: dict, path: Path):
     """Parse the handler section with the handler's own parser, as the worker will.
 
     A typo then fails here, not minutes later when a worker starts.
@@ -103,14 +103,30 @@ def check_handler_section(config: dict, path: Path) -> None:
     finally:
         sys.path.remove(str(REPO_ROOT))
     try:
-        handler_config_from_yaml_config(config)
+        return handler_config_from_yaml_config(config)
     except ValueError as error:
         raise PackagingError(f"--config: {path}: {error}") from error
+
+
+def check_draft_needed(handler_config, draft: Path | None, path: Path) -> None:
+    """--draft is required exactly when the config's drafter runs a draft model."""
+    if handler_config.draft_model is not None and draft is None:
+        raise PackagingError(
+            f"--draft: {path} sets handler.drafter: {handler_config.drafter}, which needs a draft model; "
+            "pass --draft, or set handler.drafter: ngram (and no draft_model) to draft by prompt look-up"
+        )
+    if handler_config.draft_model is None and draft is not None:
+        raise PackagingError(
+            f"--draft: {path} sets handler.drafter: ngram, which uses no draft model; drop --draft, "
+            "or set handler.drafter: model or hybrid with draft_model: draft"
+        )
 
 
 def warn_about_model_paths(config: dict) -> None:
     """The archive holds target/ and draft/; say so if the config looks elsewhere."""
     for key, packed_as in (("target_model", "target"), ("draft_model", "draft")):
+        if key not in config["handler"] and key == "draft_model" and config["handler"].get("drafter") == "ngram":
+            continue
         value = config["handler"].get(key)
         if value != packed_as:
             print(
@@ -131,19 +147,20 @@ def warn_if_tokenizers_differ(target: Path, draft: Path) -> None:
             )
 
 
-def stage(staging: Path, target: Path, draft: Path) -> None:
-    """Lay out handler/, target/ and draft/ under `staging`."""
+def stage(staging: Path, target: Path, draft: Path | None) -> None:
+    """Lay out handler/, target/ and draft/ (when there is one) under `staging`."""
     shutil.copytree(HANDLER_PACKAGE, staging / "handler", ignore=IGNORED_IN_HANDLER)
     # Symlinks, not copies: the archiver's copytree follows them, so the model
     # files are read once, straight into the archiver's scratch folder.
     (staging / "target").symlink_to(target, target_is_directory=True)
-    (staging / "draft").symlink_to(draft, target_is_directory=True)
+    if draft is not None:
+        (staging / "draft").symlink_to(draft, target_is_directory=True)
 
 
 def package(
     model_name: str,
     target: Path,
-    draft: Path,
+    draft: Path | None,
     config_file: Path,
     export_path: Path,
     archive_format: str = "default",
@@ -163,13 +180,15 @@ def package(
         raise PackagingError(f"--archive-format must be one of {sorted(ARCHIVE_SUFFIXES)}")
     if not (HANDLER_PACKAGE / HANDLER_ENTRY).is_file():
         raise PackagingError(f"handler entry point {HANDLER_PACKAGE / HANDLER_ENTRY} not found")
-    target, draft = target.resolve(), draft.resolve()
+    target = target.resolve()
     check_model_dir(target, "target", need_tokenizer=True)
-    check_model_dir(draft, "draft", need_tokenizer=False)
     config = check_config(config_file)
-    check_handler_section(config, config_file)
+    check_draft_needed(check_handler_section(config, config_file), draft, config_file)
     warn_about_model_paths(config)
-    warn_if_tokenizers_differ(target, draft)
+    if draft is not None:
+        draft = draft.resolve()
+        check_model_dir(draft, "draft", need_tokenizer=False)
+        warn_if_tokenizers_differ(target, draft)
 
     export_path.mkdir(parents=True, exist_ok=True)
     output = export_path / f"{model_name}{ARCHIVE_SUFFIXES[archive_format]}"
@@ -223,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model-name", required=True, help="archive and model name")
     parser.add_argument("--target", required=True, type=Path, help="target model folder")
-    parser.add_argument("--draft", required=True, type=Path, help="draft model folder")
+    parser.add_argument(
+        "--draft", type=Path, help="draft model folder (needed unless the config's drafter is ngram)"
+    )
     parser.add_argument("--config", required=True, type=Path, help="model-config YAML")
     parser.add_argument(
         "--export-path", required=True, type=Path, help="folder for the archive (model store)"

@@ -201,12 +201,12 @@ def test_stop_string_truncates_text_and_reports_stop(tiny_pair):
 
 
 def test_adaptive_k_is_still_exact_and_falls_back_when_the_draft_is_useless(tiny_pair):
-    from handler.adaptive import AdaptiveK, CostModel
+    from handler.adaptive import CostModel
 
     target, draft, tokenizer = tiny_pair
-    policy = AdaptiveK(CostModel(draft_step=0.3, target_step=1.0, target_per_extra_token=0.05))
+    policy = CostModel(draft_step=0.3, target_step=1.0, target_per_extra_token=0.05)
     adaptive = make_engine(target, draft, tokenizer)
-    adaptive.adaptive = policy
+    adaptive.cost_table = policy
     for prompt in PROMPTS[:3]:
         prompt_ids = encode(tokenizer, prompt)
         result = adaptive.generate([GenerationRequest(prompt_ids, 40, GREEDY, 8)])[0]
@@ -214,14 +214,14 @@ def test_adaptive_k_is_still_exact_and_falls_back_when_the_draft_is_useless(tiny
 
     # A draft that never agrees: after a few steps the request stops drafting.
     hopeless = make_engine(target, draft, tokenizer, eos_token_ids=())
-    hopeless.adaptive = AdaptiveK(CostModel(draft_step=1.0, target_step=1.0, target_per_extra_token=0.0))
+    hopeless.cost_table = CostModel(draft_step=1.0, target_step=1.0, target_per_extra_token=0.0)
     result = hopeless.generate([GenerationRequest(encode(tokenizer, PROMPTS[0]), 40, GREEDY, 4)])[0]
     assert result.stats.fell_back
     assert result.stats.draft_tokens < 40
 
     # A perfect draft keeps the full k.
     same = make_engine(target, target, tokenizer, eos_token_ids=())
-    same.adaptive = policy
+    same.cost_table = policy
     result = same.generate([GenerationRequest(encode(tokenizer, PROMPTS[0]), 41, GREEDY, 4)])[0]
     assert not result.stats.fell_back
     assert result.stats.target_forward_passes <= 41 // 5 + 3

@@ -57,8 +57,12 @@ def test_answer_has_the_documented_fields(handler, tiny_models_dir):
         "target_forward_passes",
         "mean_accepted_length",
         "fell_back_to_target_only",
+        "drafter",
+        "by_drafter",
+        "accepted_per_position",
     }
     assert answer["speculative"]["num_speculative_tokens"] == 4
+    assert answer["speculative"]["drafter"] == "model"
 
 
 def test_bad_request_fails_alone_and_good_ones_match_their_solo_answers(handler, tiny_models_dir):

@@ -21,6 +21,9 @@ SPECULATIVE = {
     "target_forward_passes": 3,
     "mean_accepted_length": 2.6667,
     "fell_back_to_target_only": False,
+    "drafter": "model",
+    "by_drafter": {"model": {"draft_tokens": 9, "accepted_tokens": 7}},
+    "accepted_per_position": [3, 2, 2],
 }
 ANSWER = {
     "text": "ab",

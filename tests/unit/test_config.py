@@ -105,3 +105,26 @@ def test_cpu_threads_zero_means_every_available_core():
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="handler.cpu_threads"):
         HandlerConfig.from_dict({"cpu_threads": -1})
+
+
+def test_drafter_keys():
+    assert HandlerConfig().drafters == ("model", "ngram", "hybrid")
+    lookup = HandlerConfig.from_dict({"drafter": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5})
+    assert lookup.draft_model is None and lookup.drafters == ("ngram",)
+    assert (lookup.prompt_lookup_min, lookup.prompt_lookup_max) == (2, 5)
+    hybrid = HandlerConfig.from_dict({"drafter": "hybrid", "draft_model": "small"})
+    assert hybrid.draft_model == "small" and "hybrid" in hybrid.drafters
+
+
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ({"drafter": "eagle"}, "handler.drafter"),
+        ({"drafter": "ngram", "draft_model": "draft"}, "handler.draft_model"),
+        ({"prompt_lookup_min": 0}, "handler.prompt_lookup_min"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "handler.prompt_lookup_max"),
+    ],
+)
+def test_bad_drafter_settings_name_the_key(raw, key):
+    with pytest.raises(ValueError, match=key):
+        HandlerConfig.from_dict(raw)

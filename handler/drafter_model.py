@@ -1,0 +1,169 @@
+"""The draft-model drafter: a small causal LM samples k draft tokens, one forward pass each.
+
+It keeps its own ragged KV cache, one row per request it drafts for. Tokens
+committed by the engine that the draft model has not processed yet are its
+pending tokens: the prompt's last token at first, then whatever the target
+emitted that differs from what the draft fed itself (the recovered or bonus
+token, or look-up drafts accepted in hybrid mode). They are fed at the start
+of the next proposal, so the cache never has to recompute a prefix.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Mapping, Sequence
+
+import torch
+
+from handler.kv_cache import RaggedCache, left_pad, prefill
+from handler.sampler import sample_from_probs, warp_logits_to_probs
+
+
+def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [batch, positions, draft_vocab]
+    """Puts draft logits on the target's vocabulary: extra ids cut, missing ids impossible."""
+    draft_vocab = logits.shape[-1]
+    if draft_vocab > vocab_size:
+        return logits[..., :vocab_size]
+    if draft_vocab < vocab_size:
+        padding = logits.new_full((*logits.shape[:-1], vocab_size - draft_vocab), float("-inf"))
+        return torch.cat([logits, padding], dim=-1)
+    return logits
+
+
+class ModelDrafter:
+    """Proposes draft tokens sampled from a draft model, with their draft distributions."""
+
+    name = "model"
+
+    def __init__(self, model, vocab_size: int, pad_token_id: int) -> None:
+        """`vocab_size` is the target's: draft distributions are put on it."""
+        self.model = model
+        self.vocab_size = vocab_size
+        self.draft_vocab_size = model.config.get_text_config().vocab_size
+        self.pad_token_id = pad_token_id
+        self.device = next(model.parameters()).device
+        self.cache: RaggedCache | None = None
+        self.order: list[Hashable] = []  # request ids, in cache row order
+        self.pending: dict[Hashable, list[int]] = {}
+        # Drafts fed to the cache by the last proposal, beyond the committed tokens.
+        self.fed: dict[Hashable, list[int]] = {}
+        # Pending tokens the last proposal fed, in case the row then commits nothing.
+        self.fed_pending: dict[Hashable, list[int]] = {}
+
+    def add(self, prompts: Mapping[Hashable, Sequence[int]]) -> None:
+        """Prefills the new requests' prompts, all but the last token, and appends their rows."""
+        ids = list(prompts)
+        if not ids:
+            return
+        prefixes = [self._draft_ids(prompts[request_id][:-1]) for request_id in ids]
+        new_cache = prefill(self.model, prefixes, self.pad_token_id)
+        if self.cache is None:
+            self.cache = new_cache
+        else:
+            self.cache.extend(new_cache)
+        for request_id in ids:
+            self.order.append(request_id)
+            self.pending[request_id] = list(prompts[request_id][-1:])
+            self.fed[request_id] = []
+            self.fed_pending[request_id] = []
+
+    def remove(self, request_ids: Sequence[Hashable]) -> None:
+        gone = set(request_ids) & set(self.order)
+        if not gone:
+            return
+        keep = [slot for slot, request_id in enumerate(self.order) if request_id not in gone]
+        self.order = [self.order[slot] for slot in keep]
+        for request_id in gone:
+            del self.pending[request_id], self.fed[request_id], self.fed_pending[request_id]
+        if not self.order:
+            self.cache = None  # an empty batch restarts from a fresh cache
+        else:
+            self.cache.select_rows(keep)
+
+    def propose(
+        self,
+        k: int,
+        sampling: Mapping[Hashable, tuple[float, int, float, torch.Tensor]],
+    ) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor]]:
+        """Samples k draft tokens for every row of the cache.
+
+        Args:
+            k: drafts per row, >= 1.
+            sampling: request id -> (temperature, top_k, top_p, uniforms [k] float64) for the
+                rows whose drafts will be verified; other rows draft greedily and their drafts
+                are only fed to keep the batch rectangular.
+
+        Returns:
+            request id -> (draft token ids [k], draft probs [k, vocab]) for the rows in `sampling`.
+        """
+        assert k >= 1 and self.cache is not None
+        num_rows = len(self.order)
+        settings = [sampling.get(request_id, (0.0, 0, 1.0, None)) for request_id in self.order]
+        temperature = torch.tensor([s[0] for s in settings], device=self.device)
+        top_k = torch.tensor([s[1] for s in settings], device=self.device)
+        top_p = torch.tensor([s[2] for s in settings], device=self.device)
+        uniforms = torch.zeros((num_rows, k), dtype=torch.float64)  # [rows, k]
+        for slot, setting in enumerate(settings):
+            if setting[3] is not None:
+                uniforms[slot, : len(setting[3])] = setting[3][:k]
+        uniforms = uniforms.to(self.device)
+
+        input_ids, chunk_mask = left_pad([self.pending[request_id] for request_id in self.order], self.pad_token_id)
+        logits = self.cache.forward(self._draft_ids(input_ids), chunk_mask, logits_to_keep=1)  # [rows, 1, vocab']
+        sampled, probs_per_step = [], []
+        for j in range(k):
+            probs = warp_logits_to_probs(fit_vocab(logits, self.vocab_size), temperature, top_k, top_p)[:, 0]
+            token_ids = sample_from_probs(probs, uniforms[:, j])  # [rows]
+            sampled.append(token_ids)
+            probs_per_step.append(probs)
+            if j < k - 1:
+                ones = torch.ones((num_rows, 1), dtype=torch.long)
+                logits = self.cache.forward(self._draft_ids(token_ids[:, None]), ones, logits_to_keep=1)
+        draft_token_ids = torch.stack(sampled, dim=1)  # [rows, k]
+        draft_probs = torch.stack(probs_per_step, dim=1)  # [rows, k, vocab]
+        fed = draft_token_ids[:, : k - 1].tolist()
+        for slot, request_id in enumerate(self.order):
+            self.fed_pending[request_id] = self.pending[request_id]
+            self.pending[request_id] = []
+            self.fed[request_id] = fed[slot]
+        return {
+            request_id: (draft_token_ids[slot], draft_probs[slot])
+            for slot, request_id in enumerate(self.order)
+            if request_id in sampling
+        }
+
+    def observe(self, committed: Mapping[Hashable, Sequence[int]]) -> None:
+        """Takes each row's newly committed tokens and rolls the cache back to what it got right.
+
+        The drafts a row fed itself stay cached as far as they match the committed
+        tokens, but never the last committed token: the next proposal needs the
+        logits that follow it, so it stays pending. The unseen committed tokens
+        become pending. A row absent from `committed` committed nothing.
+        """
+        if self.cache is None:
+            return
+        lengths = self.cache.lengths.clone()
+        for slot, request_id in enumerate(self.order):
+            fed = self.fed[request_id]
+            new_tokens = list(committed.get(request_id, ()))
+            if not new_tokens:
+                # Back to before the last proposal: its pending tokens are pending again.
+                lengths[slot] -= len(fed) + len(self.fed_pending[request_id])
+                self.pending[request_id] = self.fed_pending[request_id] + self.pending[request_id]
+            else:
+                num_matching = 0
+                while num_matching < min(len(fed), len(new_tokens) - 1) and fed[num_matching] == new_tokens[num_matching]:
+                    num_matching += 1
+                lengths[slot] -= len(fed) - num_matching
+                self.pending[request_id].extend(new_tokens[num_matching:])
+            self.fed[request_id] = []
+            self.fed_pending[request_id] = []
+        self.cache.rollback(lengths)
+
+    def _draft_ids(self, token_ids):
+        """Target ids the draft has no embedding for (a padded target vocabulary) become the pad id.
+
+        They are never real tokens; the substitution only costs acceptance.
+        """
+        if isinstance(token_ids, torch.Tensor):
+            return token_ids.masked_fill(token_ids >= self.draft_vocab_size, self.pad_token_id)
+        return [t if t < self.draft_vocab_size else self.pad_token_id for t in token_ids]

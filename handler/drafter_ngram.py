@@ -1,0 +1,74 @@
+"""The n-gram drafter (prompt lookup): drafts by copying what followed the same n-gram earlier.
+
+For each row it takes the longest suffix of prompt + completion, from
+`max_n` down to `min_n` tokens, that occurred earlier in the row, and
+proposes up to k tokens that followed its most recent earlier occurrence.
+Rows without a match draft nothing that step.
+
+A look-up is deterministic: its draft distribution is one-hot on the proposed
+token, so the rejection sampler accepts it with probability target_probs[x]
+and recovers from target_probs with x removed. No model runs: a proposal
+costs a dictionary look-up, and each committed token updates the index in
+O(max_n), never a scan of the context.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Mapping, Sequence
+
+
+class NgramIndex:
+    """One row's tokens and, per n-gram, the end of its most recent occurrence before the last token."""
+
+    def __init__(self, token_ids: Sequence[int], min_n: int, max_n: int) -> None:
+        assert 1 <= min_n <= max_n, (min_n, max_n)
+        self.min_n = min_n
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        # n-gram -> end index (exclusive) of its latest occurrence that is not the current suffix.
+        self.latest_end: dict[tuple[int, ...], int] = {}
+        self.extend(token_ids)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        for token_id in token_ids:
+            # The suffix that ends at the current end becomes an earlier occurrence.
+            end = len(self.tokens)
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.latest_end[tuple(self.tokens[end - n : end])] = end
+            self.tokens.append(token_id)
+
+    def lookup(self, k: int) -> list[int]:
+        """Up to k tokens that followed the longest matching suffix's latest earlier occurrence."""
+        end = len(self.tokens)
+        for n in range(min(self.max_n, end), self.min_n - 1, -1):
+            start = self.latest_end.get(tuple(self.tokens[end - n : end]))
+            if start is not None:
+                return self.tokens[start : start + k]
+        return []
+
+
+class NgramDrafter:
+    """Prompt-lookup proposals for every row it indexes."""
+
+    name = "ngram"
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+        self.rows: dict[Hashable, NgramIndex] = {}
+
+    def add(self, prompts: Mapping[Hashable, Sequence[int]]) -> None:
+        for request_id, prompt_ids in prompts.items():
+            self.rows[request_id] = NgramIndex(prompt_ids, self.min_n, self.max_n)
+
+    def remove(self, request_ids: Sequence[Hashable]) -> None:
+        for request_id in request_ids:
+            self.rows.pop(request_id, None)
+
+    def lookup(self, request_id: Hashable, k: int) -> list[int]:
+        return self.rows[request_id].lookup(k) if k > 0 else []
+
+    def observe(self, committed: Mapping[Hashable, Sequence[int]]) -> None:
+        for request_id, new_tokens in committed.items():
+            if request_id in self.rows:
+                self.rows[request_id].extend(new_tokens)

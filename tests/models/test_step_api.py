@@ -1,0 +1,168 @@
+"""The engine's step API on tiny fp32 models: requests join and leave a running batch.
+
+Every request's output must equal its output alone (greedy, and seeded sampled),
+whatever joins, leaves or is aborted around it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from handler.adaptive import CostModel
+from handler.config import SamplingParams
+from handler.engine import GenerationRequest
+
+from .conftest import make_engine
+from .test_engine import GREEDY, PROMPTS, encode, reference_greedy
+
+SAMPLED = SamplingParams(temperature=0.9, top_k=20, top_p=0.95)
+
+
+def run_staggered(engine, arrivals: dict[int, list[tuple[str, GenerationRequest]]], aborts: dict[int, list[str]] = {}):
+    """Steps the engine, adding requests at given step numbers; returns results by id."""
+    results, step_number = {}, 0
+    while step_number <= max(arrivals) or engine.has_unfinished_requests():
+        for request_id, request in arrivals.get(step_number, []):
+            engine.add_request(request_id, request)
+        for request_id in aborts.get(step_number, []):
+            engine.abort_request(request_id)
+        for output in engine.step():
+            assert output.token_ids[-len(output.new_token_ids) or len(output.token_ids) :] == output.new_token_ids
+            if output.result is not None:
+                results[output.request_id] = output.result
+        step_number += 1
+    return results
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
+def test_staggered_arrivals_equal_solo_outputs(tiny_pair, engine, drafter):
+    target, _, tokenizer = tiny_pair
+    requests = {
+        "long": GenerationRequest(encode(tokenizer, PROMPTS[2]), 60, GREEDY, 4, drafter=drafter),
+        "short1": GenerationRequest(encode(tokenizer, PROMPTS[0]), 8, GREEDY, 3, drafter=drafter),
+        "short2": GenerationRequest(encode(tokenizer, PROMPTS[4]), 8, GREEDY, 2, drafter=drafter),
+        "seeded": GenerationRequest(encode(tokenizer, PROMPTS[1]), 20, SAMPLED, 4, seed=7, drafter=drafter),
+        "late": GenerationRequest(encode(tokenizer, PROMPTS[3]), 12, GREEDY, 1, drafter=drafter),
+    }
+    solo = {name: engine.generate([request])[0] for name, request in requests.items()}
+    arrivals = {
+        0: [("long", requests["long"])],
+        3: [("short1", requests["short1"]), ("short2", requests["short2"])],
+        4: [("seeded", requests["seeded"])],
+        9: [("late", requests["late"])],
+    }
+    results = run_staggered(engine, arrivals)
+    assert set(results) == set(requests)
+    for name, result in results.items():
+        assert result.token_ids == solo[name].token_ids, name
+        assert result.finish_reason == solo[name].finish_reason, name
+    assert solo["long"].token_ids == reference_greedy(target, requests["long"].prompt_ids, 60)[: len(solo["long"].token_ids)]
+
+
+def test_abort_frees_the_row_and_leaves_the_others_untouched(engine, tiny_pair):
+    _, _, tokenizer = tiny_pair
+    keep = GenerationRequest(encode(tokenizer, PROMPTS[0]), 30, GREEDY, 4)
+    doomed = GenerationRequest(encode(tokenizer, PROMPTS[3]), 200, GREEDY, 4)
+    solo = engine.generate([keep])[0]
+    results = run_staggered(engine, {0: [("keep", keep), ("doomed", doomed)]}, aborts={2: ["doomed"]})
+    assert set(results) == {"keep"}
+    assert results["keep"].token_ids == solo.token_ids
+    assert not engine.has_unfinished_requests()
+    assert engine.target_cache is None and engine.model_drafter.cache is None
+
+
+def test_duplicate_request_ids_and_unknown_drafters_are_refused(engine, tiny_pair):
+    _, _, tokenizer = tiny_pair
+    request = GenerationRequest(encode(tokenizer, PROMPTS[0]), 4, GREEDY, 2)
+    engine.add_request("x", request)
+    with pytest.raises(ValueError, match="already in flight"):
+        engine.add_request("x", request)
+    with pytest.raises(ValueError, match="drafter"):
+        engine.add_request("y", GenerationRequest(request.prompt_ids, 4, GREEDY, 2, drafter="eagle"))
+    engine.abort_request("x")
+    assert engine.step() == []
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "hybrid"])
+def test_lookup_drafters_keep_greedy_output_exact(tiny_pair, engine, drafter):
+    target, _, tokenizer = tiny_pair
+    for prompt in PROMPTS:
+        prompt_ids = encode(tokenizer, prompt)
+        expected = reference_greedy(target, prompt_ids, 40)
+        result = engine.generate([GenerationRequest(prompt_ids, 40, GREEDY, 4, drafter=drafter)])[0]
+        assert result.token_ids == expected, prompt
+        assert result.stats.drafter == drafter
+
+
+def test_ngram_only_engine_needs_no_draft_model(tiny_pair):
+    target, _, tokenizer = tiny_pair
+    lookup_only = make_engine(target, None, tokenizer)
+    assert lookup_only.drafters == ("ngram",) and lookup_only.default_drafter == "ngram"
+    # The greedy continuation copied into the prompt: look-up drafts get accepted.
+    prompt_ids = encode(tokenizer, PROMPTS[0])
+    continuation = reference_greedy(target, prompt_ids, 24)
+    grounded = prompt_ids + tuple(continuation) + prompt_ids
+    expected = reference_greedy(target, grounded, 24)
+    result = lookup_only.generate([GenerationRequest(grounded, 24, GREEDY, 6)])[0]
+    assert result.token_ids == expected
+    stats = result.stats.as_dict()
+    assert stats["by_drafter"]["ngram"]["accepted_tokens"] > 0
+    assert stats["accepted_per_position"][0] >= stats["accepted_per_position"][-1] > 0
+    assert result.stats.target_forward_passes < 24
+
+
+def test_hybrid_uses_the_lookup_where_it_matches_and_the_model_elsewhere(tiny_pair, engine):
+    target, _, tokenizer = tiny_pair
+    prompt_ids = encode(tokenizer, PROMPTS[2])
+    grounded = prompt_ids + tuple(reference_greedy(target, prompt_ids, 16)) + prompt_ids
+    result = engine.generate([GenerationRequest(grounded, 40, GREEDY, 4, drafter="hybrid")])[0]
+    by_drafter = result.stats.as_dict()["by_drafter"]
+    assert by_drafter["ngram"]["draft_tokens"] > 0 and by_drafter["model"]["draft_tokens"] > 0
+    assert result.token_ids == reference_greedy(target, grounded, 40)
+
+
+def test_logprobs_equal_a_direct_forward_of_the_target(tiny_pair, engine):
+    target, _, tokenizer = tiny_pair
+    prompt_ids = encode(tokenizer, PROMPTS[0])
+    for sampling, seed in ((GREEDY, None), (SAMPLED, 3)):
+        result = engine.generate([GenerationRequest(prompt_ids, 20, sampling, 4, seed=seed, logprobs=3)])[0]
+        assert [lp.token_id for lp in result.logprobs] == result.token_ids
+        sequence = torch.tensor([prompt_ids + tuple(result.token_ids)])
+        with torch.no_grad():
+            logits = target(input_ids=sequence).logits[0, len(prompt_ids) - 1 : -1]  # [completion, vocab]
+        expected = torch.log_softmax(logits.float(), dim=-1)
+        for position, token_logprob in enumerate(result.logprobs):
+            assert token_logprob.logprob == pytest.approx(float(expected[position, token_logprob.token_id]), abs=1e-4)
+            top = expected[position].topk(3)
+            assert [t for t, _ in token_logprob.top] == top.indices.tolist()
+            assert [v for _, v in token_logprob.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    plain = engine.generate([GenerationRequest(prompt_ids, 5, GREEDY, 4)])[0]
+    assert plain.logprobs is None
+
+
+def test_a_table_where_drafting_never_pays_gives_plain_decoding(tiny_pair):
+    target, draft, tokenizer = tiny_pair
+    # Width 2 costs twice width 1: no acceptance rate can pay for a draft.
+    table = CostModel(draft_step=0.05, target_step=1.0, target_per_extra_token=1.0)
+    planned = make_engine(target, draft, tokenizer)
+    planned.cost_table = table
+    prompt_ids = encode(tokenizer, PROMPTS[1])
+    result = planned.generate([GenerationRequest(prompt_ids, 30, GREEDY, 4)])[0]
+    assert result.token_ids == reference_greedy(target, prompt_ids, 30)
+    assert result.stats.fell_back
+    # Drafting stops once the warm-up is over (a few k=1 steps to estimate acceptance).
+    assert result.stats.draft_tokens <= 4
+    assert result.stats.target_forward_passes >= len(result.token_ids) - 4
+
+
+def test_batch_plan_never_changes_a_seeded_request(tiny_pair):
+    target, draft, tokenizer = tiny_pair
+    planned = make_engine(target, draft, tokenizer, eos_token_ids=())
+    planned.cost_table = CostModel(draft_step=0.3, target_step=1.0, target_per_extra_token=0.3)
+    seeded = GenerationRequest(encode(tokenizer, PROMPTS[0]), 25, SAMPLED, 3, seed=123)
+    alone = planned.generate([seeded])[0]
+    others = [GenerationRequest(encode(tokenizer, p), 30, GREEDY, 8) for p in PROMPTS[1:4]]
+    together = planned.generate([*others, seeded])[-1]
+    assert together.token_ids == alone.token_ids
