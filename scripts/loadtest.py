@@ -22,7 +22,9 @@ latency, time to first token (TTFT) and time per output token (TPOT, streams:
 the time after the first chunk divided by the tokens after it) for each
 length. --compare-model sends the same requests, at the same times, to a second
 registered model afterwards (e.g. the same pair packaged without
-continuousBatching) and prints both with their ratio.
+continuousBatching) and prints both with their ratio; --compare-json compares
+with an earlier run's --json-out instead (two servers one after the other,
+when two workers do not fit in memory).
 
 The exit status is 1 when any request failed, was malformed or was lost,
 unless --allow-errors is given.
@@ -457,7 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rate", type=positive_float, help="open loop: Poisson arrivals at this many requests/s")
     parser.add_argument("--long-fraction", type=fraction, default=0.0, help="share of long requests (default 0)")
     parser.add_argument("--long-max-new-tokens", type=positive_int, default=256, help="long requests' (default 256)")
-    parser.add_argument("--compare-model", help="then send the same requests to this registered model; print both")
+    compare = parser.add_mutually_exclusive_group()
+    compare.add_argument("--compare-model", help="then send the same requests to this registered model; print both")
+    compare.add_argument("--compare-json", type=Path, help="compare with an earlier run's --json-out (same options)")
     parser.add_argument("--json-out", type=Path, help="write the summary and every failure as JSON here")
     parser.add_argument("--allow-errors", action="store_true", help="exit 0 even with errors or lost requests")
     return parser
@@ -487,6 +491,11 @@ def main(argv: list[str] | None = None) -> int:
         if summary is None:
             return 2
         summaries.append(summary)
+    if args.compare_json is not None:
+        baseline = json.loads(args.compare_json.read_text(encoding="utf-8"))
+        baseline = baseline["runs"][0] if "runs" in baseline else baseline
+        print(f"\nsame requests, same arrival times, against {args.compare_json}:")
+        print(format_comparison(summaries[0], baseline))
     if len(summaries) == 2:
         print("\nsame requests, same arrival times:")
         print(format_comparison(summaries[0], summaries[1]))
