@@ -8,9 +8,10 @@ SHELL := bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# pip arguments that install torch. The default is the CPU build; on a CUDA
-# machine use e.g.
-#   make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+# pip arguments that install torch. PyPI's Linux wheel is the CUDA build (several
+# GB of CUDA libraries); a CPU-only machine wants the CPU wheel:
+#   make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+# and a CUDA machine may pick its CUDA version the same way, e.g. .../whl/cu128.
 TORCH_SPEC ?= torch==2.13.0
 
 # What `package` and `register` work on. The defaults are the tiny random
@@ -32,7 +33,7 @@ INSTALL_STAMP := $(VENV)/.install-stamp
 TORCH_SPEC_FILE := $(VENV)/.torch-spec
 TINY_MODELS := models/tiny
 
-.PHONY: help install check-java test tiny-models package serve dev-serve register \
+.PHONY: help install check-java test test-fast lint tiny-models package serve dev-serve register \
 	unregister stop loadtest demo install-demo clean FORCE
 
 help: ## List the targets
@@ -59,29 +60,33 @@ $(INSTALL_STAMP): requirements.txt requirements-dev.txt scripts/install.sh $(TOR
 	PYTHON='$(PYTHON)' VENV='$(VENV)' TORCH_SPEC='$(TORCH_SPEC)' scripts/install.sh
 	@touch $@
 
-test: install ## Run the whole test suite
+test: install ## Run the whole test suite (every tier)
 	$(PY) -m pytest tests -q -ra $(PYTEST_ARGS)
 
+test-fast: install ## Run the unit tier only (under 30 s)
+	$(PY) -m pytest tests/unit tests/scripts -q -ra -m unit $(PYTEST_ARGS)
+
+lint: install ## ruff: lint and formatting check
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
 tiny-models: install ## Build the tiny random target/draft pair into models/tiny
-	$(PY) scripts/make_tiny_models.py --out $(TINY_MODELS)
+	$(PY) -m scripts.make_tiny_models --out $(TINY_MODELS)
 
 package: install ## Package TARGET+DRAFT+CONFIG as model_store/MODEL_NAME.mar
 	@# The tiny pair is built on demand.
 	@if [[ "$(TARGET)" == $(TINY_MODELS)/* && ! -f "$(TARGET)/config.json" ]]; then \
 		$(MAKE) --no-print-directory tiny-models; fi
-	$(PY) scripts/package_mar.py --model-name $(MODEL_NAME) --target $(TARGET) \
+	$(PY) -m scripts.package_mar --model-name $(MODEL_NAME) --target $(TARGET) \
 		--draft $(DRAFT) --config $(CONFIG) --export-path $(MODEL_STORE) \
 		--archive-format $(ARCHIVE_FORMAT) --force
 
-# The server's console output goes to a file: the Java process outlives
-# `torchserve --start` and would otherwise hold the terminal (or a pipe) open.
-TS_START = mkdir -p logs && $(VENV)/bin/torchserve --start --ncs --model-store $(MODEL_STORE) \
-	--ts-config $(TS_CONFIG)
+# scripts.torchserve starts the server in the background (console output in
+# logs/console.log) and waits until it answers /ping.
+TS_START = $(PY) -m scripts.torchserve start --ts-config $(TS_CONFIG) --model-store $(MODEL_STORE)
 
 serve: install ## Start TorchServe on 127.0.0.1 (token auth on; keys in key_file.json)
-	$(TS_START) > logs/console.log 2>&1 || { cat logs/console.log; exit 1; }
-	@echo "TorchServe is starting (console: logs/console.log, log: logs/ts_log.log)."
-	@echo "API keys will be in key_file.json. Next: make register"
+	$(TS_START)
 
 dev-serve: install ## Like serve, but with token auth OFF (local development only)
 	@echo "##################################################################"
@@ -89,30 +94,29 @@ dev-serve: install ## Like serve, but with token auth OFF (local development onl
 	@echo "# 127.0.0.1 on this machine can register models and run code.    #"
 	@echo "# Use 'make serve' for anything but local development.           #"
 	@echo "##################################################################"
-	$(TS_START) --disable-token-auth > logs/console.log 2>&1 || { cat logs/console.log; exit 1; }
-	@echo "TorchServe is starting (console: logs/console.log, log: logs/ts_log.log). Next: make register"
+	$(TS_START) --disable-token-auth
 
 register: $(INSTALL_STAMP) ## Register model_store/MODEL_NAME.mar with the running server
-	$(PY) scripts/register.py --model-name $(MODEL_NAME) --url $(ARCHIVE_NAME) \
+	$(PY) -m scripts.torchserve register --model-name $(MODEL_NAME) --url $(ARCHIVE_NAME) \
 		--management-url $(MANAGEMENT_URL) --inference-url $(INFERENCE_URL)
 
 unregister: $(INSTALL_STAMP) ## Unregister MODEL_NAME from the running server
-	$(PY) scripts/register.py --model-name $(MODEL_NAME) --unregister \
+	$(PY) -m scripts.torchserve unregister --model-name $(MODEL_NAME) \
 		--management-url $(MANAGEMENT_URL) --inference-url $(INFERENCE_URL)
 
 stop: $(INSTALL_STAMP) ## Stop TorchServe
-	$(VENV)/bin/torchserve --stop
+	$(PY) -m scripts.torchserve stop
 
 LOADTEST_ARGS ?= --requests 50 --concurrency 4
 
 loadtest: $(INSTALL_STAMP) ## Load-test MODEL_NAME on the running server (LOADTEST_ARGS)
-	$(PY) scripts/loadtest.py --url $(INFERENCE_URL) --model $(MODEL_NAME) $(LOADTEST_ARGS)
+	$(PY) -m scripts.loadtest --url $(INFERENCE_URL) --model $(MODEL_NAME) $(LOADTEST_ARGS)
 
 install-demo: install
 	$(PY) -m pip install -r requirements-demo.txt
 
-demo: install-demo ## Run the demo (scripts/demo.py)
-	$(PY) scripts/demo.py
+demo: install-demo ## Run the demo (scripts.demo)
+	$(PY) -m scripts.demo
 
 clean: ## Remove the tiny models, archives and no-archive folders in model_store/, and logs
 	rm -rf $(TINY_MODELS) logs

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFT_QUANTIZATIONS = ("none", "int8")
@@ -87,7 +88,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @classmethod
-    def from_dict(cls, raw: Any, section: str = "handler.sampling.") -> "SamplingParams":
+    def from_dict(cls, raw: Any, section: str = "handler.sampling.") -> SamplingParams:
         if not isinstance(raw, Mapping):
             raise ValueError(f"model-config.yaml: {section.rstrip('.')} must be a mapping")
         _check_keys(section, raw, ("temperature", "top_k", "top_p"))
@@ -128,7 +129,7 @@ class HandlerConfig:
         return DRAFTERS if self.draft_model is not None else ("ngram",)
 
     @classmethod
-    def from_dict(cls, raw: Any) -> "HandlerConfig":
+    def from_dict(cls, raw: Any) -> HandlerConfig:
         """Builds the config from the `handler` mapping; raises ValueError naming the bad key."""
         if raw is None:
             raw = {}
@@ -141,7 +142,9 @@ class HandlerConfig:
         values["target_model"] = _str("handler.target_model", raw.get("target_model", default.target_model))
         drafter = raw.get("drafter", default.drafter)
         if drafter not in DRAFTERS:
-            raise ValueError(f"model-config.yaml: handler.drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
+            raise ValueError(
+                f"model-config.yaml: handler.drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}"
+            )
         values["drafter"] = drafter
         if drafter == "ngram":
             if raw.get("draft_model") is not None:

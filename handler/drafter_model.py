@@ -151,7 +151,9 @@ class ModelDrafter:
                 self.pending[request_id] = self.fed_pending[request_id] + self.pending[request_id]
             else:
                 num_matching = 0
-                while num_matching < min(len(fed), len(new_tokens) - 1) and fed[num_matching] == new_tokens[num_matching]:
+                while (
+                    num_matching < min(len(fed), len(new_tokens) - 1) and fed[num_matching] == new_tokens[num_matching]
+                ):
                     num_matching += 1
                 lengths[slot] -= len(fed) - num_matching
                 self.pending[request_id].extend(new_tokens[num_matching:])

@@ -38,14 +38,12 @@ from handler.adaptive import MIN_STEPS_BEFORE_FALLBACK, AcceptanceTracker, plan_
 from handler.config import SamplingParams
 from handler.drafter_model import ModelDrafter
 from handler.drafter_ngram import NgramDrafter
-from handler.kv_cache import RaggedCache, left_pad, prefill
+from handler.kv_cache import RaggedCache, prefill
 from handler.sampler import draw_step_uniforms, rejection_sample, warp_logits_to_probs
+from handler.schema import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
+from handler.stopping import StopChecker
 
 logger = logging.getLogger(__name__)
-
-FINISH_LENGTH = "length"
-FINISH_EOS = "eos"
-FINISH_STOP = "stop"
 
 DRAFTER_MODEL = "model"
 DRAFTER_NGRAM = "ngram"
@@ -178,6 +176,7 @@ class _Row:
         self.eos_token_ids = eos_token_ids
         self.token_ids: list[int] = []
         self.text = ""
+        self.stop_checker = StopChecker(tokenizer, request.stop) if request.stop else None
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
         self.trackers = {DRAFTER_MODEL: AcceptanceTracker(), DRAFTER_NGRAM: AcceptanceTracker()}
@@ -222,15 +221,11 @@ class _Row:
         return kept
 
     def _hit_stop_string(self) -> bool:
-        # Only the tail can hold a stop string that the last token completed.
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        search_from = max(0, len(self.text) - max(len(s) for s in self.request.stop))
-        self.text = text
-        hits = [i for i in (text.find(s, search_from) for s in self.request.stop) if i >= 0]
-        if hits:
-            self.text = text[: min(hits)]
-            return True
-        return False
+        match = self.stop_checker.add_token(self.token_ids[-1])
+        if match is None:
+            return False
+        self.text = match.text
+        return True
 
     def result(self) -> GenerationResult:
         assert self.finish_reason is not None
@@ -335,8 +330,10 @@ class SpeculativeEngine:
             return []
         rows = self.rows
         lookups = self._lookups(rows)
-        uses_model = [row.drafter == DRAFTER_MODEL or (row.drafter == DRAFTER_HYBRID and not lookups[i])
-                      for i, row in enumerate(rows)]
+        uses_model = [
+            row.drafter == DRAFTER_MODEL or (row.drafter == DRAFTER_HYBRID and not lookups[i])
+            for i, row in enumerate(rows)
+        ]
         max_ks = [row.cap() if uses_model[i] else len(lookups[i]) for i, row in enumerate(rows)]
         step_ks = self._plan(rows, max_ks, uses_model)
         num_accepted, emitted, logits = self._verify(rows, step_ks, lookups, uses_model)
@@ -439,8 +436,7 @@ class SpeculativeEngine:
     def _lookups(self, rows: list[_Row]) -> list[list[int]]:
         """The n-gram drafter's proposal for each row that uses it ([] for the others)."""
         return [
-            self.ngram_drafter.lookup(row.request_id, row.cap()) if row.drafter != DRAFTER_MODEL else []
-            for row in rows
+            self.ngram_drafter.lookup(row.request_id, row.cap()) if row.drafter != DRAFTER_MODEL else [] for row in rows
         ]
 
     def _plan(self, rows: list[_Row], max_ks: list[int], uses_model: list[bool]) -> list[int]:

@@ -132,7 +132,7 @@ class RaggedCache:
                 layer.values = layer.values[device_index]
         self._crop_unused_columns()
 
-    def extend(self, other: "RaggedCache") -> None:
+    def extend(self, other: RaggedCache) -> None:
         """Appends `other`'s rows after this cache's rows; the narrower one is left-padded with holes."""
         assert other.device == self.device
         width = max(self.num_columns, other.num_columns)
@@ -142,7 +142,10 @@ class RaggedCache:
                 continue  # only one-token prompts so far: no columns anywhere
             like = mine if mine.is_initialized else theirs
             for name in ("keys", "values"):
-                parts = [_padded_states(layer, name, rows, like, width) for layer, rows in ((mine, num_mine), (theirs, num_theirs))]
+                parts = [
+                    _padded_states(layer, name, rows, like, width)
+                    for layer, rows in ((mine, num_mine), (theirs, num_theirs))
+                ]
                 setattr(mine, name, torch.cat(parts))  # [rows, heads, width, head_dim]
             mine.dtype, mine.device, mine.is_initialized = like.dtype, like.device, True
         pad_mine = self.mask.new_zeros((num_mine, width - self.num_columns))

@@ -148,7 +148,9 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
     draft_path = None
     if config.draft_model is not None:
         draft_path = resolve_model_path(config.draft_model, model_dir, "draft_model")
-    logger.info("loading target %s and draft %s on %s as %s", target_path, draft_path or "(none: n-gram look-up)", device, dtype)
+    logger.info(
+        "loading target %s and draft %s on %s as %s", target_path, draft_path or "(none: n-gram look-up)", device, dtype
+    )
     try:
         tokenizer = AutoTokenizer.from_pretrained(target_path)
     except Exception as error:

@@ -15,7 +15,6 @@ accepted drafts at each position (label `position`, 0 = first draft token).
 from __future__ import annotations
 
 import logging
-
 from typing import Sequence
 
 from ts.metrics.dimension import Dimension
@@ -57,9 +56,7 @@ class MetricsRecorder:
     def __init__(self, metrics_cache) -> None:
         self.metrics = metrics_cache
 
-    def _add(
-        self, name: str, value: float, unit: str, metric_type: MetricTypes, dimensions: Sequence = ()
-    ) -> None:
+    def _add(self, name: str, value: float, unit: str, metric_type: MetricTypes, dimensions: Sequence = ()) -> None:
         if self.metrics is None:
             return
         try:

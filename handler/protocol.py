@@ -1,5 +1,8 @@
-"""The REST contract: request bodies in, validated `GenerationRequest`s and JSON answers out.
+"""Request parsing that needs the model: JSON bodies in, validated `GenerationRequest`s and answers out.
 
+The contract itself (field names, limits, finish reasons, answer layout) is
+`handler.schema`; this module adds what depends on the model config (defaults
+and limits), the tokenizer (prompt and chat template) and the context size.
 Every problem with a request raises `RequestError` with the HTTP status and a
 message naming the field and the rule; the handler turns it into that
 request's own error answer, never the batch's.
@@ -9,36 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-from typing import Any, Mapping
+from collections.abc import Mapping
 
+from handler import schema
 from handler.config import HandlerConfig, SamplingParams, sampling_problem
 from handler.engine import GenerationRequest, GenerationResult
 
-REQUEST_FIELDS = (
-    "prompt",
-    "messages",
-    "max_new_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "seed",
-    "num_speculative_tokens",
-    "stop",
-    "stream",
-    "drafter",
-)
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-SEED_RANGE = (0, 2**63 - 1)
+# Re-exported: the handler entry point imports them from here.
+from handler.schema import RequestError, decode_body
 
-
-class RequestError(ValueError):
-    """A request the client must change; `status` is the HTTP status to answer with."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+__all__ = ["ParsedRequest", "RequestError", "decode_body", "error_to_json", "parse_request", "result_to_json"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,75 +30,14 @@ class ParsedRequest:
     stream: bool = False
 
 
-def decode_body(value: Any, content_type: str | None = None) -> dict:
-    """Turns what TorchServe hands over for one request into a JSON object.
-
-    TorchServe has already parsed an `application/json` body when it could, and
-    passes anything else as bytes or text. A body that is not a JSON object or
-    array but is UTF-8 text is taken as the prompt.
-    """
-    is_json = (content_type or "").split(";")[0].strip().lower() == "application/json"
-    if isinstance(value, str) and is_json:
-        # TorchServe parsed this JSON body already (it passes bytes when it cannot): a JSON string.
-        raise RequestError("body: a JSON body must be an object, got str")
-    if isinstance(value, (bytes, bytearray)):
-        try:
-            value = bytes(value).decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise RequestError(f"body: not valid UTF-8 ({error.reason} at byte {error.start})") from None
-    if isinstance(value, str):
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError as error:
-            if is_json:
-                raise RequestError(f"body: Content-Type is application/json but the body is not valid JSON ({error})")
-            return {"prompt": value}
-        # Plain text that happens to parse as a JSON scalar, such as "42", is still a prompt.
-        if not isinstance(parsed, (dict, list)) and not is_json:
-            return {"prompt": value}
-        value = parsed
-    if not isinstance(value, Mapping):
-        raise RequestError(f"body: a JSON body must be an object, got {type(value).__name__}")
-    return dict(value)
-
-
-def _integer(body: Mapping, key: str, default: int, minimum: int, maximum: int) -> int:
-    value = body.get(key, default)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"{key}: must be an integer, got {json.dumps(value)}")
-    if not minimum <= value <= maximum:
-        raise RequestError(f"{key}: must be between {minimum} and {maximum}, got {value}")
-    return value
-
-
-def _number(body: Mapping, key: str, default: float) -> float:
-    value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RequestError(f"{key}: must be a finite number, got {json.dumps(value)}")
-    return float(value)
-
-
 def _sampling(body: Mapping, default: SamplingParams) -> SamplingParams:
-    temperature = _number(body, "temperature", default.temperature)
-    top_p = _number(body, "top_p", default.top_p)
-    top_k = _integer(body, "top_k", default.top_k, 0, 2**31 - 1)
+    temperature = schema.number_field(body, "temperature", default.temperature)
+    top_p = schema.number_field(body, "top_p", default.top_p)
+    top_k = schema.integer_field(body, "top_k", default.top_k, *schema.TOP_K_RANGE)
     problem = sampling_problem(temperature, top_k, top_p)
     if problem:
         raise RequestError(problem)
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-
-
-def _stop_strings(body: Mapping) -> tuple[str, ...]:
-    stop = body.get("stop", [])
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise RequestError("stop: must be a list of strings")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise RequestError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
-    if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stop):
-        raise RequestError(f"stop: each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
-    return tuple(stop)
 
 
 def _prompt_ids(body: Mapping, tokenizer) -> list[int]:
@@ -154,21 +76,15 @@ def _prompt_ids(body: Mapping, tokenizer) -> list[int]:
 
 def parse_request(body: Mapping, config: HandlerConfig, tokenizer, max_context: int) -> ParsedRequest:
     """Validates one JSON request against the config and the model's context size."""
-    unknown = sorted(set(body) - set(REQUEST_FIELDS))
-    if unknown:
-        raise RequestError(f"{unknown[0]}: unknown field; known fields are {', '.join(REQUEST_FIELDS)}")
-    max_new_tokens = _integer(body, "max_new_tokens", config.max_new_tokens, 1, config.max_new_tokens_limit)
+    schema.check_known_fields(body)
+    max_new_tokens = schema.integer_field(body, "max_new_tokens", config.max_new_tokens, 1, config.max_new_tokens_limit)
     sampling = _sampling(body, config.sampling)
-    num_speculative_tokens = _integer(
+    num_speculative_tokens = schema.integer_field(
         body, "num_speculative_tokens", config.num_speculative_tokens, 0, config.max_num_speculative_tokens
     )
-    seed = body.get("seed")
-    if seed is not None:
-        seed = _integer(body, "seed", 0, *SEED_RANGE)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError(f"stream: must be true or false, got {json.dumps(stream)}")
-    stop = _stop_strings(body)
+    seed = schema.seed_field(body)
+    stream = schema.stream_field(body)
+    stop = schema.stop_field(body)
     drafter = body.get("drafter", config.drafter)
     if drafter not in config.drafters:
         raise RequestError(
@@ -197,14 +113,14 @@ def parse_request(body: Mapping, config: HandlerConfig, tokenizer, max_context: 
 
 
 def result_to_json(result: GenerationResult) -> dict:
-    return {
-        "text": result.text,
-        "token_ids": result.token_ids,
-        "finish_reason": result.finish_reason,
-        "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.token_ids)},
-        "speculative": result.stats.as_dict(),
-    }
+    return schema.answer(
+        text=result.text,
+        token_ids=result.token_ids,
+        finish_reason=result.finish_reason,
+        prompt_tokens=result.prompt_tokens,
+        speculative=result.stats.as_dict(),
+    )
 
 
 def error_to_json(message: str) -> dict:
-    return {"error": message}
+    return schema.error_answer(message)

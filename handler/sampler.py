@@ -169,7 +169,9 @@ def rejection_sample(
     # p <= q everywhere means p == q, where rejection has probability 0; rounding can
     # still get here, and then p itself is the right distribution.
     use_residual = rejected[:, None] & (residual_mass > 0)
-    next_probs = torch.where(use_residual, residual / residual_mass.clamp(min=torch.finfo(residual.dtype).tiny), target_next)
+    next_probs = torch.where(
+        use_residual, residual / residual_mass.clamp(min=torch.finfo(residual.dtype).tiny), target_next
+    )
     next_token_ids = sample_from_probs(next_probs, uniforms[:, k])  # [batch]
 
     output_token_ids = torch.full((batch_size, k + 1), -1, dtype=torch.long, device=device)

@@ -182,10 +182,13 @@ class StaticBatch:
         """
         started_at = self.clock()
         outcomes: list[Any] = list(parsed)
-        self.tracked = {i: _Tracked(p, self.tokenizer, started_at) for i, p in enumerate(parsed) if isinstance(p, ParsedRequest)}
+        self.tracked = {
+            i: _Tracked(p, self.tokenizer, started_at) for i, p in enumerate(parsed) if isinstance(p, ParsedRequest)
+        }
         for group in self._groups(list(self.tracked)):
-            for index in group:
-                metrics.record_queue_wait(self.clock() - started_at)
+            waited = self.clock() - started_at
+            for _ in group:
+                metrics.record_queue_wait(waited)
             metrics.record_batch_occupancy(len(group))
             tally = SpeculationTally()
             for index, outcome in zip(group, self._generate(group, send_chunk, tally)):

@@ -106,7 +106,11 @@ class SpeculativeHandler(BaseHandler):
     def _send_chunk(self, index: int, line: str) -> None:
         self.context.set_response_content_type(index, NDJSON_CONTENT_TYPE)
         send_intermediate_predict_response(
-            {index: line}, {index: self.context.get_request_id(index)}, "Intermediate prediction success", 200, self.context
+            {index: line},
+            {index: self.context.get_request_id(index)},
+            "Intermediate prediction success",
+            200,
+            self.context,
         )
 
     def _request_id(self, index: int) -> str:

@@ -5,7 +5,7 @@ Everything is measured in one run on one machine, and speedups are ratios to
 baselines from the same run. Outputs go to --out-dir: bench.json (every
 figure), bench.md (the tables) and bench.png (tokens/s against k).
 
-    python scripts/bench.py --target models/qwen2.5-coder-1.5b-instruct \\
+    python -m scripts.bench --target models/qwen2.5-coder-1.5b-instruct \\
         --draft models/qwen2.5-coder-0.5b-instruct --draft-quantization int8
 
 Add --rest-url/--model/--key-file to also measure a running TorchServe
@@ -30,13 +30,13 @@ import time
 
 import torch
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+from handler.adaptive import CostModel, expected_tokens, measure_cost_model
+from handler.config import HandlerConfig, SamplingParams
+from handler.engine import GenerationRequest, SpeculativeEngine
+from handler.loading import load_models, quantize_draft_int8
+from scripts import torchserve
 
-from handler.adaptive import CostModel, expected_tokens, measure_cost_model  # noqa: E402
-from handler.config import HandlerConfig, SamplingParams  # noqa: E402
-from handler.engine import GenerationRequest, SpeculativeEngine  # noqa: E402
-from handler.loading import load_models, quantize_draft_int8  # noqa: E402
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 logger = logging.getLogger("bench")
 GREEDY = SamplingParams()
@@ -157,7 +157,9 @@ class Bench:
         self.hf_generate(prompts_ids[0], 4, assistant, sampling)  # warm-up
         num_tokens, seconds, rates, outputs = 0, 0.0, [], []
         for i, prompt_ids in enumerate(prompts_ids):
-            tokens, elapsed = timed(lambda: self.hf_generate(prompt_ids, max_new_tokens, assistant, sampling, seed=i))
+            tokens, elapsed = timed(
+                lambda p=prompt_ids, seed=i: self.hf_generate(p, max_new_tokens, assistant, sampling, seed=seed)
+            )
             tokens = _trim_at_eos(tokens, self.models.eos_token_ids)
             num_tokens += len(tokens)
             seconds += elapsed
@@ -171,7 +173,7 @@ class Bench:
         m = Measurement(name, k, 0, 0.0, [])
         for i, prompt_ids in enumerate(prompts_ids):
             request = GenerationRequest(prompt_ids, max_new_tokens, sampling, k, seed=i)
-            result, elapsed = timed(lambda: engine.generate([request])[0])
+            result, elapsed = timed(lambda r=request: engine.generate([r])[0])
             stats = result.stats
             m.num_tokens += len(result.token_ids)
             m.seconds += elapsed
@@ -199,21 +201,13 @@ def _trim_at_eos(tokens: list[int], eos_token_ids) -> list[int]:
 
 def measure_rest(args, prompts: list[dict]) -> dict:
     """Tokens/s through a running TorchServe: sequential requests, then 4 at once."""
-    import requests
-
-    headers = {}
-    if args.key_file and os.path.exists(args.key_file):
-        with open(args.key_file) as f:
-            headers["Authorization"] = "Bearer " + json.load(f)["inference"]["key"]
-    url = f"{args.rest_url.rstrip('/')}/predictions/{args.model}"
+    key_file = pathlib.Path(args.key_file) if args.key_file else None
+    headers = torchserve.auth_headers(key_file)
 
     def post(prompt):
         body = {"messages": prompt["messages"], "max_new_tokens": args.max_new_tokens, "temperature": 0}
-        start = time.perf_counter()
-        response = requests.post(url, json=body, headers=headers, timeout=args.rest_timeout)
-        elapsed = time.perf_counter() - start
-        response.raise_for_status()
-        return response.json(), elapsed
+        answer = torchserve.generate(args.rest_url, args.model, body, headers, key_file, args.rest_timeout)
+        return answer.final, answer.elapsed_s
 
     post(prompts[0])  # warm-up
     answers = [post(p) for p in prompts]
@@ -234,7 +228,8 @@ def measure_rest(args, prompts: list[dict]) -> dict:
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         (together, concurrent_seconds) = timed(lambda: list(pool.map(post, four)))
     batch = {
-        "sequential_tokens_per_second": sum(a["usage"]["completion_tokens"] for a, _ in one_by_one) / sequential_seconds,
+        "sequential_tokens_per_second": sum(a["usage"]["completion_tokens"] for a, _ in one_by_one)
+        / sequential_seconds,
         "concurrent_tokens_per_second": sum(a["usage"]["completion_tokens"] for a, _ in together) / concurrent_seconds,
     }
     batch["ratio"] = batch["concurrent_tokens_per_second"] / batch["sequential_tokens_per_second"]
@@ -286,7 +281,8 @@ def markdown(report: dict) -> str:
         f"Draft/target cost ratio c = {report['cost']['c']:.3f} (draft pass {report['cost']['draft_ms']:.1f} ms, "
         f"target pass {report['cost']['target_ms']:.1f} ms).",
         "",
-        "| method | k | tokens/s | median/prompt | vs target-only | vs HF assisted | acceptance | tokens/pass | predicted E/(kc+1) | measured/predicted |",
+        "| method | k | tokens/s | median/prompt | vs target-only | vs HF assisted | acceptance | tokens/pass "
+        "| predicted E/(kc+1) | measured/predicted |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["main"]:
@@ -312,7 +308,13 @@ def markdown(report: dict) -> str:
             f"target-only {s['target_only']:.2f} tokens/s, this engine {s['engine']:.2f} tokens/s "
             f"({s['engine'] / s['target_only']:.2f}x), acceptance {s['acceptance_rate']:.2f}.",
         ]
-    lines += ["", "K sweep (" + report["sweep_note"] + "):", "", "| k | this engine tokens/s | acceptance | HF assisted (constant k) tokens/s |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "K sweep (" + report["sweep_note"] + "):",
+        "",
+        "| k | this engine tokens/s | acceptance | HF assisted (constant k) tokens/s |",
+        "|---|---|---|---|",
+    ]
     for row in report["sweep"]:
         lines.append(
             f"| {row['k']} | {row['engine_tokens_per_second']:.2f} | {row['engine_acceptance_rate']:.2f} | "
@@ -397,9 +399,17 @@ def main(argv=None) -> int:
                 "hf_tokens_per_second": theirs.tokens_per_second,
             }
         )
-        logger.info("k=%d engine %.2f tok/s (acc %.2f), HF %.2f tok/s", k, ours.tokens_per_second, ours.acceptance_rate or 0, theirs.tokens_per_second)
-    for schedule in ({"num_assistant_tokens": 20, "schedule": "constant", "confidence_threshold": 0.4},
-                     {"num_assistant_tokens": 5, "schedule": "heuristic_transient", "confidence_threshold": 0.4}):
+        logger.info(
+            "k=%d engine %.2f tok/s (acc %.2f), HF %.2f tok/s",
+            k,
+            ours.tokens_per_second,
+            ours.acceptance_rate or 0,
+            theirs.tokens_per_second,
+        )
+    for schedule in (
+        {"num_assistant_tokens": 20, "schedule": "constant", "confidence_threshold": 0.4},
+        {"num_assistant_tokens": 5, "schedule": "heuristic_transient", "confidence_threshold": 0.4},
+    ):
         theirs = bench.measure_hf("hf", sweep_ids, args.sweep_max_new_tokens, schedule)
         hf_candidates.append((theirs.tokens_per_second, schedule))
         logger.info("HF %s: %.2f tok/s", schedule, theirs.tokens_per_second)
@@ -409,13 +419,19 @@ def main(argv=None) -> int:
 
     logger.info("main table on %d prompts x %d tokens", len(prompts_ids), args.max_new_tokens)
     target_only = bench.measure_hf("HF generate, target only", prompts_ids, args.max_new_tokens)
-    hf_name = (f"HF assisted ({best_hf['schedule']}, num_assistant_tokens={best_hf['num_assistant_tokens']}, "
-               f"confidence_threshold={best_hf['confidence_threshold']})")
+    hf_name = (
+        f"HF assisted ({best_hf['schedule']}, num_assistant_tokens={best_hf['num_assistant_tokens']}, "
+        f"confidence_threshold={best_hf['confidence_threshold']})"
+    )
     hf_assisted = bench.measure_hf(hf_name, prompts_ids, args.max_new_tokens, best_hf)
     engine_k0 = bench.measure_engine("this engine, k=0 (plain decoding)", prompts_ids, args.max_new_tokens, 0)
     engine_fixed = bench.measure_engine(f"this engine, fixed k={best_k}", prompts_ids, args.max_new_tokens, best_k)
     engine_adaptive = bench.measure_engine(
-        f"this engine, adaptive k<={max(sweep_ks)}", prompts_ids, args.max_new_tokens, max(sweep_ks), cost_table=cost
+        f"this engine, adaptive k<={max(sweep_ks)}",
+        prompts_ids,
+        args.max_new_tokens,
+        max(sweep_ks),
+        cost_table=cost,
     )
     measurements = [target_only, hf_assisted, engine_k0, engine_fixed, engine_adaptive]
     # Greedy speculative output is the target's own output: check it here too, on the real pair.
@@ -456,8 +472,12 @@ def main(argv=None) -> int:
         "draft_quantization": args.draft_quantization,
         "num_prompts": len(prompts_ids),
         "max_new_tokens": args.max_new_tokens,
-        "cost": {"c": c, "draft_ms": cost.draft_step * 1e3, "target_ms": cost.target_step * 1e3,
-                 "target_extra_token_ms": cost.target_per_extra_token * 1e3},
+        "cost": {
+            "c": c,
+            "draft_ms": cost.draft_step * 1e3,
+            "target_ms": cost.target_step * 1e3,
+            "target_extra_token_ms": cost.target_per_extra_token * 1e3,
+        },
         "greedy_outputs_differing_from_plain_decoding": mismatches,
         "main": rows,
         "sampled": sampled,
@@ -482,7 +502,12 @@ def main(argv=None) -> int:
 
 def rest_only(args, prompts: list[dict]) -> int:
     rest = measure_rest(args, prompts)
-    report = {"date": datetime.date.today().isoformat(), "machine": machine_description(), "model": args.model, "rest": rest}
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine_description(),
+        "model": args.model,
+        "rest": rest,
+    }
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_rest.json").write_text(json.dumps(report, indent=2))

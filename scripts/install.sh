@@ -6,8 +6,9 @@
 #   PYTHON      interpreter that creates the venv   (default: python3)
 #   VENV        venv folder                         (default: .venv)
 #   TORCH_SPEC  pip arguments that install torch    (default: torch==2.13.0)
-#               e.g. on a CUDA machine:
-#               TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+#               The default takes the index's torch: from PyPI on Linux, the
+#               CUDA build with several GB of CUDA libraries. A CPU-only machine:
+#               TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

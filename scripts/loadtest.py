@@ -30,9 +30,9 @@ The exit status is 1 when any request failed, was malformed or was lost,
 unless --allow-errors is given.
 
 Usage:
-    python scripts/loadtest.py --requests 200 --concurrency 8
-    python scripts/loadtest.py --model tiny-spec --no-auth --requests 50 --json-out load.json
-    python scripts/loadtest.py --model tiny-spec --compare-model tiny-spec-static --no-auth \\
+    python -m scripts.loadtest --requests 200 --concurrency 8
+    python -m scripts.loadtest --model tiny-spec --no-auth --requests 50 --json-out load.json
+    python -m scripts.loadtest --model tiny-spec --compare-model tiny-spec-static --no-auth \\
         --rate 4 --requests 120 --long-fraction 0.25 --max-new-tokens 16 --long-max-new-tokens 256
 """
 
@@ -47,16 +47,15 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from client import (  # noqa: E402  (the sibling script, importable once its folder is on the path)
+from scripts.torchserve import (
+    DEFAULT_INFERENCE_URL,
     DEFAULT_KEY_FILE,
     DEFAULT_MODEL,
-    DEFAULT_URL,
     ClientError,
     auth_headers,
     generate,
@@ -79,7 +78,7 @@ SHORT, LONG = "short", "long"
 
 @dataclasses.dataclass(frozen=True)
 class LoadConfig:
-    url: str = DEFAULT_URL
+    url: str = DEFAULT_INFERENCE_URL
     model: str = DEFAULT_MODEL
     key_file: Path | None = DEFAULT_KEY_FILE  # None: send no key
     num_requests: int = 100
@@ -346,7 +345,9 @@ def format_table(summary: dict) -> str:
     latency, first_chunk = summary["latency_s"], summary["first_chunk_s"]
     kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(summary["by_kind"].items()))
     sending = (
-        f"open loop, Poisson at {config['rate']} req/s" if config.get("rate") else f"concurrency {config['concurrency']}"
+        f"open loop, Poisson at {config['rate']} req/s"
+        if config.get("rate")
+        else f"concurrency {config['concurrency']}"
     )
     lengths = f"max_new_tokens {config['max_new_tokens']}"
     if config.get("long_fraction"):
@@ -359,29 +360,45 @@ def format_table(summary: dict) -> str:
         ("malformed", str(summary["malformed"])),
         ("LOST", f"{summary['lost']} {summary['lost_by_error'] or ''}".rstrip()),
         ("wall time", f"{summary['wall_s']:.2f} s"),
-        ("throughput", f"{summary['requests_per_s']:.2f} req/s, {summary['tokens_per_s']:.1f} tokens/s "
-                       f"({summary['completion_tokens']} completion tokens)"),
-        ("latency p50/p95/p99", " / ".join(_seconds(latency[p]) for p in ("p50", "p95", "p99"))
-         + f" s (max {_seconds(latency['max'])} s)"),
-        ("first chunk p50/p95/p99", " / ".join(_seconds(first_chunk[p]) for p in ("p50", "p95", "p99"))
-         + " s (streams)"),
+        (
+            "throughput",
+            f"{summary['requests_per_s']:.2f} req/s, {summary['tokens_per_s']:.1f} tokens/s "
+            f"({summary['completion_tokens']} completion tokens)",
+        ),
+        (
+            "latency p50/p95/p99",
+            " / ".join(_seconds(latency[p]) for p in ("p50", "p95", "p99")) + f" s (max {_seconds(latency['max'])} s)",
+        ),
+        (
+            "first chunk p50/p95/p99",
+            " / ".join(_seconds(first_chunk[p]) for p in ("p50", "p95", "p99")) + " s (streams)",
+        ),
         ("TPOT p50/p99", " / ".join(_seconds(summary["tpot_s"][p]) for p in ("p50", "p99")) + " s (streams)"),
     ]
     for length, figures in summary["by_length"].items():
         if figures["requests"]:
-            rows.append((
-                f"{length}: latency p50/p99",
-                " / ".join(_seconds(figures["latency_s"][p]) for p in ("p50", "p99"))
-                + f" s, TTFT p50 {_seconds(figures['ttft_s']['p50'])} s ({figures['requests']} requests)",
-            ))
+            rows.append(
+                (
+                    f"{length}: latency p50/p99",
+                    " / ".join(_seconds(figures["latency_s"][p]) for p in ("p50", "p99"))
+                    + f" s, TTFT p50 {_seconds(figures['ttft_s']['p50'])} s ({figures['requests']} requests)",
+                )
+            )
     if summary["mean_acceptance_rate"] is not None:
-        rows.append(("acceptance", f"{100 * summary['mean_acceptance_rate']:.1f}% mean, "
-                                   f"mean accepted length {summary['mean_accepted_length']:.2f} tokens/target pass"))
+        rows.append(
+            (
+                "acceptance",
+                f"{100 * summary['mean_acceptance_rate']:.1f}% mean, "
+                f"mean accepted length {summary['mean_accepted_length']:.2f} tokens/target pass",
+            )
+        )
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]
     for failure in summary["failures"][:10]:
-        lines.append(f"  #{failure['index']} {failure['kind']}: {failure['outcome']} "
-                     f"(status {failure['status']}) {failure['error'][:160]}")
+        lines.append(
+            f"  #{failure['index']} {failure['kind']}: {failure['outcome']} "
+            f"(status {failure['status']}) {failure['error'][:160]}"
+        )
     if len(summary["failures"]) > 10:
         lines.append(f"  ... and {len(summary['failures']) - 10} more (see --json-out)")
     return "\n".join(lines)
@@ -444,7 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--url", default=DEFAULT_URL, help=f"inference address (default {DEFAULT_URL})")
+    parser.add_argument(
+        "--url", default=DEFAULT_INFERENCE_URL, help=f"inference address (default {DEFAULT_INFERENCE_URL})"
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"registered model name (default {DEFAULT_MODEL})")
     auth = parser.add_mutually_exclusive_group()
     auth.add_argument("--key-file", type=Path, default=DEFAULT_KEY_FILE, help="default ./key_file.json")
@@ -509,8 +528,10 @@ def main(argv: list[str] | None = None) -> int:
 def run_and_report(config: LoadConfig) -> dict | None:
     """One load run with progress on stderr and the table on stdout; None when the key file is unreadable."""
     sending = f"open loop at {config.rate} req/s" if config.rate else f"concurrency {config.concurrency}"
-    print(f"sending {config.num_requests} requests to {config.url}/predictions/{config.model} "
-          f"({sending}) ...", file=sys.stderr)
+    print(
+        f"sending {config.num_requests} requests to {config.url}/predictions/{config.model} ({sending}) ...",
+        file=sys.stderr,
+    )
     done = [0]
     lock = threading.Lock()
 

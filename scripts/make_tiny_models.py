@@ -28,7 +28,7 @@ figures for the pair just built.
 Everything is seeded: the same ``--seed`` gives the same bytes.
 
 Usage:
-    python scripts/make_tiny_models.py --out models/tiny [--seed 0]
+    python -m scripts.make_tiny_models --out models/tiny [--seed 0]
 """
 
 from __future__ import annotations
@@ -201,9 +201,7 @@ def zero_padded_rows(model: Qwen2ForCausalLM, num_real_tokens: int) -> None:
         model.get_output_embeddings().weight[num_real_tokens:] = 0.0
 
 
-def build_draft(
-    target: Qwen2ForCausalLM, config: Qwen2Config, noise: float, num_real_tokens: int
-) -> Qwen2ForCausalLM:
+def build_draft(target: Qwen2ForCausalLM, config: Qwen2Config, noise: float, num_real_tokens: int) -> Qwen2ForCausalLM:
     """A draft model whose weights are the target's plus relative Gaussian noise."""
     draft = Qwen2ForCausalLM(config)
     target_state = target.state_dict()
@@ -232,9 +230,7 @@ def save_model(
     eos_token_id: int,
     out_dir: Path,
 ) -> None:
-    model.generation_config = GenerationConfig(
-        eos_token_id=eos_token_id, pad_token_id=eos_token_id
-    )
+    model.generation_config = GenerationConfig(eos_token_id=eos_token_id, pad_token_id=eos_token_id)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 
@@ -309,6 +305,15 @@ def measure_acceptance(
     }
 
 
+def save_tokenizer(out: Path) -> None:
+    """Only the tokenizer, with the target's config.json so that transformers loads it as it loads the pair's."""
+    tokenizer = build_tokenizer()
+    eos_token_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    out.mkdir(parents=True, exist_ok=True)
+    build_config(TARGET_VOCAB_SIZE, eos_token_id).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
 def build(out: Path, seed: int, draft_noise: float):
     """Build and save the pair; returns (target, draft, tokenizer)."""
     torch.manual_seed(seed)
@@ -319,9 +324,7 @@ def build(out: Path, seed: int, draft_noise: float):
 
     target = Qwen2ForCausalLM(build_config(TARGET_VOCAB_SIZE, eos_token_id))
     zero_padded_rows(target, num_real_tokens)
-    draft = build_draft(
-        target, build_config(DRAFT_VOCAB_SIZE, eos_token_id), draft_noise, num_real_tokens
-    )
+    draft = build_draft(target, build_config(DRAFT_VOCAB_SIZE, eos_token_id), draft_noise, num_real_tokens)
     target.eval()
     draft.eval()
 

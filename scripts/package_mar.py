@@ -22,7 +22,7 @@ temp folder (set TMPDIR to move it). For large models, --archive-format
 zip-store skips the (useless) compression of the weights and is much faster.
 
 Usage:
-    python scripts/package_mar.py --model-name tiny-spec \\
+    python -m scripts.package_mar --model-name tiny-spec \\
         --target models/tiny/target --draft models/tiny/draft \\
         --config model-config/model-config.yaml --export-path model_store
 """
@@ -62,13 +62,10 @@ def check_model_dir(path: Path, role: str, need_tokenizer: bool) -> None:
         raise PackagingError(f"--{role}: {path} is not a folder")
     if not (path / "config.json").is_file():
         raise PackagingError(
-            f"--{role}: {path} has no config.json; "
-            "pass a Hugging Face model folder (the output of save_pretrained)"
+            f"--{role}: {path} has no config.json; pass a Hugging Face model folder (the output of save_pretrained)"
         )
     if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
-        raise PackagingError(
-            f"--{role}: {path} has no weights ({' or '.join(WEIGHT_PATTERNS)})"
-        )
+        raise PackagingError(f"--{role}: {path} has no weights ({' or '.join(WEIGHT_PATTERNS)})")
     if need_tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise PackagingError(
             f"--{role}: {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
@@ -86,9 +83,7 @@ def check_config(path: Path) -> dict:
     except yaml.YAMLError as error:
         raise PackagingError(f"--config: {path} is not valid YAML: {error}") from error
     if not isinstance(config, dict) or not isinstance(config.get("handler"), dict):
-        raise PackagingError(
-            f"--config: {path} needs a `handler:` section (see model-config/model-config.yaml)"
-        )
+        raise PackagingError(f"--config: {path} needs a `handler:` section (see model-config/model-config.yaml)")
     return config
 
 
@@ -97,11 +92,8 @@ def check_handler_section(config: dict, path: Path):
 
     A typo then fails here, not minutes later when a worker starts.
     """
-    sys.path.insert(0, str(REPO_ROOT))
-    try:
-        from handler.config import handler_config_from_yaml_config
-    finally:
-        sys.path.remove(str(REPO_ROOT))
+    from handler.config import handler_config_from_yaml_config
+
     try:
         return handler_config_from_yaml_config(config)
     except ValueError as error:
@@ -173,8 +165,7 @@ def package(
     """
     if not MODEL_NAME_PATTERN.match(model_name):
         raise PackagingError(
-            f"--model-name {model_name!r}: use letters, digits, '_', '-' and '.', "
-            "starting with a letter or digit"
+            f"--model-name {model_name!r}: use letters, digits, '_', '-' and '.', starting with a letter or digit"
         )
     if archive_format not in ARCHIVE_SUFFIXES:
         raise PackagingError(f"--archive-format must be one of {sorted(ARCHIVE_SUFFIXES)}")
@@ -227,9 +218,7 @@ def package(
         saved_tempdir = tempfile.tempdir
         tempfile.tempdir = scratch
         try:
-            package_model(
-                archiver_config, manifest=ModelExportUtils.generate_manifest_json(archiver_config)
-            )
+            package_model(archiver_config, manifest=ModelExportUtils.generate_manifest_json(archiver_config))
         finally:
             tempfile.tempdir = saved_tempdir
     return output
@@ -242,13 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model-name", required=True, help="archive and model name")
     parser.add_argument("--target", required=True, type=Path, help="target model folder")
-    parser.add_argument(
-        "--draft", type=Path, help="draft model folder (needed unless the config's drafter is ngram)"
-    )
+    parser.add_argument("--draft", type=Path, help="draft model folder (needed unless the config's drafter is ngram)")
     parser.add_argument("--config", required=True, type=Path, help="model-config YAML")
-    parser.add_argument(
-        "--export-path", required=True, type=Path, help="folder for the archive (model store)"
-    )
+    parser.add_argument("--export-path", required=True, type=Path, help="folder for the archive (model store)")
     parser.add_argument(
         "--archive-format",
         choices=sorted(ARCHIVE_SUFFIXES),

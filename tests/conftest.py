@@ -1,4 +1,18 @@
-"""Shared fixtures: a tiny random target/draft pair built on the fly, offline."""
+"""Shared fixtures and the test tiers.
+
+Tiers, one pytest marker each, given by a test's folder (a module may name its
+own with `pytestmark`):
+
+- unit: tests/unit (handler/) and tests/scripts (scripts/); fast, `make test-fast`;
+- statistical: tests/statistical, chi-square tests of the output distribution;
+- models: tests/models, the engine and the handler on tiny random models;
+- e2e: tests/e2e, a real TorchServe on free loopback ports;
+- deploy: tests/deploy, static checks of the Dockerfile and the manifests.
+
+The one model fixture, `tiny_models_dir`, builds the tiny random target/draft
+pair offline, once per session; `tiny_tokenizer` is the pair's tokenizer alone,
+for the unit tier, without building the models.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +23,56 @@ import sys
 import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+TESTS_DIR = REPO_ROOT / "tests"
+TIER_BY_FOLDER = {
+    "unit": "unit",
+    "scripts": "unit",
+    "statistical": "statistical",
+    "models": "models",
+    "e2e": "e2e",
+    "deploy": "deploy",
+}
+TIERS = frozenset(TIER_BY_FOLDER.values())
+
+
+def run_module(module: str, *args: str, timeout_s: float = 300, check: bool = False) -> subprocess.CompletedProcess:
+    """`python -m module args` from the repository root, as the Makefile runs the scripts; output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=check,
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if TIERS & {marker.name for marker in item.iter_markers()}:
+            continue
+        folder = pathlib.Path(item.path).relative_to(TESTS_DIR).parts[0]
+        assert folder in TIER_BY_FOLDER, (
+            f"{item.nodeid}: put the test in one of the tier folders {sorted(TIER_BY_FOLDER)}"
+        )
+        item.add_marker(TIER_BY_FOLDER[folder])
 
 
 @pytest.fixture(scope="session")
 def tiny_models_dir(tmp_path_factory) -> pathlib.Path:
-    """A folder with `target/` and `draft/`, made by scripts/make_tiny_models.py once per session."""
+    """A folder with `target/` and `draft/`, made by scripts.make_tiny_models once per session."""
     out = tmp_path_factory.mktemp("tiny-models")
-    subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "make_tiny_models.py"), "--out", str(out)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    run_module("scripts.make_tiny_models", "--out", str(out), check=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):
+    """The tiny pair's tokenizer, loaded as the handler loads the target's."""
+    from transformers import AutoTokenizer
+
+    from scripts import make_tiny_models
+
+    out = tmp_path_factory.mktemp("tiny-tokenizer")
+    make_tiny_models.save_tokenizer(out)
+    return AutoTokenizer.from_pretrained(out)

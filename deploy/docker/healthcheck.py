@@ -66,7 +66,7 @@ def expired(expiry):
         when = datetime.datetime.fromisoformat(text)
     except ValueError:
         return False
-    return when < datetime.datetime.now(datetime.timezone.utc)
+    return when < datetime.datetime.now(datetime.UTC)
 
 
 def get_json(url, key, timeout):
@@ -93,10 +93,7 @@ def rejected_key(status, body, key, kind):
         if key is None:
             return f"token authorization is on but there is no {kind} key in the key file"
         if expired(key[1]):
-            return (
-                f"the {kind} key expired at {key[1]}; renew it with the API key: "
-                f"GET :8081/token?type={kind}"
-            )
+            return f"the {kind} key expired at {key[1]}; renew it with the API key: GET :8081/token?type={kind}"
         return f"the {kind} key was rejected"
     return None
 

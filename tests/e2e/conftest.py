@@ -1,11 +1,12 @@
 """A real TorchServe, started once per session on free loopback ports.
 
-The tiny model pair is packaged with scripts/package_mar.py into a temporary
-model store and registered through the management API, the way a user would.
-The server runs with the repository's config.properties, except for the ports
-and the model store, and with token authorization off (test only). Its logs,
-key and pid files stay in a temporary folder: TMPDIR is pointed there, since
-`torchserve` keeps its pid file in the system temp folder.
+The tiny model pair is packaged with scripts.package_mar into a temporary
+model store and registered through the management API, the way a user would,
+with scripts.torchserve (the client every script uses). The server runs with
+the repository's config.properties, except for the ports and the model store,
+and with token authorization off (test only). Its logs, key and pid files stay
+in a temporary folder: TMPDIR is pointed there, since `torchserve` keeps its
+pid file in the system temp folder.
 
 The server is always stopped in teardown, whatever happened.
 """
@@ -15,23 +16,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import requests
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from scripts import torchserve
+from tests.conftest import REPO_ROOT, run_module
+
 MODEL_NAME = "tiny-spec"
 HTTP_TIMEOUT_S = 120  # one generation on 2 CPU cores takes about a second
 STARTUP_TIMEOUT_S = 120
 REGISTER_TIMEOUT_S = 300
-STOP_TIMEOUT_S = 60
 LOG_TAIL_LINES = 80
 
 
@@ -46,13 +44,12 @@ class Server:
 
     def log_tail(self, num_lines: int = LOG_TAIL_LINES) -> str:
         """The last lines of each TorchServe log, for assertion messages."""
-        parts = []
-        for name in ("model_log.log", "ts_log.log", "console.log"):
-            path = self.log_dir / name
-            if path.is_file():
-                lines = path.read_text(errors="replace").splitlines()[-num_lines:]
-                parts.append(f"----- {name} (last {len(lines)} lines) -----\n" + "\n".join(lines))
-        return "\n".join(parts) or f"(no logs in {self.log_dir})"
+        names = ("model_log.log", "ts_log.log", "console.log")
+        return "\n".join(torchserve.log_tail(self.log_dir / name, num_lines) for name in names)
+
+    def workers(self) -> list[dict]:
+        """The model's workers as the management API describes them (pid, status, ...)."""
+        return torchserve.model_workers(self.management_url, self.model_name)
 
     def get(self, url: str) -> requests.Response:
         return requests.get(url, timeout=HTTP_TIMEOUT_S)
@@ -122,73 +119,6 @@ def write_model_config(path: Path) -> None:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
-def torchserve_executable() -> str:
-    # The console script installed next to this interpreter, so that the
-    # workers run in the same environment as the tests.
-    candidate = Path(sys.executable).parent / "torchserve"
-    if candidate.is_file():
-        return str(candidate)
-    found = shutil.which("torchserve")
-    if found is None:
-        pytest.fail("torchserve is not installed in this environment; run `make install`")
-    return found
-
-
-def wait_until_started(server: Server, process: subprocess.Popen) -> None:
-    """Wait for /ping and for the startup message.
-
-    TorchServe binds the REST APIs before the gRPC ones, and shuts down if a
-    gRPC port is taken, so /ping alone can answer for a server about to die.
-    """
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    last_problem = "no answer"
-    console = server.log_dir / "console.log"
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(
-                f"torchserve exited with code {process.returncode} during startup\n"
-                f"{server.log_tail()}"
-            )
-        try:
-            response = requests.get(f"{server.inference_url}/ping", timeout=5)
-            if response.status_code == 200 and "Model server started" in console.read_text(
-                errors="replace"
-            ):
-                return
-            last_problem = f"HTTP {response.status_code}: {response.text}"
-        except requests.RequestException as error:
-            last_problem = str(error)
-        time.sleep(0.5)
-    pytest.fail(
-        f"torchserve did not start within {STARTUP_TIMEOUT_S} s ({last_problem})\n"
-        f"{server.log_tail()}"
-    )
-
-
-def stop_server(process: subprocess.Popen, env: dict, cwd: Path, log_file) -> None:
-    """`torchserve --stop`, then kill the whole process group if anything is left."""
-    try:
-        subprocess.run(
-            [torchserve_executable(), "--stop"],
-            cwd=cwd,
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            timeout=STOP_TIMEOUT_S,
-        )
-        process.wait(timeout=STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        # The launcher, the Java frontend and the Python workers share the
-        # session started for the launcher; kill whatever is left of it.
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait(timeout=STOP_TIMEOUT_S)
-
-
 @pytest.fixture(scope="session")
 def java_runtime() -> None:
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
@@ -197,26 +127,17 @@ def java_runtime() -> None:
 
 @pytest.fixture(scope="session")
 def model_archive(tiny_models_dir, tmp_path_factory) -> Path:
-    """The tiny pair packaged into a model store by scripts/package_mar.py."""
+    """The tiny pair packaged into a model store by scripts.package_mar."""
     root = tmp_path_factory.mktemp("package")
     model_config = root / "model-config.yaml"
     write_model_config(model_config)
     model_store = root / "model_store"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "scripts" / "package_mar.py"),
-            "--model-name", MODEL_NAME,
-            "--target", str(tiny_models_dir / "target"),
-            "--draft", str(tiny_models_dir / "draft"),
-            "--config", str(model_config),
-            "--export-path", str(model_store),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_module(
+        "scripts.package_mar",
+        *("--model-name", MODEL_NAME, "--config", str(model_config), "--export-path", str(model_store)),
+        *("--target", str(tiny_models_dir / "target"), "--draft", str(tiny_models_dir / "draft")),
     )
-    assert result.returncode == 0, f"package_mar.py failed:\n{result.stdout}\n{result.stderr}"
+    assert result.returncode == 0, f"package_mar failed:\n{result.stdout}\n{result.stderr}"
     archive = model_store / f"{MODEL_NAME}.mar"
     assert archive.is_file(), result.stdout
     return archive
@@ -252,46 +173,21 @@ def server(java_runtime, model_archive, tmp_path_factory):
         TEMP=str(temp_dir),
         TMP=str(temp_dir),
     )
-    console = open(log_dir / "console.log", "w")
-    process = subprocess.Popen(
-        [
-            torchserve_executable(),
-            "--start",
-            "--foreground",
-            "--ncs",
-            "--model-store", str(model_archive.parent),
-            "--ts-config", str(ts_config),
-            "--disable-token-auth",
-            "--enable-model-api",
-        ],
+    started = torchserve.start_server(
+        ts_config,
+        model_archive.parent,
+        log_dir / "console.log",
         cwd=root,  # key_file.json and any stray files land here
         env=env,
-        stdout=console,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group, killed as one in teardown
+        disable_token_auth=True,
+        extra_args=["--enable-model-api"],
     )
     try:
-        wait_until_started(server, process)
-        response = requests.post(
-            f"{server.management_url}/models",
-            params={
-                "url": model_archive.name,
-                "model_name": MODEL_NAME,
-                "initial_workers": 1,
-                "synchronous": "true",
-            },
-            timeout=REGISTER_TIMEOUT_S,
-        )
-        assert response.status_code == 200, (
-            f"registration -> HTTP {response.status_code}: {response.text}\n{server.log_tail()}"
-        )
+        torchserve.wait_for_ping(server.inference_url, None, STARTUP_TIMEOUT_S, started)
+        torchserve.register(server.management_url, model_archive.name, MODEL_NAME, {}, REGISTER_TIMEOUT_S)
         yield server
-        response = requests.delete(
-            f"{server.management_url}/models/{MODEL_NAME}", timeout=HTTP_TIMEOUT_S
-        )
-        assert response.status_code == 200, (
-            f"unregistration -> HTTP {response.status_code}: {response.text}\n{server.log_tail()}"
-        )
+        torchserve.unregister(server.management_url, MODEL_NAME, {}, HTTP_TIMEOUT_S)
+    except torchserve.ClientError as error:
+        pytest.fail(f"{error}\n{server.log_tail()}")
     finally:
-        stop_server(process, env, root, console)
-        console.close()
+        torchserve.stop_server(started)

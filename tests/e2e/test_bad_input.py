@@ -6,8 +6,6 @@ and promptly instead of hanging, and leaves the server serving.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +13,9 @@ import pytest
 import requests
 import yaml
 
-from .conftest import HTTP_TIMEOUT_S, REPO_ROOT
+from tests.conftest import REPO_ROOT, run_module
+
+from .conftest import HTTP_TIMEOUT_S
 
 JSON = {"Content-Type": "application/json"}
 TEXT = {"Content-Type": "text/plain"}
@@ -63,8 +63,7 @@ def post(server, data: bytes, headers: dict) -> requests.Response:
 
 
 def worker_pids(server) -> list[int]:
-    description = requests.get(f"{server.management_url}/models/{server.model_name}", timeout=30).json()[0]
-    return sorted(w["pid"] for w in description["workers"] if w["status"] == "READY")
+    return sorted(w["pid"] for w in server.workers() if w["status"] == "READY")
 
 
 @pytest.mark.parametrize("data, headers, field", RAW_BAD, ids=[r[2] + str(i) for i, r in enumerate(RAW_BAD)])
@@ -90,10 +89,16 @@ def test_prompt_too_long_for_the_context_is_413(server):
 def test_bad_and_good_requests_in_shared_batches(server):
     pids_before = worker_pids(server)
     alone = [server.predict_ok(body) for body in GOOD]
-    sends = [lambda: post(server, RAW_BAD[0][0], JSON), lambda: server.predict(GOOD[0]),
-             lambda: server.predict(BAD[5][0]), lambda: server.predict(GOOD[1]),
-             lambda: post(server, RAW_BAD[1][0], TEXT), lambda: server.predict(BAD[9][0]),
-             lambda: server.predict(GOOD[0]), lambda: server.predict({"prompt": "word " * 2000})]
+    sends = [
+        lambda: post(server, RAW_BAD[0][0], JSON),
+        lambda: server.predict(GOOD[0]),
+        lambda: server.predict(BAD[5][0]),
+        lambda: server.predict(GOOD[1]),
+        lambda: post(server, RAW_BAD[1][0], TEXT),
+        lambda: server.predict(BAD[9][0]),
+        lambda: server.predict(GOOD[0]),
+        lambda: server.predict({"prompt": "word " * 2000}),
+    ]
     with ThreadPoolExecutor(len(sends)) as pool:
         responses = list(pool.map(lambda send: send(), sends))
     assert [r.status_code for r in responses] == [400, 200, 400, 200, 400, 400, 200, 413]
@@ -110,11 +115,11 @@ def test_bad_handler_config_fails_registration_promptly(server, tiny_models_dir,
     config_path = tmp_path / "bad.yaml"
     config_path.write_text(yaml.safe_dump(config))
     store = server.model_store
-    subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "package_mar.py"), "--model-name", "broken",
-         "--target", str(tiny_models_dir / "target"), "--draft", str(tiny_models_dir / "draft"),
-         "--config", str(config_path), "--export-path", str(store), "--force"],
-        check=True, capture_output=True, timeout=300,
+    run_module(
+        "scripts.package_mar",
+        *("--model-name", "broken", "--config", str(config_path), "--export-path", str(store), "--force"),
+        *("--target", str(tiny_models_dir / "target"), "--draft", str(tiny_models_dir / "draft")),
+        check=True,
     )
     started = time.monotonic()
     try:

@@ -1,6 +1,6 @@
 """Load and fault tolerance against the real TorchServe of conftest.py (tiny pair, batchSize 4).
 
-- scripts/loadtest.py, 200 mixed requests at concurrency 8: no errors, none
+- scripts.loadtest, 200 mixed requests at concurrency 8: no errors, none
   lost, every answer well-formed.
 - A greedy and a seeded sampled request give the same tokens under load as
   alone: batching with other requests does not change a request's output.
@@ -17,20 +17,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import requests
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import client  # noqa: E402
-import loadtest  # noqa: E402
+from scripts import loadtest, torchserve
+from tests.conftest import run_module
 
 REQUEST_TIMEOUT_S = 60  # longest wait for the next bytes of one answer
 RESTART_TIMEOUT_S = 90  # TorchServe restarts a dead worker after a short backoff, then it reloads
@@ -41,8 +36,8 @@ SAMPLED_BODY = {"prompt": "The weather today is", "max_new_tokens": 16, "tempera
 CONNECTION_ERRORS = ("ConnectionError", "ChunkedEncodingError")
 
 
-def generate(server, body: dict) -> client.Answer:
-    return client.generate(server.inference_url, server.model_name, body, {}, None, REQUEST_TIMEOUT_S)
+def generate(server, body: dict) -> torchserve.Answer:
+    return torchserve.generate(server.inference_url, server.model_name, body, {}, None, REQUEST_TIMEOUT_S)
 
 
 class BackgroundLoad:
@@ -74,7 +69,7 @@ class BackgroundLoad:
         except BaseException as error:  # reported by stop()
             self.error = error
 
-    def start(self, wait_for: int) -> "BackgroundLoad":
+    def start(self, wait_for: int) -> BackgroundLoad:
         """Start, and return once `wait_for` requests have finished (so the load is running)."""
         self._thread.start()
         with self._done:
@@ -101,14 +96,8 @@ class BackgroundLoad:
         return list(self.outcomes)
 
 
-def workers(server) -> list[dict]:
-    response = requests.get(f"{server.management_url}/models/{server.model_name}", timeout=10)
-    assert response.status_code == 200, response.text
-    return response.json()[0]["workers"]
-
-
 def ready_worker_pid(server) -> int:
-    [worker] = workers(server)
+    [worker] = server.workers()
     assert worker["status"] == "READY", worker
     return worker["pid"]
 
@@ -117,8 +106,8 @@ def wait_for_new_worker(server, old_pid: int, deadline: float) -> tuple[int | No
     """(pid, time.monotonic()) of the first READY worker whose pid is not old_pid; (None, None) at the deadline."""
     while time.monotonic() < deadline:
         try:
-            [worker] = workers(server)
-        except (requests.RequestException, AssertionError, ValueError):
+            [worker] = server.workers()
+        except (torchserve.ClientError, ValueError, LookupError):
             worker = {}  # the frontend may be busy cleaning up the dead worker
         if worker.get("status") == "READY" and worker.get("pid") not in (None, old_pid):
             return worker["pid"], time.monotonic()
@@ -128,22 +117,10 @@ def wait_for_new_worker(server, old_pid: int, deadline: float) -> tuple[int | No
 
 def test_loadtest_200_requests_no_errors_none_lost(server, tmp_path):
     report = tmp_path / "load.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "scripts" / "loadtest.py"),
-            "--url", server.inference_url,
-            "--model", server.model_name,
-            "--no-auth",
-            "--requests", "200",
-            "--concurrency", "8",
-            "--max-new-tokens", "12",
-            "--timeout", str(REQUEST_TIMEOUT_S),
-            "--json-out", str(report),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_module(
+        "scripts.loadtest",
+        *("--url", server.inference_url, "--model", server.model_name, "--no-auth", "--json-out", str(report)),
+        *("--requests", "200", "--concurrency", "8", "--max-new-tokens", "12", "--timeout", str(REQUEST_TIMEOUT_S)),
     )
     print(result.stdout)
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{server.log_tail()}"
@@ -193,13 +170,18 @@ def test_worker_killed_under_load_is_restarted(server):
             # The tiny pair decodes this greedily to the length limit, without an EOS:
             # 400 of its 512 positions, a second or more of decoding.
             body = {"prompt": "import json", "max_new_tokens": 400, "temperature": 0.0, "stream": True}
-            answer = client.generate(
-                server.inference_url, server.model_name, body, {}, None, REQUEST_TIMEOUT_S,
+            answer = torchserve.generate(
+                server.inference_url,
+                server.model_name,
+                body,
+                {},
+                None,
+                REQUEST_TIMEOUT_S,
                 on_delta=lambda _: first_chunk.set(),
             )
             stream_result["seen"] = f"complete answer, finish_reason {answer.final.get('finish_reason')}"
             stream_result["ok"] = False
-        except client.ClientError as error:
+        except torchserve.ClientError as error:
             stream_result["seen"], stream_result["ok"] = f"HTTP {error.status}: {error}", error.status >= 500
         except requests.Timeout as error:
             stream_result["seen"], stream_result["ok"] = f"hung: {type(error).__name__}", False
@@ -229,20 +211,25 @@ def test_worker_killed_under_load_is_restarted(server):
 
     # What the clients saw, printed for the record.
     failed = [o for o in outcomes if o.outcome != "ok"]
-    print(f"\nworker {old_pid} killed; new worker {new_pid} READY after "
-          f"{'-' if ready_at is None else f'{ready_at - killed_at:.1f}'} s")
+    print(
+        f"\nworker {old_pid} killed; new worker {new_pid} READY after "
+        f"{'-' if ready_at is None else f'{ready_at - killed_at:.1f}'} s"
+    )
     print(f"long stream in flight: {stream_result.get('seen', 'no result (hung)')}")
     num_served_after = sum(o.outcome == "ok" and o.started_at > ready_at for o in outcomes) if ready_at else 0
-    print(f"background load: {len(outcomes)} requests, {len(outcomes) - len(failed)} ok "
-          f"({num_served_after} of them sent after the restart), "
-          f"failures: {dict(Counter((o.outcome, o.status, o.error.split(':')[0]) for o in failed)) or 'none'}")
+    print(
+        f"background load: {len(outcomes)} requests, {len(outcomes) - len(failed)} ok "
+        f"({num_served_after} of them sent after the restart), "
+        f"failures: {dict(Counter((o.outcome, o.status, o.error.split(':')[0]) for o in failed)) or 'none'}"
+    )
     for outcome in failed:
-        print(f"  #{outcome.index} {outcome.kind} sent {outcome.started_at - killed_at:+.2f} s from the kill, "
-              f"answered after {outcome.latency_s:.2f} s: {outcome.outcome} {outcome.status} {outcome.error[:120]}")
+        print(
+            f"  #{outcome.index} {outcome.kind} sent {outcome.started_at - killed_at:+.2f} s from the kill, "
+            f"answered after {outcome.latency_s:.2f} s: {outcome.outcome} {outcome.status} {outcome.error[:120]}"
+        )
 
     assert new_pid is not None, (
-        f"no READY worker with a new pid {RESTART_TIMEOUT_S} s after the kill: {workers(server)}\n"
-        f"{server.log_tail()}"
+        f"no READY worker with a new pid {RESTART_TIMEOUT_S} s after the kill: {server.workers()}\n{server.log_tail()}"
     )
     assert not stream_thread.is_alive(), "the in-flight stream hung after the worker died"
     assert stream_result["ok"], (

@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
+from handler.schema import STREAM_CHUNK_KEYS
+
 from .conftest import HTTP_TIMEOUT_S
 
 STREAMED = [
@@ -32,7 +34,7 @@ def stream(server, body: dict) -> tuple[list[dict], requests.Response]:
 
 def check_stream_equals_plain(lines: list[dict], plain: dict) -> None:
     *chunks, final = lines
-    assert all(set(chunk) == {"text_delta", "token_ids"} for chunk in chunks)
+    assert all(set(chunk) == set(STREAM_CHUNK_KEYS) for chunk in chunks)
     assert {"finish_reason", "usage", "speculative"} <= set(final)
     assert "".join(line["text_delta"] for line in lines) == plain["text"]
     assert sum((line["token_ids"] for line in lines), []) == plain["token_ids"]

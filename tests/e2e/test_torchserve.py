@@ -11,14 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-SPECULATIVE_KEYS = {
-    "num_speculative_tokens",
-    "draft_tokens",
-    "accepted_tokens",
-    "acceptance_rate",
-    "target_forward_passes",
-    "mean_accepted_length",
-}
+from handler.schema import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SPECULATIVE_KEYS
 
 # Different lengths and budgets, so shared batches are ragged.
 CONCURRENT_REQUESTS = [
@@ -52,7 +45,7 @@ def test_json_request(server):
     answer = server.predict_ok({"prompt": "The quick brown fox", "max_new_tokens": 16})
 
     assert isinstance(answer["text"], str)
-    assert answer["finish_reason"] in {"length", "eos", "stop"}
+    assert answer["finish_reason"] in {FINISH_LENGTH, FINISH_EOS, FINISH_STOP}
     assert all(isinstance(token_id, int) for token_id in answer["token_ids"])
     assert 1 <= len(answer["token_ids"]) <= 16
     if answer["finish_reason"] == "length":
@@ -78,9 +71,7 @@ def test_plain_text_body_is_the_prompt(server, content_type):
 
 
 def test_chat_messages(server):
-    answer = server.predict_ok(
-        {"messages": [{"role": "user", "content": "Hello, who are you?"}], "max_new_tokens": 8}
-    )
+    answer = server.predict_ok({"messages": [{"role": "user", "content": "Hello, who are you?"}], "max_new_tokens": 8})
     assert answer["usage"]["completion_tokens"] == len(answer["token_ids"]) >= 1
 
 
@@ -133,19 +124,13 @@ def test_stop_string_ends_generation(server):
     # Two ASCII letters from the middle of the answer; random models also
     # emit partial UTF-8, which makes poor stop strings.
     stop = next(
-        (
-            text[i : i + 2]
-            for i in range(2, len(text) - 2)
-            if text[i : i + 2].isascii() and text[i : i + 2].isalpha()
-        ),
+        (text[i : i + 2] for i in range(2, len(text) - 2) if text[i : i + 2].isascii() and text[i : i + 2].isalpha()),
         None,
     )
     if stop is None:
         pytest.skip(f"greedy output {text!r} has no usable stop string")
 
-    stopped = server.predict_ok(
-        {"prompt": "The quick brown fox", "max_new_tokens": 24, "stop": [stop]}
-    )
+    stopped = server.predict_ok({"prompt": "The quick brown fox", "max_new_tokens": 24, "stop": [stop]})
 
     assert stopped["finish_reason"] == "stop", stopped
     assert text.startswith(stopped["text"])
@@ -170,13 +155,9 @@ def test_prometheus_metrics(server):
         assert name in response.text, f"{name} missing from /metrics:\n{response.text[:3000]}"
 
 
-@pytest.mark.parametrize(
-    "url", ["https://example.com/evil.mar", "file:///somewhere/else/evil.mar"]
-)
+@pytest.mark.parametrize("url", ["https://example.com/evil.mar", "file:///somewhere/else/evil.mar"])
 def test_allowed_urls_refuse_outside_archives(server, url):
     # Refused by config.properties' allowed_urls before anything is fetched.
-    response = requests.post(
-        f"{server.management_url}/models", params={"url": url}, timeout=30
-    )
+    response = requests.post(f"{server.management_url}/models", params={"url": url}, timeout=30)
     assert response.status_code == 404, response.text
     assert "does not match any allowed URL" in response.json()["message"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from ts.context import Context, RequestProcessor
 
+from handler.schema import ANSWER_KEYS, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SPECULATIVE_KEYS, STREAM_CHUNK_KEYS
 from handler.spec_handler import SpeculativeHandler
 
 HANDLER_SECTION = {
@@ -46,21 +47,10 @@ def test_answer_has_the_documented_fields(handler, tiny_models_dir):
     answers, statuses = call(handler, tiny_models_dir, [{"prompt": "def add(a, b):", "max_new_tokens": 12}])
     answer = answers[0]
     assert statuses == [200]
-    assert set(answer) == {"text", "token_ids", "finish_reason", "usage", "speculative"}
-    assert answer["finish_reason"] in ("length", "eos", "stop")
+    assert set(answer) == set(ANSWER_KEYS)
+    assert answer["finish_reason"] in (FINISH_LENGTH, FINISH_EOS, FINISH_STOP)
     assert answer["usage"]["completion_tokens"] == len(answer["token_ids"]) <= 12
-    assert set(answer["speculative"]) == {
-        "num_speculative_tokens",
-        "draft_tokens",
-        "accepted_tokens",
-        "acceptance_rate",
-        "target_forward_passes",
-        "mean_accepted_length",
-        "fell_back_to_target_only",
-        "drafter",
-        "by_drafter",
-        "accepted_per_position",
-    }
+    assert set(answer["speculative"]) == SPECULATIVE_KEYS
     assert answer["speculative"]["num_speculative_tokens"] == 4
     assert answer["speculative"]["drafter"] == "model"
 
@@ -145,7 +135,7 @@ def test_streamed_chunks_join_to_the_plain_answer_and_metrics_agree(handler, tin
     for index in (0, 1):
         chunks = [json.loads(ret[index]) for ids, ret in sent if index in ids]
         assert chunks, "a streamed request sends chunks while it runs"
-        assert all(set(c) == {"text_delta", "token_ids"} for c in chunks)
+        assert all(set(c) == set(STREAM_CHUNK_KEYS) for c in chunks)
         final = json.loads(answers[index])
         assert {"finish_reason", "usage", "speculative"} <= set(final) and "text" not in final
         assert "".join(c["text_delta"] for c in chunks) + final["text_delta"] == plain[index]["text"]

@@ -20,7 +20,9 @@ def make_context(model_dir, continuous: bool) -> Context:
     yaml_config = {"batchSize": 4, "handler": dict(HANDLER_SECTION)}
     if continuous:
         yaml_config["continuousBatching"] = True
-    return Context("tiny", str(model_dir), {"model": {"modelName": "tiny"}}, 4, None, "0.12.0", model_yaml_config=yaml_config)
+    return Context(
+        "tiny", str(model_dir), {"model": {"modelName": "tiny"}}, 4, None, "0.12.0", model_yaml_config=yaml_config
+    )
 
 
 @pytest.fixture(scope="module")
@@ -128,5 +130,8 @@ def test_a_bad_request_fails_alone_and_a_vanished_one_is_aborted(handlers, tiny_
     frontend.call()
     assert not continuous.batcher.knows("gone")
     frontend.run()
-    assert frontend.answer("good")["token_ids"] == solo(static, tiny_models_dir, {"prompt": "def add(a, b):", "max_new_tokens": 10})["token_ids"]
+    assert (
+        frontend.answer("good")["token_ids"]
+        == solo(static, tiny_models_dir, {"prompt": "def add(a, b):", "max_new_tokens": 10})["token_ids"]
+    )
     assert not continuous.engine.has_unfinished_requests()

@@ -33,7 +33,9 @@ def pair(tiny_models_dir):
     return target, tokenizer, make_engine(target, draft, tokenizer, eos_token_ids=())
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(1.0, 0, 1.0), SamplingParams(0.8, 12, 0.9)], ids=["plain", "top_k_top_p"])
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(1.0, 0, 1.0), SamplingParams(0.8, 12, 0.9)], ids=["plain", "top_k_top_p"]
+)
 def test_engine_samples_follow_the_target(pair, sampling):
     target, tokenizer, engine = pair
     prompt_ids = tuple(tokenizer(PROMPT)["input_ids"])

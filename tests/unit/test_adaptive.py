@@ -51,7 +51,7 @@ def test_tracker_estimates_acceptance_from_runs():
 def test_fallback_waits_for_evidence():
     policy = AdaptiveK(CHEAP_DRAFT)
     tracker = AcceptanceTracker()
-    for step in range(MIN_STEPS_BEFORE_FALLBACK):
+    for _ in range(MIN_STEPS_BEFORE_FALLBACK):
         assert policy.choose(tracker, 4) >= 1
         tracker.update(0, policy.choose(tracker, 4))
     assert policy.choose(tracker, 4) == 0

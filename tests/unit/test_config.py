@@ -86,7 +86,8 @@ def test_every_handler_metric_is_declared_in_metrics_yaml():
     # passes the position first, TorchServe appends ModelName and Level.
     dimensions = {m["name"]: m["dimensions"] for kind in declared.values() for m in kind}
     assert dimensions["spec_decode_num_accepted_tokens_per_pos"] == [POSITION_DIMENSION, "ModelName", "Level"]
-    assert all(dims == ["ModelName", "Level"] for name, dims in dimensions.items() if name != "spec_decode_num_accepted_tokens_per_pos")
+    others = [dims for name, dims in dimensions.items() if name != "spec_decode_num_accepted_tokens_per_pos"]
+    assert all(dims == ["ModelName", "Level"] for dims in others)
     assert yaml.safe_load((REPO_ROOT / "model-config" / "metrics.yaml").read_text())["ts_metrics"]["counter"]
 
 

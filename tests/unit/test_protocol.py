@@ -9,15 +9,15 @@ import pytest
 from handler.config import HandlerConfig, SamplingParams
 from handler.protocol import RequestError, decode_body, parse_request
 
-CONFIG = HandlerConfig(num_speculative_tokens=4, max_num_speculative_tokens=8, max_new_tokens=32, max_new_tokens_limit=64)
+CONFIG = HandlerConfig(
+    num_speculative_tokens=4, max_num_speculative_tokens=8, max_new_tokens=32, max_new_tokens_limit=64
+)
 MAX_CONTEXT = 512
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_models_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_models_dir / "target")
+def tokenizer(tiny_tokenizer):
+    return tiny_tokenizer
 
 
 def parse(body, tokenizer, config=CONFIG):

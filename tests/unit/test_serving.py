@@ -135,7 +135,11 @@ def test_requests_join_and_leave_at_every_step_with_unchanged_outputs():
     for name in ("s1", "s2", "s3", "long"):
         generation = parse(harness.bodies[name]).generation
         answer = answer_of(harness.received[name])
-        text = answer["text"] if "text" in answer else "".join(l["text_delta"] for l in stream_lines(harness.received[name]))
+        text = (
+            answer["text"]
+            if "text" in answer
+            else "".join(line["text_delta"] for line in stream_lines(harness.received[name]))
+        )
         assert text == harness.engine.solo_text(generation)
 
 
@@ -264,7 +268,9 @@ def test_without_per_step_figures_the_tally_reads_each_requests_final_stats():
     assert recorded.total("spec_decode_num_draft_tokens") == 15
     assert recorded.total("spec_decode_num_accepted_tokens") == 8
     assert sorted(recorded.values["spec_decode_num_accepted_tokens_per_pos"]) == [
-        (1, (("position", "2"),)), (2, (("position", "1"),)), (5, (("position", "0"),))
+        (1, (("position", "2"),)),
+        (2, (("position", "1"),)),
+        (5, (("position", "0"),)),
     ]
     # Stats without the vLLM figures: totals only.
     tally = SpeculationTally()
@@ -272,7 +278,9 @@ def test_without_per_step_figures_the_tally_reads_each_requests_final_stats():
     tally.add_final(SimpleNamespace(draft_tokens=12, accepted_tokens=7))
     recorded = RecordingMetrics()
     tally.record(MetricsRecorder(recorded))
-    assert recorded.total("spec_decode_num_draft_tokens") == 12 and recorded.total("spec_decode_num_accepted_tokens") == 7
+    assert (
+        recorded.total("spec_decode_num_draft_tokens") == 12 and recorded.total("spec_decode_num_accepted_tokens") == 7
+    )
     assert "spec_decode_num_drafts" not in recorded.values
     assert "spec_decode_num_accepted_tokens_per_pos" not in recorded.values
 

