@@ -19,7 +19,7 @@ from typing import Sequence
 from handler.detokenizer import REPLACEMENT_CHARACTER
 from handler.engine import GenerationResult
 from handler.openai_api import ROUTE_CHAT, OpenAIRequest, error_answer
-from handler.schema import RequestError
+from handler.schema import JSON_CONTENT_TYPE, RequestError
 from handler.streaming import DeltaTracker
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -27,7 +27,6 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 MIN_LOGPROB = -9999.0
 DONE_EVENT = "data: [DONE]\n\n"
 SSE_CONTENT_TYPE = "text/event-stream"
-JSON_CONTENT_TYPE = "application/json"
 
 
 def finish_reason(reason: str) -> str:
@@ -364,3 +363,48 @@ class OpenAIStream:
             chunk["speculative"] = result.stats.as_dict()
         self.started = True
         return sse_event(chunk)
+
+
+# ---------------------------------------------------------------------------
+# Serving
+
+
+class OpenAIAnswer:
+    """An OpenAI request's response as `handler.serving` builds it, step by step: JSON, or SSE when streamed.
+
+    The same surface as `handler.serving.NativeAnswer`: the request's engine
+    rows (one per choice), the text to send after a step and when a choice
+    finishes, the final body, and its errors in OpenAI's shape.
+    """
+
+    def __init__(self, request: OpenAIRequest, tokenizer) -> None:
+        self.request = request
+        self.tokenizer = tokenizer
+        self.generations = request.generations
+        self.stream = request.stream
+        self.content_type = SSE_CONTENT_TYPE if request.stream else JSON_CONTENT_TYPE
+        self.events = OpenAIStream(request, tokenizer) if request.stream else None
+
+    def on_tokens(self, row: int, output) -> str:
+        """After a step that did not finish choice `row`: its chunk ("" when nothing is new or not streamed)."""
+        return "" if self.events is None else self.events.on_tokens(row, output.token_ids)
+
+    def on_row_finished(self, row: int, result: GenerationResult) -> str:
+        """Choice `row` is done while others may run on: its last chunk goes at once."""
+        return "" if self.events is None else self.events.on_finished(row, result)
+
+    def final(self, results: Sequence[GenerationResult]) -> dict | str:
+        """Every choice is done: the JSON answer, or the stream's end (usage chunk when asked, `[DONE]`)."""
+        if self.events is None:
+            return response_body(self.request, results, self.tokenizer)
+        return self.events.close(results)
+
+    def error(self, error: RequestError) -> tuple[int, dict]:
+        """Nothing was sent yet: OpenAI's status and error body."""
+        return error_answer(error)
+
+    def error_after_start(self, error: RequestError) -> str:
+        """The 200 went out with a first chunk: the error ends the body (an error event and `[DONE]` in a stream)."""
+        if self.events is not None:
+            return self.events.error(error)
+        return json.dumps(error_answer(error)[1])

@@ -183,6 +183,40 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     return int.from_bytes(digest[:8], "big") % (SEED_RANGE[1] + 1)
 
 
+def parse_openai_entry(
+    route: Route,
+    body: Any,
+    content_type: str | None,
+    config: HandlerConfig,
+    tokenizer,
+    max_context: int,
+    model_name: str,
+    created: int,
+) -> OpenAIRequest | dict:
+    """A request on an OpenAI route: the request for the engine, or the model list, answered without it.
+
+    Args:
+        route: the route, from `route_from_url_path`; not the native one.
+        body: the request's body as TorchServe passed it (empty on v1/models).
+        content_type: its Content-Type header.
+        config, tokenizer, max_context: as for `handler.protocol.parse_request`.
+        model_name: the name this model is served under.
+        created: when it was loaded (Unix seconds), for the model list.
+    Returns:
+        An OpenAIRequest, or the JSON answer of v1/models.
+    Raises:
+        RequestError: naming the field, or the route, and what to change.
+    """
+    assert route.is_openai, route
+    if route.kind in (ROUTE_MODELS, ROUTE_MODEL):
+        return models_answer(route, model_name, created)
+    if route.kind == ROUTE_UNKNOWN:
+        raise unknown_route_error(route)
+    return parse_openai_request(
+        route.kind, decode_openai_body(body, content_type), config, tokenizer, max_context, model_name
+    )
+
+
 def decode_openai_body(value: Any, content_type: str | None) -> dict:
     """The JSON object of an OpenAI request, whatever Content-Type it came with.
 

@@ -187,7 +187,7 @@ def test_a_disconnected_client_frees_its_row_at_the_next_step():
     harness.call()
     harness.disconnect("gone")
     harness.call()
-    assert harness.engine.aborted == ["gone"]
+    assert harness.engine.aborted == [("gone", 0)], "the engine knows rows by (request id, row)"
     assert harness.engine.rows_per_step == [2, 1]
     assert not harness.batcher.knows("gone")
     assert harness.recorded.total("SpecAbortedRequests") == 1
@@ -318,7 +318,7 @@ def test_static_batches_split_to_fit_max_batch_tokens_and_stream_through_the_cal
     parsed.insert(1, parse({"prompt": "x", "top_k": -1}))
     sent = []
     recorded = RecordingMetrics()
-    replies = static.run(parsed, lambda index, line: sent.append((index, line)), MetricsRecorder(recorded))
+    replies = static.run(parsed, lambda index, line, _: sent.append((index, line)), MetricsRecorder(recorded))
     assert engine.rows_per_step == [2, 2, 2, 2, 1, 1, 1, 1]
     assert replies[1].status == 400 and "top_k" in replies[1].body["error"]
     assert {index for index, _ in sent} == {2}
