@@ -7,6 +7,7 @@ TorchServe 0.12 hands the handler what follows the version in `url_path`.
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -16,6 +17,7 @@ import requests
 from handler.openai_api import choice_seed
 
 from .conftest import HTTP_TIMEOUT_S
+from .test_continuous_batching import counter
 
 MODEL_VERSION = "1.0"  # scripts/package_mar.py
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
@@ -241,6 +243,28 @@ def test_other_errors_have_their_status(client, server, base_url):
     )
     assert response.status_code == 400
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_disconnected_stream_frees_all_its_choices_rows(client, server, base_url):
+    aborted_before = counter(server, "SpecAbortedRequests")
+    # Three greedy choices of a long answer: the tiny pair reaches the length limit without an EOS.
+    body = {"prompt": "import json", "max_tokens": 400, "n": 3, "stream": True}
+    response = requests.post(f"{base_url}/completions", json=body, stream=True, timeout=HTTP_TIMEOUT_S)
+    assert response.status_code == 200, response.text
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    first = next(line for line in response.iter_lines() if line.strip())
+    assert json.loads(first[len(b"data: ") :])["choices"][0]["text"] is not None
+    response.close()  # the client goes away mid-stream
+
+    # The handler notices at its next call, which the next request starts.
+    assert complete(client, server, prompt="Hello!", max_tokens=4).choices[0].text is not None
+    deadline = time.monotonic() + HTTP_TIMEOUT_S
+    while counter(server, "SpecAbortedRequests") == aborted_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert counter(server, "SpecAbortedRequests") == aborted_before + 1, server.log_tail()
+    assert "its 3 rows are freed" in server.log_tail(), "every choice's row is aborted"
+    # No row is left: the occupancy gauge, sent when it changes, reads an idle batch.
+    assert counter(server, "SpecBatchOccupancy") == 0
 
 
 def test_openai_and_native_requests_share_batches(client, server):
