@@ -29,7 +29,7 @@ A request answered without the engine (the OpenAI model list, a refused
 request) is a ready `Reply`, or a native `RequestError`.
 
 Vocabulary: a request is *waiting* in the handler until its tokens fit in
-`max_batch_tokens` (prompt + max_new_tokens, summed over the running batch),
+`max_batch_tokens` (prompt + max_new_tokens, summed over the running rows),
 then *running* in the engine until all its rows finish or its client
 disconnects (*aborted*: every row it still has in the engine is freed).
 """
@@ -175,7 +175,8 @@ def failure_error(error: BaseException) -> RequestError:
 
 def error_reply(error: RequestError) -> Reply:
     """A native request's error, answered completely."""
-    return Reply(error_to_json(str(error)), status=error.status, content_type=JSON_CONTENT_TYPE)
+    status, body = NativeAnswer.error(error)
+    return Reply(body, status=status, content_type=JSON_CONTENT_TYPE)
 
 
 class Answer(Protocol):
@@ -235,7 +236,8 @@ class NativeAnswer:
         }
         return json.dumps(answer) + "\n"
 
-    def error(self, error: RequestError) -> tuple[int, Any]:
+    @staticmethod
+    def error(error: RequestError) -> tuple[int, Any]:
         return error.status, error_to_json(str(error))
 
     def error_after_start(self, error: RequestError) -> str:
