@@ -14,15 +14,8 @@ from ts.context import Context, RequestProcessor
 import handler.spec_handler as spec_handler_module
 from handler.openai_api import choice_seed
 from handler.spec_handler import SpeculativeHandler
-
-HANDLER_SECTION = {
-    "target_model": "target",
-    "draft_model": "draft",
-    "dtype": "float32",
-    "num_speculative_tokens": 4,
-    "max_new_tokens": 16,
-    "max_new_tokens_limit": 64,
-}
+from tests.models.conftest import fail_batches_holding
+from tests.models.test_handler import HANDLER_SECTION
 MODEL = "tiny"
 COMPLETIONS, CHAT, MODELS, NATIVE = "v1/completions", "v1/chat/completions", "v1/models", ""
 
@@ -161,14 +154,7 @@ def test_streamed_events_join_to_the_plain_answer(handler, tiny_models_dir, monk
 
 
 def test_a_model_failure_is_an_openai_error_for_that_request_only(handler, tiny_models_dir, monkeypatch):
-    real_generate = handler.engine.generate
-
-    def flaky_generate(requests, *args, **kwargs):
-        if any(r.max_new_tokens == 13 for r in requests):
-            raise RuntimeError("simulated kernel failure")
-        return real_generate(requests, *args, **kwargs)
-
-    monkeypatch.setattr(handler.engine, "generate", flaky_generate)
+    fail_batches_holding(handler.engine, monkeypatch, max_new_tokens=13)
     answers, statuses, _ = call(
         handler,
         tiny_models_dir,
