@@ -1,20 +1,26 @@
-"""Adaptive k: each request picks its number of drafts from its own running acceptance.
+"""Adaptive k: each step's number of drafts, from the rows' running acceptance and a cost table.
 
 With a per-token acceptance rate a, a step with k drafts emits on average
 E(k) = (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al. 2023, eq. 1) and costs
-k draft passes plus one verification. The best k maximises E(k) / cost(k);
-when no k > 0 beats plain decoding, the request falls back to k = 0, which is
-still exact. Adaptation never touches the sampler, so output stays lossless,
-and it reads only the request's own history, so a seeded request gives the
-same output in any batch.
+k draft passes plus one verification over k + 1 tokens. `plan_step_k` picks
+the k that maximises a whole batch's expected tokens per second, with costs
+read from a measured `handler.cost_table.CostTable`; k = 0 (plain decoding,
+still exact) wins whenever no k > 0 beats it. Adaptation never touches the
+sampler, so output stays lossless.
+
+`CostModel`, `best_k` and `AdaptiveK` are the older per-row policy with a
+linear cost model; the engine uses them until it plans k per batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Sequence
 
 import torch
+
+from handler.cost_table import CostTable
 
 # Weight of past steps in the acceptance estimate (about the last 10 steps count).
 DECAY = 0.9
@@ -44,6 +50,42 @@ def expected_tokens(acceptance: float, k: int) -> float:
     if acceptance >= 1.0:
         return float(k + 1)
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def plan_step_k(
+    acceptances: Sequence[float],
+    max_ks: Sequence[int],
+    table: CostTable,
+    model_drafting: bool,
+) -> int:
+    """The step's k, in 0..max(max_ks), with the most expected tokens per second for the batch.
+
+    A row drafts min(k, its max_k) useful tokens; the batch pays for k draft
+    steps (none when only a look-up drafts) and one verification of width
+    k + 1. Ties go to the smaller k, so k = 0 wins unless speculation is
+    strictly faster.
+
+    Args:
+        acceptances: each row's estimated per-token acceptance rate, in [0, 1].
+        max_ks: each row's largest useful k (its request's k, capped by what remains).
+        table: measured seconds per target forward and per draft step.
+        model_drafting: whether a draft model runs k steps (False: n-gram look-up only, free).
+
+    Returns:
+        k, the number of drafts every row of the step gets.
+    """
+    assert len(acceptances) == len(max_ks) and len(max_ks) > 0, (acceptances, max_ks)
+    assert all(0.0 <= a <= 1.0 for a in acceptances) and min(max_ks) >= 0, (acceptances, max_ks)
+    batch_size = len(max_ks)
+    draft_step = table.draft_seconds(batch_size) if model_drafting else 0.0
+    best, best_rate = 0, batch_size / table.target_seconds(batch_size, 1)
+    for k in range(1, max(max_ks) + 1):
+        tokens = sum(expected_tokens(a, min(k, max_k)) for a, max_k in zip(acceptances, max_ks))
+        rate = tokens / (table.target_seconds(batch_size, k + 1) + k * draft_step)
+        # A relative margin, so that rounding never breaks a tie in favour of drafting.
+        if rate > best_rate * (1.0 + 1e-9):
+            best, best_rate = k, rate
+    return best
 
 
 def best_k(acceptance: float, max_k: int, cost: CostModel) -> int:
