@@ -109,6 +109,7 @@ class HandlerConfig:
     draft_quantization: str = "none"
     allow_pickle_weights: bool = False
     cpu_threads: int = 0
+    cpu_packed_weights: bool = True
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
     @classmethod
@@ -149,7 +150,7 @@ class HandlerConfig:
             1,
             values["max_new_tokens_limit"],
         )
-        for key in ("adaptive_k", "allow_pickle_weights"):
+        for key in ("adaptive_k", "allow_pickle_weights", "cpu_packed_weights"):
             values[key] = _bool(f"handler.{key}", raw.get(key, getattr(default, key)))
         values["cpu_threads"] = _int("handler.cpu_threads", raw.get("cpu_threads", default.cpu_threads), 0, 1024)
         quantization = raw.get("draft_quantization", default.draft_quantization)
