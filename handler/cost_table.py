@@ -259,17 +259,32 @@ def _time_grid(
                     draft_samples[batch].append(seconds)
 
     target_grid = [[statistics.median(target_samples[batch, width]) for width in widths] for batch in batch_sizes]
-    # A wider chunk or a bigger batch never costs less; a noisy dip would make speculation look free.
-    for i, row in enumerate(target_grid):
-        for j in range(len(row)):
-            floor = max(row[j - 1] if j else 0.0, target_grid[i - 1][j] if i else 0.0)
-            row[j] = max(row[j], floor)
+    # A wider chunk or a bigger batch never costs less: a noisy dip would make speculation look
+    # free, a noisy spike would make it look hopeless. Isotonic fits along each axis pool the
+    # out-of-order neighbours into their mean instead of letting one outlier set the rest.
+    target_grid = [_isotonic(row) for row in target_grid]
+    columns = [_isotonic(list(column)) for column in zip(*target_grid)]
+    target_grid = [_running_max(list(row)) for row in zip(*columns)]
     draft_grid = None
     if draft is not None:
-        draft_grid = [statistics.median(draft_samples[batch]) for batch in batch_sizes]
-        for i in range(1, len(draft_grid)):
-            draft_grid[i] = max(draft_grid[i], draft_grid[i - 1])
+        draft_grid = _isotonic([statistics.median(draft_samples[batch]) for batch in batch_sizes])
     return target_grid, draft_grid
+
+
+def _isotonic(values: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled block
+    for value in values:
+        blocks.append([value, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
+def _running_max(values: list[float]) -> list[float]:
+    return [max(values[: i + 1]) for i in range(len(values))]
 
 
 def _cache_path(cache_dir: str, key: dict[str, Any]) -> str:

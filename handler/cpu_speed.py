@@ -29,7 +29,6 @@ import json
 import logging
 import math
 import os
-import statistics
 import struct
 import time
 
@@ -60,14 +59,18 @@ def onednn_supports(dtype: torch.dtype) -> bool:
 class PackedLinear(torch.nn.Module):
     """A bias-optional linear layer run by oneDNN, its weight pre-packed once (or shared and plain)."""
 
-    def __init__(self, linear: torch.nn.Linear, pack: bool) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,  # [out_features, in_features]
+        bias: torch.nn.Parameter | None,  # [out_features]
+        pack: bool,
+    ) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        weight = linear.weight.detach()  # [out_features, in_features]
+        self.out_features, self.in_features = weight.shape
+        weight = weight.detach()
         # An opaque oneDNN tensor: kept as a plain attribute, outside state_dict and parameters().
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack else weight
-        self.bias = linear.bias
+        self.bias = bias
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., in_features]
         bias = None if self.bias is None else self.bias.detach()
@@ -102,7 +105,7 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
             if type(child) is not torch.nn.Linear or child.weight.dtype != parameter.dtype:
                 continue
             tied = shared is not None and child.weight is shared
-            setattr(parent, name, PackedLinear(child, pack=not tied))
+            setattr(parent, name, PackedLinear(child.weight, child.bias, pack=not tied))
             num_replaced += 1
     return num_replaced
 
@@ -118,41 +121,51 @@ def _available_memory_bytes() -> int | None:
     return None
 
 
-def _median_seconds(layer: torch.nn.Module, hidden: torch.Tensor, repeats: int) -> float:
-    samples = []
-    for repeat in range(repeats + 1):
-        start = time.perf_counter()
-        layer(hidden)
-        if repeat:  # the first pass warms oneDNN's kernel cache
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 @torch.inference_mode()
 def measure_bf16_speedup(weight_shapes: list[tuple[int, int]], widths: tuple[int, ...], repeats: int = 5) -> float:
     """float32 seconds / bfloat16 seconds for packed linear layers of these shapes, on this CPU.
 
+    One pass runs every layer in turn, so that the weights together overflow
+    the last-level cache as a whole model does; a layer timed alone could be
+    served from the cache in bfloat16 and not in float32. The timing runs on
+    one thread and keeps the fastest pass: a ratio of two memory-bound passes
+    survives that, while a multi-threaded pass on a busy machine mostly times
+    the other processes.
+
     Args:
         weight_shapes: (out_features, in_features) of the layers to time, e.g. one decoder layer's.
         widths: rows per pass (tokens in a verification); their times are summed.
-        repeats: timed passes per layer and width; the median counts.
+        repeats: timed passes per dtype and width, alternating between the dtypes.
 
     Returns:
         How many times faster bfloat16 runs; 0.0 when oneDNN cannot run bfloat16 here.
     """
-    if not (onednn_supports(torch.float32) and onednn_supports(torch.bfloat16)):
+    if not (onednn_supports(torch.float32) and onednn_supports(torch.bfloat16)) or not weight_shapes:
         return 0.0
     generator = torch.Generator().manual_seed(0)
-    seconds = {torch.float32: 0.0, torch.bfloat16: 0.0}
-    for out_features, in_features in weight_shapes:
-        weight = torch.randn(out_features, in_features, generator=generator) * 0.02  # [out, in]
-        for width in widths:
-            hidden = torch.randn(width, in_features, generator=generator)  # [width, in]
-            # The two dtypes alternate layer by layer, so a burst of load elsewhere hits both.
-            for dtype in seconds:
-                linear = torch.nn.Linear(in_features, out_features, bias=False, dtype=dtype)
-                linear.weight.data.copy_(weight)
-                seconds[dtype] += _median_seconds(PackedLinear(linear, pack=True), hidden.to(dtype), repeats)
+    weights = [torch.randn(shape, generator=generator) * 0.02 for shape in weight_shapes]  # [out, in] each
+    dtypes = (torch.float32, torch.bfloat16)
+    layers = {dtype: [PackedLinear(weight.to(dtype), None, pack=True) for weight in weights] for dtype in dtypes}
+    inputs = {
+        (dtype, width): [torch.randn(width, in_features, generator=generator).to(dtype) for _, in_features in weight_shapes]
+        for dtype in dtypes
+        for width in widths
+    }  # each [width, in_features]
+    best = {(dtype, width): float("inf") for dtype in dtypes for width in widths}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for repeat in range(repeats + 1):
+            for width in widths:
+                for dtype in dtypes:
+                    start = time.perf_counter()
+                    for layer, hidden in zip(layers[dtype], inputs[dtype, width]):
+                        layer(hidden)
+                    if repeat:  # the first pass creates oneDNN's kernels
+                        best[dtype, width] = min(best[dtype, width], time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    seconds = {dtype: sum(best[dtype, width] for width in widths) for dtype in dtypes}
     return seconds[torch.float32] / seconds[torch.bfloat16]
 
 

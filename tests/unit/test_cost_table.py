@@ -66,3 +66,11 @@ def test_the_cache_file_name_follows_the_key(tmp_path):
     other = {"machine": {"processor": "cpu A", "threads": 4}, "widths": [1, 2]}
     assert _cache_path(str(tmp_path), key) == _cache_path(str(tmp_path), dict(key))
     assert _cache_path(str(tmp_path), key) != _cache_path(str(tmp_path), other)
+
+
+def test_noisy_measurements_are_made_monotone_without_letting_one_spike_set_the_rest():
+    from handler.cost_table import _isotonic
+
+    assert _isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert _isotonic([1.0, 5.0, 2.0, 3.0, 6.0]) == pytest.approx([1.0, 10 / 3, 10 / 3, 10 / 3, 6.0])
+    assert _isotonic([3.0, 1.0]) == [2.0, 2.0]
