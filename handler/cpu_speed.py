@@ -25,6 +25,7 @@ linear shapes, or float32 would not fit in memory.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -76,6 +77,24 @@ class PackedLinear(torch.nn.Module):
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, bias, "none", [None], "")  # [..., out]
 
+    def plain_weight(self) -> torch.Tensor:  # [out_features, in_features]
+        """The weight in torch's ordinary layout (packing keeps every value)."""
+        return self.packed_weight.to_dense() if self.packed_weight.is_mkldnn else self.packed_weight
+
+    def to_linear(self) -> torch.nn.Linear:
+        """An nn.Linear with the same weight and bias, e.g. for a quantizer that looks for nn.Linear."""
+        weight = self.plain_weight()
+        linear = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if self.bias is not None:
+            linear.bias = self.bias
+        return linear
+
+    def __deepcopy__(self, memo: dict) -> "PackedLinear":
+        # An opaque oneDNN tensor has no storage for copy.deepcopy to copy: re-pack a plain copy.
+        bias = None if self.bias is None else copy.deepcopy(self.bias, memo)
+        return PackedLinear(self.plain_weight().clone(), bias, pack=self.packed_weight.is_mkldnn)
+
     def extra_repr(self) -> str:
         packed = self.packed_weight.is_mkldnn
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={packed}"
@@ -107,6 +126,17 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
             tied = shared is not None and child.weight is shared
             setattr(parent, name, PackedLinear(child.weight, child.bias, pack=not tied))
             num_replaced += 1
+    return num_replaced
+
+
+def unpack_linear_layers(model: torch.nn.Module) -> int:
+    """Turns every PackedLinear of a model back into an nn.Linear, in place; returns how many."""
+    num_replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                setattr(parent, name, child.to_linear())
+                num_replaced += 1
     return num_replaced
 
 

@@ -114,6 +114,10 @@ def quantize_draft_int8(draft):
     """
     from torch.ao.quantization import quantize_dynamic
 
+    from handler.cpu_speed import unpack_linear_layers
+
+    # The quantizer looks for nn.Linear: layers already packed for oneDNN go back first.
+    unpack_linear_layers(draft)
     return quantize_dynamic(draft.float(), {torch.nn.Linear}, dtype=torch.qint8)
 
 

@@ -127,3 +127,24 @@ def test_auto_dtype_rule(monkeypatch):
 def test_the_bf16_speedup_is_measured_on_real_layers():
     speedup = measure_bf16_speedup([(256, 128), (128, 256)], widths=(1, 4), repeats=2)
     assert speedup > 0.0 if cpu_speed.onednn_supports(torch.bfloat16) else speedup == 0.0
+
+
+def test_a_packed_model_deep_copies_and_unpacks_for_the_int8_quantizer(tiny_models_dir, tiny_pair):
+    import copy
+
+    from handler.loading import quantize_draft_int8
+
+    _, plain_draft, _ = tiny_pair
+    packed, _ = load_tiny(tiny_models_dir)
+    pack_linear_layers(packed)
+    clone = copy.deepcopy(packed)
+    input_ids = torch.arange(3, 20)[None]
+    with torch.inference_mode():
+        torch.testing.assert_close(clone(input_ids).logits, packed(input_ids).logits, rtol=0, atol=0)
+    quantized = quantize_draft_int8(clone)
+    assert not any(isinstance(module, PackedLinear) for module in quantized.modules())
+    # Every linear became a dynamically quantized one, as for a draft that was never packed.
+    kinds = {type(module).__name__ for module in quantized.modules()}
+    plain_kinds = {type(module).__name__ for module in quantize_draft_int8(copy.deepcopy(plain_draft)).modules()}
+    assert kinds == plain_kinds
+    assert not any(type(module) is torch.nn.Linear for module in quantized.modules())
