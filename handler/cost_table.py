@@ -119,7 +119,9 @@ class CostTable:
             lines.append(f"{batch_size:>13d} " + "".join(f"{seconds * 1e3:>9.1f}" for seconds in row))
         lines.append(
             "cost of width w / width 1, batch 1: "
-            + ", ".join(f"{width}: {seconds / self.target[0][0]:.2f}" for width, seconds in zip(self.widths, self.target[0]))
+            + ", ".join(
+                f"{width}: {seconds / self.target[0][0]:.2f}" for width, seconds in zip(self.widths, self.target[0])
+            )
         )
         if self.draft is None:
             lines.append("draft step: none (no draft model)")
@@ -221,7 +223,12 @@ def _time_grid(
 
     def prefilled(model, batch_size: int):
         cache = DynamicCache(config=model.config)
-        model(input_ids=random_ids(model, batch_size, CONTEXT_LENGTH), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(
+            input_ids=random_ids(model, batch_size, CONTEXT_LENGTH),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return cache
 
     def timed_chunk(model, cache, batch_size: int, width: int) -> float:

@@ -177,7 +177,9 @@ def measure_bf16_speedup(weight_shapes: list[tuple[int, int]], widths: tuple[int
     dtypes = (torch.float32, torch.bfloat16)
     layers = {dtype: [PackedLinear(weight.to(dtype), None, pack=True) for weight in weights] for dtype in dtypes}
     inputs = {
-        (dtype, width): [torch.randn(width, in_features, generator=generator).to(dtype) for _, in_features in weight_shapes]
+        (dtype, width): [
+            torch.randn(width, in_features, generator=generator).to(dtype) for _, in_features in weight_shapes
+        ]
         for dtype in dtypes
         for width in widths
     }  # each [width, in_features]
@@ -216,7 +218,10 @@ def _safetensors_headers(path: str) -> list[dict]:
 def checkpoint_fp32_bytes(paths: list[str]) -> int:
     """The float32 size of the weights in these model folders, read from their safetensors headers."""
     return sum(
-        4 * math.prod(tensor["shape"]) for path in paths for header in _safetensors_headers(path) for tensor in header.values()
+        4 * math.prod(tensor["shape"])
+        for path in paths
+        for header in _safetensors_headers(path)
+        for tensor in header.values()
     )
 
 
@@ -251,7 +256,9 @@ def choose_cpu_dtype(fp32_bytes: int, weight_shapes: list[tuple[int, int]], max_
     if available is not None and fp32_bytes > FP32_MEMORY_FRACTION * available and onednn_supports(torch.bfloat16):
         logger.info(
             "dtype auto: bfloat16, float32 weights (%.1f GB) exceed %.0f%% of the available memory (%.1f GB)",
-            fp32_bytes / 1e9, 100 * FP32_MEMORY_FRACTION, available / 1e9,
+            fp32_bytes / 1e9,
+            100 * FP32_MEMORY_FRACTION,
+            available / 1e9,
         )
         return torch.bfloat16
     if fp32_bytes < MIN_BYTES_FOR_BF16 or not weight_shapes:
@@ -261,6 +268,8 @@ def choose_cpu_dtype(fp32_bytes: int, weight_shapes: list[tuple[int, int]], max_
     dtype = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
     logger.info(
         "dtype auto: %s (bfloat16 measured %.2fx float32's speed on one decoder layer; needs %.2fx)",
-        str(dtype).removeprefix("torch."), speedup, BF16_MIN_SPEEDUP,
+        str(dtype).removeprefix("torch."),
+        speedup,
+        BF16_MIN_SPEEDUP,
     )
     return dtype

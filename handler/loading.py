@@ -51,7 +51,9 @@ def set_cpu_threads(requested: int) -> int:
     return threads
 
 
-def resolve_dtype(name: str, device: torch.device, model_paths: tuple[str, ...] = (), max_width: int = 1) -> torch.dtype:
+def resolve_dtype(
+    name: str, device: torch.device, model_paths: tuple[str, ...] = (), max_width: int = 1
+) -> torch.dtype:
     """`auto` is bfloat16 on a GPU; on the CPU, float32 unless bfloat16 measures clearly faster.
 
     The CPU rule is `handler.cpu_speed.choose_cpu_dtype`: float32 keeps greedy

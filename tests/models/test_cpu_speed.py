@@ -96,10 +96,14 @@ def test_load_models_packs_on_the_cpu_unless_the_config_says_no(tiny_models_dir)
 
 def test_checkpoint_sizes_and_shapes_come_from_the_safetensors_headers(tiny_models_dir, tiny_pair):
     target, draft, _ = tiny_pair
-    expected = 4 * sum(p.numel() for model in (target, draft) for p in model.state_dict().values() if p.is_floating_point())
+    expected = 4 * sum(
+        p.numel() for model in (target, draft) for p in model.state_dict().values() if p.is_floating_point()
+    )
     # Tied heads are stored once; the state dict lists them twice.
     tied = sum(model.lm_head.weight.numel() for model in (target, draft) if model.config.tie_word_embeddings)
-    assert checkpoint_fp32_bytes([str(tiny_models_dir / "target"), str(tiny_models_dir / "draft")]) == expected - 4 * tied
+    assert (
+        checkpoint_fp32_bytes([str(tiny_models_dir / "target"), str(tiny_models_dir / "draft")]) == expected - 4 * tied
+    )
     config = target.config
     hidden, inter = config.hidden_size, config.intermediate_size
     shapes = first_layer_weight_shapes(str(tiny_models_dir / "target"))
