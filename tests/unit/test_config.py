@@ -39,6 +39,8 @@ def test_full_section_round_trips():
         }
     )
     assert config.dtype == "bfloat16" and config.num_speculative_tokens == 6
+    assert HandlerConfig.from_dict({"cpu_packed_weights": False}).cpu_packed_weights is False
+    assert HandlerConfig().cpu_packed_weights is True
     assert config.sampling == SamplingParams(0.7, 50, 0.95)
 
 
@@ -62,6 +64,7 @@ def test_full_section_round_trips():
         ({"sampling": {"top_k": -3}}, "handler.sampling.top_k"),
         ({"sampling": [1, 2]}, "handler.sampling"),
         ({"target_model": ""}, "handler.target_model"),
+        ({"cpu_packed_weights": "yes"}, "handler.cpu_packed_weights"),
     ],
 )
 def test_bad_values_name_the_key(section, key_in_message):
