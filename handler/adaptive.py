@@ -26,6 +26,10 @@ from handler.cost_table import CostTable
 DECAY = 0.9
 # Steps observed before a request may fall back to k = 0.
 MIN_STEPS_BEFORE_FALLBACK = 4
+# Plain-decoding steps after which a row drafts once more (k = 1), so that its acceptance
+# estimate can recover; an estimate that is never updated would keep it at k = 0 for good.
+# One width-2 pass in this many costs a few percent at worst.
+PROBE_INTERVAL = 32
 
 
 @dataclasses.dataclass(frozen=True)
