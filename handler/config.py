@@ -118,6 +118,9 @@ class HandlerConfig:
     draft_quantization: str = "none"
     allow_pickle_weights: bool = False
     cpu_threads: int = 0
+    # Memory bound of the running batch: prompt + max_new_tokens summed over the requests
+    # decoding together. 0 = no bound beyond TorchServe's batchSize.
+    max_batch_tokens: int = 0
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
     @property
@@ -189,6 +192,9 @@ class HandlerConfig:
         for key in ("adaptive_k", "allow_pickle_weights"):
             values[key] = _bool(f"handler.{key}", raw.get(key, getattr(default, key)))
         values["cpu_threads"] = _int("handler.cpu_threads", raw.get("cpu_threads", default.cpu_threads), 0, 1024)
+        values["max_batch_tokens"] = _int(
+            "handler.max_batch_tokens", raw.get("max_batch_tokens", default.max_batch_tokens), 0
+        )
         quantization = raw.get("draft_quantization", default.draft_quantization)
         if quantization not in DRAFT_QUANTIZATIONS:
             raise ValueError(

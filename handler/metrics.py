@@ -5,12 +5,19 @@ silently drops metrics it does not know. The counters add up to the
 per-response `speculative` stats, so dashboards can derive the acceptance rate
 (accepted / draft tokens) and the mean accepted length (generated tokens /
 target passes). Latencies are histograms in seconds.
+
+The `spec_decode_*` counters carry vLLM's names and meanings, so that vLLM
+dashboards work unchanged: a draft is one proposal of k > 0 tokens for one
+request at one step, and `spec_decode_num_accepted_tokens_per_pos` counts the
+accepted drafts at each position (label `position`, 0 = first draft token).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
+from ts.metrics.dimension import Dimension
 from ts.metrics.metric_type_enum import MetricTypes
 
 logger = logging.getLogger(__name__)
@@ -23,12 +30,22 @@ COUNTERS = {
     "SpecGeneratedTokens": "tokens emitted (completion tokens)",
     "SpecTargetForwardPasses": "target forward passes, counted once per request in a batch",
     "SpecFallbacks": "requests whose adaptive k fell back to target-only decoding",
+    "SpecAbortedRequests": "requests dropped because their client disconnected",
+    "spec_decode_num_drafts": "draft proposals (one request, one step, k > 0), as vLLM counts them",
+    "spec_decode_num_draft_tokens": "draft tokens proposed, as vLLM counts them",
+    "spec_decode_num_accepted_tokens": "draft tokens accepted, as vLLM counts them",
+    "spec_decode_num_accepted_tokens_per_pos": "draft tokens accepted at each draft position (label position)",
+}
+GAUGES = {
+    "SpecBatchOccupancy": "requests in the engine's running batch at the last step",
 }
 HISTOGRAMS = {
-    "SpecRequestLatencySeconds": "handler time from batch start to a request's last token",
+    "SpecRequestLatencySeconds": "handler time from the request's arrival to its last token",
     "SpecTimePerOutputTokenSeconds": "request latency divided by completion tokens",
-    "SpecTimeToFirstTokenSeconds": "streamed requests: batch start to the first chunk",
+    "SpecTimeToFirstTokenSeconds": "streamed requests: arrival in the handler to the first chunk",
+    "SpecQueueWaitSeconds": "time a request waited in the handler for room in the batch (max_batch_tokens)",
 }
+POSITION_DIMENSION = "position"
 COUNT_UNIT = "Count"
 SECONDS_UNIT = "Seconds"
 
@@ -39,12 +56,12 @@ class MetricsRecorder:
     def __init__(self, metrics_cache) -> None:
         self.metrics = metrics_cache
 
-    def _add(self, name: str, value: float, unit: str, metric_type: MetricTypes) -> None:
+    def _add(self, name: str, value: float, unit: str, metric_type: MetricTypes, dimensions: Sequence = ()) -> None:
         if self.metrics is None:
             return
         try:
             # A fresh dimensions list each call: TorchServe appends the defaults to it.
-            self.metrics.add_metric(name, value, unit, dimensions=[], metric_type=metric_type)
+            self.metrics.add_metric(name, value, unit, dimensions=list(dimensions), metric_type=metric_type)
         except Exception:  # metrics must never cost a request its answer
             logger.exception("could not record metric %s", name)
 
@@ -67,3 +84,41 @@ class MetricsRecorder:
 
     def record_rejected(self) -> None:
         self._add("SpecRejectedRequests", 1, COUNT_UNIT, MetricTypes.COUNTER)
+
+    def record_aborted(self) -> None:
+        self._add("SpecAbortedRequests", 1, COUNT_UNIT, MetricTypes.COUNTER)
+
+    def record_batch_occupancy(self, num_requests: int) -> None:
+        self._add("SpecBatchOccupancy", num_requests, COUNT_UNIT, MetricTypes.GAUGE)
+
+    def record_queue_wait(self, seconds: float) -> None:
+        self._add("SpecQueueWaitSeconds", seconds, SECONDS_UNIT, MetricTypes.HISTOGRAM)
+
+    def record_drafts(
+        self,
+        num_drafts: int | None,
+        num_draft_tokens: int,
+        num_accepted_tokens: int,
+        accepted_per_position: Sequence[int] = (),
+    ) -> None:
+        """vLLM's speculative-decoding counters for a set of steps.
+
+        Args:
+            num_drafts: proposals with k > 0 (one per request per step); None when unknown.
+            num_draft_tokens: draft tokens proposed in them.
+            num_accepted_tokens: draft tokens the target accepted.
+            accepted_per_position: accepted drafts at positions 0, 1, ...; empty when unknown.
+        """
+        assert not accepted_per_position or sum(accepted_per_position) == num_accepted_tokens
+        counter = MetricTypes.COUNTER
+        for name, value in (
+            ("spec_decode_num_drafts", num_drafts or 0),
+            ("spec_decode_num_draft_tokens", num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", num_accepted_tokens),
+        ):
+            if value:
+                self._add(name, value, COUNT_UNIT, counter)
+        for position, count in enumerate(accepted_per_position):
+            if count:
+                dimension = Dimension(POSITION_DIMENSION, str(position))
+                self._add("spec_decode_num_accepted_tokens_per_pos", count, COUNT_UNIT, counter, [dimension])

@@ -62,13 +62,3 @@ class DeltaTracker:
         delta = text[self.num_sent_chars - text_start : end - text_start]
         self.num_sent_chars = end
         return delta
-
-
-class RequestProgress:
-    """One request's bookkeeping during a batch: timing and, when streamed, what was sent."""
-
-    def __init__(self, stream: bool, tokenizer, stop: Sequence[str] = ()) -> None:
-        self.deltas = DeltaTracker(tokenizer, stop) if stream else None
-        self.num_sent_tokens = 0
-        self.first_chunk_at: float | None = None
-        self.finished_at: float | None = None

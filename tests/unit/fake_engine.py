@@ -1,0 +1,118 @@
+"""A stand-in for the engine's step API: deterministic tokens, no model.
+
+Each running request emits `tokens_per_step` tokens a step (fewer at its
+max_new_tokens), as if it drafted `num_draft_tokens` and the target accepted
+`tokens_per_step - 1` of them. Token t of a request is `first_token + t`, so a
+request's output never depends on what runs beside it, as with the real engine.
+Decoded text is one character per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable
+
+from handler.engine import GenerationRequest, GenerationResult, SpeculativeStats
+
+FIRST_CHARACTER = ord("a")
+
+
+class CharTokenizer:
+    """One token per character; token id = code point."""
+
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(t) for t in token_ids)
+
+
+@dataclasses.dataclass
+class FakeStepOutput:
+    request_id: Hashable
+    new_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+    result: GenerationResult | None
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+class FakeEngine:
+    def __init__(self, tokens_per_step: int = 2, num_draft_tokens: int = 3) -> None:
+        assert 1 <= tokens_per_step <= num_draft_tokens + 1
+        self.tokens_per_step = tokens_per_step
+        self.num_draft_tokens = num_draft_tokens
+        self.requests: dict[Hashable, GenerationRequest] = {}
+        self.tokens: dict[Hashable, list[int]] = {}
+        self.steps_run = 0
+        self.rows_per_step: list[int] = []
+        self.aborted: list[Hashable] = []
+        self.fail_next_step = False
+        self.resets = 0
+
+    def add_request(self, request_id: Hashable, request: GenerationRequest) -> None:
+        assert request_id not in self.requests, "a request id is added once"
+        self.requests[request_id] = request
+        self.tokens[request_id] = []
+
+    def abort_request(self, request_id: Hashable) -> None:
+        self.aborted.append(request_id)
+        self.requests.pop(request_id, None)
+        self.tokens.pop(request_id, None)
+
+    def reset(self) -> None:
+        """Drops every request in flight, as the engine does after a failed step."""
+        self.resets += 1
+        self.requests.clear()
+        self.tokens.clear()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self.requests)
+
+    def step(self) -> list[FakeStepOutput]:
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("simulated kernel failure")
+        self.steps_run += 1
+        self.rows_per_step.append(len(self.requests))
+        outputs = []
+        for request_id, request in list(self.requests.items()):
+            tokens = self.tokens[request_id]
+            first = FIRST_CHARACTER + request.prompt_ids[0] % 20
+            num_new = min(self.tokens_per_step, request.max_new_tokens - len(tokens))
+            new = [first + len(tokens) + i for i in range(num_new)]
+            tokens.extend(new)
+            finished = len(tokens) == request.max_new_tokens
+            result = None
+            if finished:
+                del self.requests[request_id]
+                result = GenerationResult(
+                    token_ids=list(tokens),
+                    text="".join(chr(t) for t in tokens),
+                    finish_reason="length",
+                    prompt_tokens=len(request.prompt_ids),
+                    stats=SpeculativeStats(num_speculative_tokens=self.num_draft_tokens),
+                )
+            outputs.append(
+                FakeStepOutput(
+                    request_id=request_id,
+                    new_token_ids=new,
+                    token_ids=list(tokens),
+                    finish_reason="length" if finished else None,
+                    result=result,
+                    num_draft_tokens=self.num_draft_tokens,
+                    num_accepted_tokens=self.tokens_per_step - 1,
+                )
+            )
+        return outputs
+
+    def solo_text(self, request: GenerationRequest) -> str:
+        first = FIRST_CHARACTER + request.prompt_ids[0] % 20
+        return "".join(chr(first + i) for i in range(request.max_new_tokens))

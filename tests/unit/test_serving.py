@@ -1,0 +1,334 @@
+"""Continuous and static batching over a fake step engine: the TorchServe call protocol, no model, no server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from handler.config import HandlerConfig
+from handler.metrics import MetricsRecorder
+from handler.protocol import ParsedRequest, RequestError
+from handler.serving import (
+    JSON_CONTENT_TYPE,
+    NDJSON_CONTENT_TYPE,
+    ContinuousBatcher,
+    SpeculationTally,
+    StaticBatch,
+    parse_entry,
+)
+from tests.unit.fake_engine import CharTokenizer, FakeEngine, FakeStepOutput
+
+TOKENIZER = CharTokenizer()
+CONFIG = HandlerConfig(max_new_tokens=8, max_new_tokens_limit=64)
+
+
+class RecordingMetrics:
+    def __init__(self):
+        self.values: dict[str, list] = {}
+
+    def add_metric(self, name, value, unit, idx=None, dimensions=None, metric_type=None):
+        labels = tuple((d.name, d.value) for d in dimensions or [])
+        self.values.setdefault(name, []).append((value, labels))
+
+    def total(self, name: str) -> float:
+        return sum(value for value, _ in self.values.get(name, []))
+
+
+def parse(body: dict, config: HandlerConfig = CONFIG):
+    return parse_entry({"body": body}, "application/json", config, TOKENIZER, max_context=256)
+
+
+class Harness:
+    """Plays TorchServe's frontend: every job in flight in every call, new ones with their body."""
+
+    def __init__(self, max_batch_tokens: int = 0, engine: FakeEngine | None = None):
+        self.engine = engine or FakeEngine()
+        self.now = 0.0  # seconds; one per call
+        self.batcher = ContinuousBatcher(self.engine, TOKENIZER, max_batch_tokens, clock=lambda: self.now)
+        self.recorded = RecordingMetrics()
+        self.metrics = MetricsRecorder(self.recorded)
+        self.in_flight: list[str] = []
+        self.bodies: dict[str, dict] = {}
+        self.received: dict[str, list] = {}  # every reply per request
+
+    def submit(self, request_id: str, body: dict) -> None:
+        self.in_flight.append(request_id)
+        self.bodies[request_id] = body
+
+    def disconnect(self, request_id: str) -> None:
+        self.in_flight.remove(request_id)
+
+    def call(self):
+        self.now += 1.0
+        new = {r: parse(self.bodies[r]) for r in self.in_flight if not self.batcher.knows(r)}
+        replies = self.batcher.run_call(list(self.in_flight), new, self.metrics)
+        for request_id, reply in zip(list(self.in_flight), replies):
+            self.received.setdefault(request_id, []).append(reply)
+            if reply.more is False:
+                self.in_flight.remove(request_id)  # the frontend's job is done
+        return replies
+
+    def run_until_done(self, max_calls: int = 100) -> None:
+        for _ in range(max_calls):
+            if not self.in_flight:
+                return
+            self.call()
+        raise AssertionError("requests still in flight")
+
+
+def answer_of(replies) -> dict:
+    """What the client receives: a complete body, or the chunks joined."""
+    bodies = [r.body for r in replies if r.body != ""]
+    if len(bodies) == 1 and isinstance(bodies[0], dict):
+        return bodies[0]
+    assert all(isinstance(b, str) for b in bodies), bodies
+    return {"chunks": "".join(bodies)}
+
+
+def stream_lines(replies) -> list[dict]:
+    return [json.loads(line) for line in answer_of(replies)["chunks"].splitlines()]
+
+
+def test_a_non_streamed_request_is_one_json_answer_after_empty_chunks():
+    harness = Harness()
+    harness.submit("a", {"prompt": "x", "max_new_tokens": 7})
+    harness.run_until_done()
+    replies = harness.received["a"]
+    assert [r.more for r in replies] == [True, True, True, False]
+    assert replies[0].content_type == JSON_CONTENT_TYPE and all(r.content_type is None for r in replies[1:])
+    assert all(r.body == "" for r in replies[:-1])
+    answer = replies[-1].body
+    assert answer["text"] == harness.engine.solo_text(parse(harness.bodies["a"]).generation)
+    assert answer["usage"] == {"prompt_tokens": 1, "completion_tokens": 7}
+
+
+def test_a_stream_sends_each_steps_tokens_and_the_lines_join_to_the_answer():
+    harness = Harness()
+    harness.submit("s", {"prompt": "y", "max_new_tokens": 7, "stream": True})
+    harness.run_until_done()
+    replies = harness.received["s"]
+    assert replies[0].content_type == NDJSON_CONTENT_TYPE
+    lines = stream_lines(replies)
+    *chunks, final = lines
+    assert [len(c["token_ids"]) for c in chunks] == [2, 2, 2]
+    assert final["finish_reason"] == "length" and len(final["token_ids"]) == 1
+    expected = harness.engine.solo_text(parse(harness.bodies["s"]).generation)
+    assert "".join(line["text_delta"] for line in lines) == expected
+
+
+def test_requests_join_and_leave_at_every_step_with_unchanged_outputs():
+    harness = Harness()
+    harness.submit("long", {"prompt": "L", "max_new_tokens": 20, "stream": True})
+    harness.call()
+    harness.call()
+    for name in ("s1", "s2", "s3"):
+        harness.submit(name, {"prompt": name, "max_new_tokens": 4})
+    harness.call()
+    assert harness.engine.rows_per_step == [1, 1, 4], "the short ones joined the running batch"
+    harness.call()
+    assert harness.engine.rows_per_step[-1] == 4
+    harness.call()
+    assert harness.engine.rows_per_step[-1] == 1, "the finished short ones left at once"
+    assert not any(r in harness.in_flight for r in ("s1", "s2", "s3"))
+    harness.run_until_done()
+    for name in ("s1", "s2", "s3", "long"):
+        generation = parse(harness.bodies[name]).generation
+        answer = answer_of(harness.received[name])
+        text = (
+            answer["text"]
+            if "text" in answer
+            else "".join(line["text_delta"] for line in stream_lines(harness.received[name]))
+        )
+        assert text == harness.engine.solo_text(generation)
+
+
+def test_a_request_finished_in_its_first_call_gets_a_complete_response_then_an_empty_last_chunk():
+    harness = Harness()
+    harness.submit("one", {"prompt": "q", "max_new_tokens": 2})
+    [reply] = harness.call()
+    assert reply.more is None and reply.body["usage"]["completion_tokens"] == 2
+    assert reply.content_type == JSON_CONTENT_TYPE
+    assert harness.in_flight == ["one"], "the frontend keeps the job for one more call"
+    [reply] = harness.call()
+    assert (reply.body, reply.more) == ("", False)
+    assert not harness.batcher.knows("one")
+
+
+def test_a_complete_response_the_frontend_does_not_send_again_is_forgotten():
+    harness = Harness()
+    harness.submit("one", {"prompt": "q", "max_new_tokens": 1})
+    harness.call()
+    harness.disconnect("one")
+    harness.submit("two", {"prompt": "r", "max_new_tokens": 4})
+    harness.call()
+    assert not harness.batcher.knows("one")
+    assert harness.recorded.total("SpecAbortedRequests") == 0
+
+
+def test_a_bad_request_fails_alone_with_its_status():
+    harness = Harness()
+    harness.submit("good", {"prompt": "g", "max_new_tokens": 5})
+    harness.submit("bad", {"prompt": "b", "top_p": 3})
+    good_reply, bad_reply = harness.call()
+    assert (bad_reply.status, bad_reply.more, bad_reply.content_type) == (400, None, JSON_CONTENT_TYPE)
+    assert "top_p" in bad_reply.body["error"]
+    assert good_reply.more is True
+    harness.run_until_done()
+    assert harness.received["bad"][-1].more is False
+    assert answer_of(harness.received["good"])["usage"]["completion_tokens"] == 5
+    assert harness.recorded.total("SpecRejectedRequests") == 1
+
+
+def test_a_disconnected_client_frees_its_row_at_the_next_step():
+    harness = Harness()
+    harness.submit("gone", {"prompt": "a", "max_new_tokens": 30, "stream": True})
+    harness.submit("stays", {"prompt": "b", "max_new_tokens": 10})
+    harness.call()
+    harness.disconnect("gone")
+    harness.call()
+    assert harness.engine.aborted == ["gone"]
+    assert harness.engine.rows_per_step == [2, 1]
+    assert not harness.batcher.knows("gone")
+    assert harness.recorded.total("SpecAbortedRequests") == 1
+    harness.run_until_done()
+    assert answer_of(harness.received["stays"])["usage"]["completion_tokens"] == 10
+
+
+def test_max_batch_tokens_makes_a_request_wait_for_room_in_arrival_order():
+    # Each request holds 1 prompt token + 7 new ones = 8; the bound fits two.
+    harness = Harness(max_batch_tokens=17)
+    for name in ("a", "b", "c"):
+        harness.submit(name, {"prompt": name, "max_new_tokens": 7, "stream": True})
+    replies = harness.call()
+    assert harness.engine.rows_per_step == [2]
+    assert [r.more for r in replies] == [True, True, True], "the waiting one gets an empty chunk"
+    assert replies[2].body == ""
+    harness.run_until_done()
+    assert harness.engine.rows_per_step == [2, 2, 2, 2, 1, 1, 1, 1]
+    waits = [value for value, _ in harness.recorded.values["SpecQueueWaitSeconds"]]
+    assert waits == [0.0, 0.0, 4.0], "c waited four steps for a's and b's room"
+    assert answer_of(harness.received["c"])["chunks"].count("\n") == 4
+
+
+def test_a_request_that_can_never_fit_is_a_413():
+    config = HandlerConfig(max_new_tokens=8, max_new_tokens_limit=64, max_batch_tokens=10)
+    error = parse({"prompt": "abcd", "max_new_tokens": 7}, config)
+    assert isinstance(error, RequestError) and error.status == 413
+    assert "max_batch_tokens of 10" in str(error)
+    assert isinstance(parse({"prompt": "abc", "max_new_tokens": 7}, config), ParsedRequest)
+
+
+def test_a_failed_step_fails_its_requests_and_the_next_ones_are_served():
+    harness = Harness()
+    harness.submit("started", {"prompt": "s", "max_new_tokens": 9, "stream": True})
+    harness.call()
+    harness.engine.fail_next_step = True
+    harness.submit("new", {"prompt": "n", "max_new_tokens": 9})
+    started_reply, new_reply = harness.call()
+    # The stream's status went out with its first chunk: the error is its last line.
+    assert started_reply.more is False and "generation failed" in json.loads(started_reply.body)["error"]
+    assert (new_reply.status, new_reply.more) == (500, None)
+    assert harness.engine.resets == 1 and not harness.engine.has_unfinished_requests()
+    harness.call()  # the frontend's last call for the complete 500
+    harness.submit("after", {"prompt": "a", "max_new_tokens": 4})
+    harness.run_until_done()
+    assert answer_of(harness.received["after"])["usage"]["completion_tokens"] == 4
+
+
+def test_metrics_count_steps_drafts_and_accepted_positions():
+    harness = Harness(engine=FakeEngine(tokens_per_step=3, num_draft_tokens=4))
+    harness.submit("a", {"prompt": "a", "max_new_tokens": 9})
+    harness.submit("b", {"prompt": "b", "max_new_tokens": 6})
+    harness.run_until_done()
+    recorded = harness.recorded
+    # a: 3 steps, b: 2 steps; each accepts 2 of 4 drafts.
+    assert recorded.total("spec_decode_num_drafts") == 5
+    assert recorded.total("spec_decode_num_draft_tokens") == 20
+    assert recorded.total("spec_decode_num_accepted_tokens") == 10
+    per_position = {labels: 0 for _, labels in recorded.values["spec_decode_num_accepted_tokens_per_pos"]}
+    for value, labels in recorded.values["spec_decode_num_accepted_tokens_per_pos"]:
+        per_position[labels] += value
+    assert per_position == {(("position", "0"),): 5, (("position", "1"),): 5}
+    # Sent when it changes: two rows, one, then an idle batch.
+    assert [v for v, _ in recorded.values["SpecBatchOccupancy"]] == [2, 1, 0]
+    assert recorded.total("SpecRequests") == 2
+
+
+def test_without_per_step_figures_the_tally_reads_each_requests_final_stats():
+    from types import SimpleNamespace
+
+    tally = SpeculationTally()
+    tally.add_step(object())
+    tally.add_final(SimpleNamespace(draft_tokens=12, accepted_tokens=7, num_drafts=4, accepted_per_position=[4, 2, 1]))
+    tally.add_final(SimpleNamespace(draft_tokens=3, accepted_tokens=1, num_drafts=1, accepted_per_position=[1]))
+    recorded = RecordingMetrics()
+    tally.record(MetricsRecorder(recorded))
+    assert recorded.total("spec_decode_num_drafts") == 5
+    assert recorded.total("spec_decode_num_draft_tokens") == 15
+    assert recorded.total("spec_decode_num_accepted_tokens") == 8
+    assert sorted(recorded.values["spec_decode_num_accepted_tokens_per_pos"]) == [
+        (1, (("position", "2"),)),
+        (2, (("position", "1"),)),
+        (5, (("position", "0"),)),
+    ]
+    # Stats without the vLLM figures: totals only.
+    tally = SpeculationTally()
+    tally.add_step(object())
+    tally.add_final(SimpleNamespace(draft_tokens=12, accepted_tokens=7))
+    recorded = RecordingMetrics()
+    tally.record(MetricsRecorder(recorded))
+    assert (
+        recorded.total("spec_decode_num_draft_tokens") == 12 and recorded.total("spec_decode_num_accepted_tokens") == 7
+    )
+    assert "spec_decode_num_drafts" not in recorded.values
+    assert "spec_decode_num_accepted_tokens_per_pos" not in recorded.values
+
+
+def test_accepted_drafts_are_counted_as_a_prefix():
+    tally = SpeculationTally()
+    for accepted in (0, 3, 1):
+        tally.add_step(FakeStepOutput("r", [], [], None, None, num_draft_tokens=3, num_accepted_tokens=accepted))
+    tally.add_step(FakeStepOutput("r", [], [], None, None, num_draft_tokens=0, num_accepted_tokens=0))
+    assert (tally.num_drafts, tally.num_draft_tokens, tally.num_accepted_tokens) == (3, 9, 4)
+    assert tally.accepted_per_position == [2, 1, 1]
+
+
+class FakeGenerateEngine(FakeEngine):
+    """The batch loop over the step API, as the engine's generate is."""
+
+    def generate(self, requests, on_tokens=None):
+        ids = list(range(len(requests)))
+        for i, request in zip(ids, requests):
+            self.add_request(i, request)
+        results = {}
+        while self.has_unfinished_requests():
+            for output in self.step():
+                if on_tokens is not None and output.new_token_ids:
+                    on_tokens(output.request_id, output.new_token_ids, output)
+                if output.result is not None:
+                    results[output.request_id] = output.result
+        return [results[i] for i in ids]
+
+
+def test_static_batches_split_to_fit_max_batch_tokens_and_stream_through_the_callback():
+    engine = FakeGenerateEngine()
+    static = StaticBatch(engine, TOKENIZER, max_batch_tokens=17)
+    parsed = [parse({"prompt": p, "max_new_tokens": 7, "stream": p == "b"}) for p in "abc"]
+    parsed.insert(1, parse({"prompt": "x", "top_k": -1}))
+    sent = []
+    recorded = RecordingMetrics()
+    replies = static.run(parsed, lambda index, line: sent.append((index, line)), MetricsRecorder(recorded))
+    assert engine.rows_per_step == [2, 2, 2, 2, 1, 1, 1, 1]
+    assert replies[1].status == 400 and "top_k" in replies[1].body["error"]
+    assert {index for index, _ in sent} == {2}
+    streamed = "".join(json.loads(line)["text_delta"] for _, line in sent) + json.loads(replies[2].body)["text_delta"]
+    assert streamed == engine.solo_text(parsed[2].generation)
+    assert replies[0].body["text"] == engine.solo_text(parsed[0].generation)
+    assert all(r.more is None for r in replies)
+    assert [v for v, _ in recorded.values["SpecBatchOccupancy"]] == [2, 1]
+
+
+@pytest.mark.parametrize("body", [{"prompt": "x", "max_new_tokens": 0}, {"prompt": ""}])
+def test_parse_entry_turns_problems_into_errors(body):
+    assert isinstance(parse(body), RequestError)
