@@ -23,7 +23,7 @@ from ts.metrics.metric_type_enum import MetricTypes
 logger = logging.getLogger(__name__)
 
 COUNTERS = {
-    "SpecRequests": "requests answered with generated text",
+    "SpecRequests": "requests answered with generated text (an OpenAI request: one per choice)",
     "SpecRejectedRequests": "requests answered with a 4xx or 5xx error",
     "SpecDraftTokens": "draft tokens proposed",
     "SpecAcceptedTokens": "draft tokens accepted by the target",
@@ -37,7 +37,7 @@ COUNTERS = {
     "spec_decode_num_accepted_tokens_per_pos": "draft tokens accepted at each draft position (label position)",
 }
 GAUGES = {
-    "SpecBatchOccupancy": "requests in the engine's running batch at the last step",
+    "SpecBatchOccupancy": "rows in the engine's running batch at the last step (a request, or an OpenAI choice)",
 }
 HISTOGRAMS = {
     "SpecRequestLatencySeconds": "handler time from the request's arrival to its last token",

@@ -69,6 +69,7 @@ ANSWER_KEYS = ("text", "token_ids", "finish_reason", "usage", "speculative")
 STREAM_CHUNK_KEYS = ("text_delta", "token_ids")
 ERROR_KEY = "error"
 STREAM_CONTENT_TYPE = "application/x-ndjson"
+JSON_CONTENT_TYPE = "application/json"
 
 
 class RequestError(ValueError):

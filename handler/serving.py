@@ -21,10 +21,17 @@ Every call must answer every job it holds. The frontend reads the
   after its headers. A job answered so may be sent once more, and then gets
   an empty last chunk, which the frontend discards.
 
+A request runs as one engine *row* (the native contract) or several (an
+OpenAI request: one per choice). Its answer format, `NativeAnswer` here or
+`handler.openai_answers.OpenAIAnswer`, turns its rows' steps and results into
+the response; the schedules only ask it for text, so both serve both doors.
+A request answered without the engine (the OpenAI model list, a refused
+request) is a ready `Reply`, or a native `RequestError`.
+
 Vocabulary: a request is *waiting* in the handler until its tokens fit in
-`max_batch_tokens` (prompt + max_new_tokens, summed over the running batch),
-then *running* in the engine until it finishes or its client disconnects
-(*aborted*).
+`max_batch_tokens` (prompt + max_new_tokens, summed over the running rows),
+then *running* in the engine until all its rows finish or its client
+disconnects (*aborted*: every row it still has in the engine is freed).
 """
 
 from __future__ import annotations
@@ -34,19 +41,33 @@ import dataclasses
 import json
 import logging
 import time
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Protocol, Sequence
 
 import torch
 
+from handler import openai_api
 from handler.config import HandlerConfig
+from handler.engine import GenerationRequest, GenerationResult
 from handler.metrics import MetricsRecorder
+from handler.openai_answers import OpenAIAnswer
+from handler.openai_api import OpenAIRequest, Route
 from handler.protocol import ParsedRequest, RequestError, decode_body, error_to_json, parse_request, result_to_json
+from handler.schema import JSON_CONTENT_TYPE
+from handler.schema import STREAM_CONTENT_TYPE as NDJSON_CONTENT_TYPE
 from handler.streaming import DeltaTracker
 
 logger = logging.getLogger(__name__)
 
-JSON_CONTENT_TYPE = "application/json"
-NDJSON_CONTENT_TYPE = "application/x-ndjson"
+__all__ = [
+    "JSON_CONTENT_TYPE",
+    "NDJSON_CONTENT_TYPE",
+    "ContinuousBatcher",
+    "NativeAnswer",
+    "Reply",
+    "SpeculationTally",
+    "StaticBatch",
+    "parse_entry",
+]
 
 
 @dataclasses.dataclass
@@ -59,37 +80,90 @@ class Reply:
     more: bool | None = None  # the `ts_stream_next` decision; None: a complete response
 
 
-def parse_entry(row: Any, content_type: str | None, config: HandlerConfig, tokenizer, max_context: int):
-    """One TorchServe request entry -> a ParsedRequest, or the RequestError that rejects it (never raises)."""
+# What serves a request entry: the engine (a native or an OpenAI request), a ready Reply, or a native error.
+Entry = ParsedRequest | OpenAIRequest | Reply | RequestError
+
+
+def parse_entry(
+    row: Any,
+    content_type: str | None,
+    config: HandlerConfig,
+    tokenizer,
+    max_context: int,
+    route: Route | None = None,
+    model_name: str = "",
+    created: int = 0,
+) -> Entry:
+    """One TorchServe request entry -> what serves it (never raises).
+
+    Args:
+        row: the entry as TorchServe passes it ({"body": ...} or {"data": ...}).
+        content_type: its Content-Type header.
+        config, tokenizer, max_context: the request rules (`handler.protocol.parse_request`).
+        route: its route, from the `url_path` header; None for the native contract.
+        model_name, created: the served model's name and load time (OpenAI routes).
+    Returns:
+        A ParsedRequest or OpenAIRequest for the engine; on an OpenAI route, a
+        ready Reply for the model list or an error (OpenAI's body); on the native
+        route, the RequestError that rejects the request.
+    """
+    openai = route is not None and route.is_openai
     try:
         body = row.get("body", row.get("data")) if isinstance(row, dict) else row
-        if body is None:
-            # curl -d without a Content-Type sends form data, which TorchServe splits into fields.
-            raise RequestError(
-                "body: the request has no body; send JSON with 'Content-Type: application/json' "
-                "or a plain-text prompt with 'Content-Type: text/plain'"
+        if openai:
+            parsed = openai_api.parse_openai_entry(
+                route, body, content_type, config, tokenizer, max_context, model_name, created
             )
-        parsed = parse_request(decode_body(body, content_type), config, tokenizer, max_context)
-        generation = parsed.generation
-        num_tokens = len(generation.prompt_ids) + generation.max_new_tokens
-        if config.max_batch_tokens and num_tokens > config.max_batch_tokens:
-            raise RequestError(
-                f"prompt: {len(generation.prompt_ids)} prompt tokens + max_new_tokens {generation.max_new_tokens} "
-                f"exceed this server's max_batch_tokens of {config.max_batch_tokens}; "
-                "shorten the prompt or lower max_new_tokens",
-                status=413,
-            )
+            if isinstance(parsed, dict):
+                return Reply(parsed, content_type=JSON_CONTENT_TYPE)
+        else:
+            if body is None:
+                # curl -d without a Content-Type sends form data, which TorchServe splits into fields.
+                raise RequestError(
+                    "body: the request has no body; send JSON with 'Content-Type: application/json' "
+                    "or a plain-text prompt with 'Content-Type: text/plain'"
+                )
+            parsed = parse_request(decode_body(body, content_type), config, tokenizer, max_context)
+        _check_fits(engine_rows(parsed), config.max_batch_tokens)
         return parsed
     except RequestError as error:
-        return error
+        rejected = error
     except Exception as error:  # a parsing failure must cost only this request
         logger.exception("a request could not be parsed")
-        return RequestError(f"server: could not process the request ({type(error).__name__})", 500)
+        rejected = RequestError(f"server: could not process the request ({type(error).__name__})", 500)
+    if not openai:
+        return rejected
+    status, body = openai_api.error_answer(rejected)
+    return Reply(body, status=status, content_type=JSON_CONTENT_TYPE)
 
 
-def request_tokens(parsed: ParsedRequest) -> int:
-    """What a request may hold in the caches: its prompt plus every token it may generate."""
-    return len(parsed.generation.prompt_ids) + parsed.generation.max_new_tokens
+def _check_fits(generations: Sequence[GenerationRequest], max_batch_tokens: int) -> None:
+    """A request larger than max_batch_tokens could never run: a 413 now, rather than a wait forever."""
+    num_tokens = request_tokens(generations)
+    if not max_batch_tokens or num_tokens <= max_batch_tokens:
+        return
+    if len(generations) == 1:
+        [generation] = generations
+        raise RequestError(
+            f"prompt: {len(generation.prompt_ids)} prompt tokens + max_new_tokens {generation.max_new_tokens} "
+            f"exceed this server's max_batch_tokens of {max_batch_tokens}; shorten the prompt or lower max_new_tokens",
+            status=413,
+        )
+    raise RequestError(
+        f"n: {len(generations)} choices of prompt + max tokens hold {num_tokens} tokens, more than this "
+        f"server's max_batch_tokens of {max_batch_tokens}; lower n or max_tokens, or shorten the prompt",
+        status=413,
+    )
+
+
+def engine_rows(parsed: ParsedRequest | OpenAIRequest) -> tuple[GenerationRequest, ...]:
+    """The engine rows of a request: its generation, or one per choice of an OpenAI request."""
+    return parsed.generations if isinstance(parsed, OpenAIRequest) else (parsed.generation,)
+
+
+def request_tokens(generations: Sequence[GenerationRequest]) -> int:
+    """What a request may hold in the caches: its rows' prompts plus every token they may generate."""
+    return sum(len(generation.prompt_ids) + generation.max_new_tokens for generation in generations)
 
 
 def failure_error(error: BaseException) -> RequestError:
@@ -97,6 +171,87 @@ def failure_error(error: BaseException) -> RequestError:
     if isinstance(error, torch.cuda.OutOfMemoryError):
         return RequestError("server: out of memory for this request; try fewer tokens", status=507)
     return RequestError(f"server: generation failed ({type(error).__name__})", status=500)
+
+
+def error_reply(error: RequestError) -> Reply:
+    """A native request's error, answered completely."""
+    status, body = NativeAnswer.error(error)
+    return Reply(body, status=status, content_type=JSON_CONTENT_TYPE)
+
+
+class Answer(Protocol):
+    """How a request's rows become its response; `NativeAnswer` and `OpenAIAnswer` are the two."""
+
+    generations: Sequence[GenerationRequest]  # its engine rows
+    stream: bool
+    content_type: str
+
+    def on_tokens(self, row: int, output) -> str:
+        """After a step that emitted tokens without finishing `row`: the text to send now ("" for none)."""
+
+    def on_row_finished(self, row: int, result: GenerationResult) -> str:
+        """`row` finished (others may run on): the text to send now ("" for none)."""
+
+    def final(self, results: Sequence[GenerationResult]) -> Any:
+        """Every row is done (results in row order): the last body (a dict for JSON, or text)."""
+
+    def error(self, error: RequestError) -> tuple[int, Any]:
+        """Nothing was sent yet: the status and body of the error response."""
+
+    def error_after_start(self, error: RequestError) -> str:
+        """The 200 went out with a first chunk: the text that ends the body with the error."""
+
+
+class NativeAnswer:
+    """The native contract's response: the JSON answer, or NDJSON lines when streamed."""
+
+    def __init__(self, parsed: ParsedRequest, tokenizer) -> None:
+        self.generations = (parsed.generation,)
+        self.stream = parsed.stream
+        self.content_type = NDJSON_CONTENT_TYPE if parsed.stream else JSON_CONTENT_TYPE
+        self.deltas = DeltaTracker(tokenizer, parsed.generation.stop) if parsed.stream else None
+        self.num_sent_tokens = 0
+
+    def on_tokens(self, row: int, output) -> str:
+        if self.deltas is None or not output.new_token_ids:
+            return ""
+        self.num_sent_tokens += len(output.new_token_ids)
+        line = {"text_delta": self.deltas.next_delta(output.token_ids), "token_ids": list(output.new_token_ids)}
+        return json.dumps(line) + "\n"
+
+    def on_row_finished(self, row: int, result: GenerationResult) -> str:
+        return ""  # one row: the final answer carries the rest
+
+    def final(self, results: Sequence[GenerationResult]) -> Any:
+        [result] = results
+        answer = result_to_json(result)
+        if self.deltas is None:
+            return answer
+        # The last line: the rest of the text and ids, then the request's totals.
+        del answer["text"]
+        answer = {
+            "text_delta": self.deltas.final_delta(result.text),
+            **answer,
+            "token_ids": result.token_ids[self.num_sent_tokens :],
+        }
+        return json.dumps(answer) + "\n"
+
+    @staticmethod
+    def error(error: RequestError) -> tuple[int, Any]:
+        return error.status, error_to_json(str(error))
+
+    def error_after_start(self, error: RequestError) -> str:
+        return json.dumps(error_to_json(str(error))) + ("\n" if self.stream else "")
+
+
+def answer_for(parsed: ParsedRequest | OpenAIRequest, tokenizer) -> Answer:
+    if isinstance(parsed, OpenAIRequest):
+        return OpenAIAnswer(parsed, tokenizer)
+    return NativeAnswer(parsed, tokenizer)
+
+
+def _is_for_engine(entry: Entry) -> bool:
+    return isinstance(entry, (ParsedRequest, OpenAIRequest))
 
 
 class SpeculationTally:
@@ -167,34 +322,37 @@ class StaticBatch:
 
     def run(
         self,
-        parsed: Sequence[ParsedRequest | RequestError],
-        send_chunk: Callable[[int, str], None],
+        entries: Sequence[Entry],
+        send_chunk: Callable[[int, str, str], None],
         metrics: MetricsRecorder,
     ) -> list[Reply]:
-        """Runs the valid requests; bad ones get their error.
+        """Runs the requests for the engine, all rows of a request in one group; the others get their Reply.
 
         Args:
-            parsed: one entry per request of the call.
-            send_chunk: sends request `index` one NDJSON line now (streamed requests).
+            entries: one per request of the call (`parse_entry`).
+            send_chunk: sends request `index` a chunk now, with its content type (streamed requests).
             metrics: where the figures go.
         Returns:
             a complete Reply per request, in order.
         """
         started_at = self.clock()
-        outcomes: list[Any] = list(parsed)
+        outcomes: list[Any] = list(entries)
         self.tracked = {
-            i: _Tracked(p, self.tokenizer, started_at) for i, p in enumerate(parsed) if isinstance(p, ParsedRequest)
+            i: _Tracked(answer_for(entry, self.tokenizer), started_at)
+            for i, entry in enumerate(entries)
+            if _is_for_engine(entry)
         }
         for group in self._groups(list(self.tracked)):
             waited = self.clock() - started_at
             for _ in group:
                 metrics.record_queue_wait(waited)
-            metrics.record_batch_occupancy(len(group))
+            metrics.record_batch_occupancy(sum(len(self.tracked[i].results) for i in group))
             tally = SpeculationTally()
-            for index, outcome in zip(group, self._generate(group, send_chunk, tally)):
+            for index, outcome in self._generate(group, send_chunk, tally).items():
                 outcomes[index] = outcome
                 if not isinstance(outcome, RequestError):
-                    tally.add_final(outcome.stats)
+                    for result in outcome:
+                        tally.add_final(result.stats)
             tally.record(metrics)
         return [self._reply(index, outcome, metrics) for index, outcome in enumerate(outcomes)]
 
@@ -211,89 +369,103 @@ class StaticBatch:
             budget += num_tokens
         return groups
 
-    def _generate(self, group: list[int], send_chunk, tally: SpeculationTally) -> list[Any]:
-        requests = [self.tracked[i].parsed.generation for i in group]
+    def _generate(self, group: list[int], send_chunk, tally: SpeculationTally) -> dict[int, Any]:
+        """The group's rows as one engine batch: each request's results in row order, or its RequestError."""
+        rows = [(index, row) for index in group for row in range(len(self.tracked[index].results))]
+        requests = [self.tracked[index].answer.generations[row] for index, row in rows]
 
-        def on_tokens(position: int, new_token_ids: list[int], output) -> None:
+        def on_tokens(position: int, _new_token_ids: list[int], output) -> None:
             tally.add_step(output)
-            self._on_tokens(group[position], new_token_ids, output, send_chunk)
+            self._on_tokens(*rows[position], output, send_chunk)
 
         try:
-            return self.engine.generate(requests, on_tokens=on_tokens)
+            results = self.engine.generate(requests, on_tokens=on_tokens)
         except Exception:  # a model failure must not take the worker or the other requests down
-            logger.exception("batch of %d failed; retrying its requests one by one", len(requests))
-            return [self._generate_alone(index, send_chunk, tally) for index in group]
+            logger.exception("batch of %d rows failed; retrying its requests one by one", len(requests))
+            return {index: self._generate_alone(index, send_chunk, tally) for index in group}
+        by_request: dict[int, Any] = {index: [] for index in group}
+        for (index, _), result in zip(rows, results):
+            by_request[index].append(result)
+        return by_request
 
     def _generate_alone(self, index: int, send_chunk, tally: SpeculationTally):
         tracked = self.tracked[index]
-        if tracked.first_chunk_at is not None:
+        if tracked.started:
             # Chunks already went out: a retry would send them again.
             return RequestError("server: generation failed mid-stream", status=500)
 
-        def on_tokens(_: int, new_token_ids: list[int], output) -> None:
+        def on_tokens(row: int, _new_token_ids: list[int], output) -> None:
             tally.add_step(output)
-            self._on_tokens(index, new_token_ids, output, send_chunk)
+            self._on_tokens(index, row, output, send_chunk)
 
         try:
-            return self.engine.generate([tracked.parsed.generation], on_tokens=on_tokens)[0]
+            return self.engine.generate(tracked.answer.generations, on_tokens=on_tokens)
         except Exception as error:
             logger.exception("request failed")
             return failure_error(error)
 
-    def _on_tokens(self, index: int, new_token_ids: list[int], output, send_chunk) -> None:
+    def _on_tokens(self, index: int, row: int, output, send_chunk) -> None:
         tracked = self.tracked[index]
         if output.finish_reason is not None:
-            tracked.finished_at = self.clock()
-            return  # the final line carries the rest
-        if tracked.deltas is None:
+            tracked.finished_at = self.clock()  # the last row's time is the request's
+            text = tracked.answer.on_row_finished(row, output.result)
+        else:
+            text = tracked.answer.on_tokens(row, output)
+        if not text:
             return
-        line = {"text_delta": tracked.deltas.next_delta(output.token_ids), "token_ids": list(new_token_ids)}
-        tracked.num_sent_tokens += len(new_token_ids)
         if tracked.first_chunk_at is None:
             tracked.first_chunk_at = self.clock()
-        send_chunk(index, json.dumps(line) + "\n")
+        tracked.started = True
+        send_chunk(index, text, tracked.answer.content_type)
 
     def _reply(self, index: int, outcome, metrics: MetricsRecorder) -> Reply:
+        if isinstance(outcome, Reply):  # answered without the engine
+            if outcome.status >= 400:
+                metrics.record_rejected()
+            return outcome
+        tracked = self.tracked.get(index)
         if isinstance(outcome, RequestError):
             metrics.record_rejected()
-            return Reply(error_to_json(str(outcome)), status=outcome.status)
-        tracked = self.tracked[index]
+            if tracked is None:
+                return error_reply(outcome)
+            if tracked.started:
+                return Reply(tracked.answer.error_after_start(outcome))
+            status, body = tracked.answer.error(outcome)
+            return Reply(body, status=status, content_type=JSON_CONTENT_TYPE)
         finished_at = tracked.finished_at or self.clock()
-        answer = result_to_json(outcome)
         content_type = None
-        if tracked.deltas is not None:
-            # The last line: the rest of the text and ids, then the request's totals.
-            del answer["text"]
-            answer = {
-                "text_delta": tracked.deltas.final_delta(outcome.text),
-                **answer,
-                "token_ids": outcome.token_ids[tracked.num_sent_tokens :],
-            }
-            if tracked.first_chunk_at is None:
-                tracked.first_chunk_at = self.clock()
-                content_type = NDJSON_CONTENT_TYPE
+        if not tracked.started:
+            content_type = tracked.answer.content_type
+            if tracked.answer.stream:
+                tracked.first_chunk_at = self.clock()  # the final answer is the first chunk
         first_chunk = None if tracked.first_chunk_at is None else tracked.first_chunk_at - tracked.arrived_at
-        metrics.record_result(outcome.stats, finished_at - tracked.arrived_at, first_chunk)
-        body = json.dumps(answer) + "\n" if tracked.deltas is not None else answer
-        return Reply(body, content_type=content_type)
+        for result in outcome:
+            metrics.record_result(result.stats, finished_at - tracked.arrived_at, first_chunk)
+        return Reply(tracked.answer.final(outcome), content_type=content_type)
 
 
 class _Tracked:
-    """One request's progress across handler calls."""
+    """One request's progress across steps (and, in continuous batching, handler calls)."""
 
-    def __init__(self, parsed: ParsedRequest, tokenizer, arrived_at: float) -> None:
-        self.parsed = parsed
-        self.deltas = DeltaTracker(tokenizer, parsed.generation.stop) if parsed.stream else None
+    def __init__(self, answer: Answer, arrived_at: float) -> None:
+        self.answer = answer
         self.arrived_at = arrived_at
-        self.num_tokens = request_tokens(parsed)
-        self.num_sent_tokens = 0
+        self.num_tokens = request_tokens(answer.generations)
+        self.results: list[GenerationResult | None] = [None] * len(answer.generations)  # per row, once finished
         self.started = False  # a chunk (and so the HTTP status) went out
         self.first_chunk_at: float | None = None
         self.finished_at: float | None = None
 
+    @property
+    def unfinished_rows(self) -> list[int]:
+        return [row for row, result in enumerate(self.results) if result is None]
+
 
 class ContinuousBatcher:
-    """TorchServe's continuous-batching calls over the engine's step API (see the module docstring)."""
+    """TorchServe's continuous-batching calls over the engine's step API (see the module docstring).
+
+    The engine knows a request's rows by (request id, row).
+    """
 
     def __init__(
         self,
@@ -323,17 +495,21 @@ class ContinuousBatcher:
     def num_running_tokens(self) -> int:
         return sum(tracked.num_tokens for tracked in self.running.values())
 
+    @property
+    def num_running_rows(self) -> int:
+        return sum(len(tracked.unfinished_rows) for tracked in self.running.values())
+
     def run_call(
         self,
         request_ids: Sequence[Hashable],
-        new_requests: dict[Hashable, ParsedRequest | RequestError],
+        new_requests: dict[Hashable, Entry],
         metrics: MetricsRecorder,
     ) -> list[Reply]:
         """One handler call: abort the vanished, admit the new, one engine step, one reply per request.
 
         Args:
             request_ids: every job of the call, in order.
-            new_requests: the parsed (or rejected) body of each job this batcher does not know yet.
+            new_requests: the entry (`parse_entry`) of each job this batcher does not know yet.
             metrics: where this call's figures go.
         Returns:
             a Reply per request id, in order.
@@ -346,30 +522,39 @@ class ContinuousBatcher:
                 self.closing.discard(request_id)
                 replies[request_id] = Reply("", more=False)
             elif not self.knows(request_id):
-                parsed = new_requests.get(request_id)
-                if parsed is None:
+                entry = new_requests.get(request_id)
+                if entry is None:
                     # A job in flight that this worker never saw (its state died with a failure).
-                    parsed = RequestError("server: the worker lost this request; send it again", 500)
-                if isinstance(parsed, RequestError):
-                    replies[request_id] = self._complete_error(request_id, parsed, metrics)
+                    entry = RequestError("server: the worker lost this request; send it again", 500)
+                if isinstance(entry, RequestError):
+                    entry = error_reply(entry)
+                if isinstance(entry, Reply):
+                    replies[request_id] = self._complete(request_id, entry, metrics)
                 else:
-                    self.waiting[request_id] = _Tracked(parsed, self.tokenizer, self.clock())
+                    self.waiting[request_id] = _Tracked(answer_for(entry, self.tokenizer), self.clock())
 
         finished: dict[Hashable, tuple[_Tracked, Any]] = {}
-        lines: dict[Hashable, list[str]] = {}
+        chunks: dict[Hashable, list[str]] = {}
         self._admit(metrics, finished)
-        self._step(metrics, finished, lines)
+        self._step(metrics, finished, chunks)
 
         for request_id in request_ids:
             if request_id in replies:
                 continue
             if request_id in finished:
                 tracked, outcome = finished[request_id]
-                replies[request_id] = self._final_reply(request_id, tracked, outcome, metrics)
+                replies[request_id] = self._final_reply(request_id, tracked, outcome, chunks.get(request_id), metrics)
             else:
                 tracked = self.running.get(request_id) or self.waiting[request_id]
-                replies[request_id] = self._chunk_reply(tracked, lines.get(request_id, []))
+                replies[request_id] = self._chunk_reply(tracked, chunks.get(request_id, []))
         return [replies[request_id] for request_id in request_ids]
+
+    def _abort_rows(self, request_id: Hashable, rows: Sequence[int]) -> None:
+        for row in rows:
+            try:
+                self.engine.abort_request((request_id, row))
+            except Exception:  # the row may have gone with a failed step
+                logger.exception("request %s: abort of row %d failed", request_id, row)
 
     def _abort_vanished(self, in_call: set, metrics: MetricsRecorder) -> None:
         """The frontend stops sending a job whose client went away: free what it held."""
@@ -379,13 +564,10 @@ class ContinuousBatcher:
             metrics.record_aborted()
             logger.info("request %s: client gone while waiting", request_id)
         for request_id in [r for r in self.running if r not in in_call]:
-            del self.running[request_id]
+            tracked = self.running.pop(request_id)
             metrics.record_aborted()
-            logger.info("request %s: client gone; its row is freed", request_id)
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:  # the row may have gone with a failed step
-                logger.exception("request %s: abort failed", request_id)
+            logger.info("request %s: client gone; its %d rows are freed", request_id, len(tracked.unfinished_rows))
+            self._abort_rows(request_id, tracked.unfinished_rows)
 
     def _admit(self, metrics: MetricsRecorder, finished: dict) -> None:
         """Waiting requests join the engine in arrival order, while their tokens fit."""
@@ -397,23 +579,27 @@ class ContinuousBatcher:
             if self.max_batch_tokens and self.running and budget + tracked.num_tokens > self.max_batch_tokens:
                 break
             del self.waiting[request_id]
+            num_added = 0
             try:
-                self.engine.add_request(request_id, tracked.parsed.generation)
+                for row, generation in enumerate(tracked.answer.generations):
+                    self.engine.add_request((request_id, row), generation)
+                    num_added += 1
             except Exception as error:  # this request only
                 logger.exception("request %s could not join the batch", request_id)
+                self._abort_rows(request_id, range(num_added))
                 finished[request_id] = (tracked, failure_error(error))
                 continue
             self.running[request_id] = tracked
             budget += tracked.num_tokens
             metrics.record_queue_wait(self.clock() - tracked.arrived_at)
 
-    def _step(self, metrics: MetricsRecorder, finished: dict, lines: dict) -> None:
-        """One engine step over the running requests; fills `finished` and the stream `lines`."""
+    def _step(self, metrics: MetricsRecorder, finished: dict, chunks: dict) -> None:
+        """One engine step over the running requests; fills `finished` and the streamed `chunks`."""
         if not self.running:
             return
-        if len(self.running) != self.recorded_occupancy:
-            self.recorded_occupancy = len(self.running)
-            metrics.record_batch_occupancy(len(self.running))
+        if self.num_running_rows != self.recorded_occupancy:
+            self.recorded_occupancy = self.num_running_rows
+            metrics.record_batch_occupancy(self.recorded_occupancy)
         try:
             outputs = self.engine.step()
         except Exception as error:  # the whole step failed: its requests fail, the worker carries on
@@ -428,21 +614,26 @@ class ContinuousBatcher:
         now = self.clock()
         tally = self.tally
         for output in outputs:
-            tracked = self.running.get(output.request_id)
+            request_id, row = output.request_id
+            tracked = self.running.get(request_id)
             if tracked is None:
                 continue  # aborted this call
             tally.add_step(output)
             if output.finish_reason is None:
-                if output.new_token_ids and tracked.deltas is not None:
-                    lines[output.request_id] = [self._stream_line(tracked, output)]
-                continue
-            del self.running[output.request_id]
-            result = output.result
-            assert result is not None, "a finished step output carries its result"
-            tally.add_final(result.stats)
-            first_chunk = None if tracked.deltas is None else (tracked.first_chunk_at or now) - tracked.arrived_at
-            metrics.record_result(result.stats, now - tracked.arrived_at, first_chunk)
-            finished[output.request_id] = (tracked, result)
+                text = tracked.answer.on_tokens(row, output)
+            else:
+                result = output.result
+                assert result is not None, "a finished step output carries its result"
+                tracked.results[row] = result
+                tally.add_final(result.stats)
+                first_chunk = (tracked.first_chunk_at or now) - tracked.arrived_at if tracked.answer.stream else None
+                metrics.record_result(result.stats, now - tracked.arrived_at, first_chunk)
+                text = tracked.answer.on_row_finished(row, result)
+                if not tracked.unfinished_rows:
+                    del self.running[request_id]
+                    finished[request_id] = (tracked, tracked.results)
+            if text:
+                chunks.setdefault(request_id, []).append(text)
         if finished:
             tally.record(metrics)
             self.tally = SpeculationTally()
@@ -456,56 +647,38 @@ class ContinuousBatcher:
         if reset is not None:
             reset()
             return
-        for request_id in self.running:
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                logger.exception("request %s: abort after a failed step failed", request_id)
+        for request_id, tracked in self.running.items():
+            self._abort_rows(request_id, tracked.unfinished_rows)
 
-    @staticmethod
-    def _stream_line(tracked: _Tracked, output) -> str:
-        tracked.num_sent_tokens += len(output.new_token_ids)
-        line = {"text_delta": tracked.deltas.next_delta(output.token_ids), "token_ids": list(output.new_token_ids)}
-        return json.dumps(line) + "\n"
-
-    @staticmethod
-    def _content_type(tracked: _Tracked) -> str:
-        return NDJSON_CONTENT_TYPE if tracked.deltas is not None else JSON_CONTENT_TYPE
-
-    def _chunk_reply(self, tracked: _Tracked, lines: list[str]) -> Reply:
-        """A request still waiting or running: its new stream lines, or an empty chunk."""
-        content_type = None if tracked.started else self._content_type(tracked)
+    def _chunk_reply(self, tracked: _Tracked, chunks: list[str]) -> Reply:
+        """A request still waiting or running: its new streamed chunks, or an empty chunk."""
+        content_type = None if tracked.started else tracked.answer.content_type
         tracked.started = True
-        if lines and tracked.first_chunk_at is None:
+        if chunks and tracked.first_chunk_at is None:
             tracked.first_chunk_at = self.clock()
-        return Reply("".join(lines), content_type=content_type, more=True)
+        return Reply("".join(chunks), content_type=content_type, more=True)
 
-    def _final_reply(self, request_id: Hashable, tracked: _Tracked, outcome, metrics: MetricsRecorder) -> Reply:
+    def _final_reply(
+        self, request_id: Hashable, tracked: _Tracked, outcome, chunks: list[str] | None, metrics: MetricsRecorder
+    ) -> Reply:
         if isinstance(outcome, RequestError):
             if not tracked.started:
-                return self._complete_error(request_id, outcome, metrics)
+                status, body = tracked.answer.error(outcome)
+                return self._complete(request_id, Reply(body, status=status, content_type=JSON_CONTENT_TYPE), metrics)
             metrics.record_rejected()
             # The status went out with the first chunk: the error travels in the body.
-            body = json.dumps(error_to_json(str(outcome))) + ("\n" if tracked.deltas is not None else "")
-            return Reply(body, more=False)
-        answer = result_to_json(outcome)
-        if tracked.deltas is not None:
-            # The last line: the rest of the text and ids, then the request's totals.
-            del answer["text"]
-            answer = {
-                "text_delta": tracked.deltas.final_delta(outcome.text),
-                **answer,
-                "token_ids": outcome.token_ids[tracked.num_sent_tokens :],
-            }
-            body: Any = json.dumps(answer) + "\n"
-        else:
-            body = answer
+            return Reply(tracked.answer.error_after_start(outcome), more=False)
+        body = tracked.answer.final(outcome)
+        if chunks:  # rows that finished in this step, before the last one: a stream's text
+            body = "".join(chunks) + body
         if tracked.started:
             return Reply(body, more=False)
         self.closing.add(request_id)
-        return Reply(body, content_type=self._content_type(tracked), more=None)
+        return Reply(body, content_type=tracked.answer.content_type, more=None)
 
-    def _complete_error(self, request_id: Hashable, error: RequestError, metrics: MetricsRecorder) -> Reply:
-        metrics.record_rejected()
+    def _complete(self, request_id: Hashable, reply: Reply, metrics: MetricsRecorder) -> Reply:
+        """A complete response (an error, or an answer known at once); the frontend may send the job once more."""
+        if reply.status >= 400:
+            metrics.record_rejected()
         self.closing.add(request_id)
-        return Reply(error_to_json(str(error)), status=error.status, content_type=JSON_CONTENT_TYPE, more=None)
+        return dataclasses.replace(reply, more=None)

@@ -8,11 +8,14 @@ exactly one class: helpers live in the package's other modules.
 With `continuousBatching: true` in model-config.yaml, each call is one engine
 step over every request in flight (`handler.serving.ContinuousBatcher`);
 otherwise each call runs its batch from start to finish (`StaticBatch`).
+Both serve the native contract and the OpenAI routes, which TorchServe names
+in each request's `url_path` header (`handler.openai_api`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.torch_handler.base_handler import BaseHandler
@@ -22,7 +25,8 @@ from handler.config import handler_config_from_yaml_config
 from handler.engine import SpeculativeEngine
 from handler.loading import load_models
 from handler.metrics import MetricsRecorder
-from handler.serving import NDJSON_CONTENT_TYPE, ContinuousBatcher, Reply, StaticBatch, parse_entry
+from handler.openai_api import Route, route_from_url_path
+from handler.serving import ContinuousBatcher, Reply, StaticBatch, parse_entry
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,9 @@ class SpeculativeHandler(BaseHandler):
             prompt_lookup_min=self.config.prompt_lookup_min,
             prompt_lookup_max=self.config.prompt_lookup_max,
         )
+        # The OpenAI routes: `model` must name the model as TorchServe serves it.
+        self.model_name = context.model_name
+        self.created = int(time.time())
         self.continuous = (context.model_yaml_config or {}).get("continuousBatching") is True
         tokenizer, max_batch_tokens = self.models.tokenizer, self.config.max_batch_tokens
         self.batcher = ContinuousBatcher(self.engine, tokenizer, max_batch_tokens) if self.continuous else None
@@ -81,17 +88,23 @@ class SpeculativeHandler(BaseHandler):
         return self._answer(replies)
 
     def preprocess(self, data):
-        """One entry per request: a ParsedRequest, or the RequestError that rejects it."""
+        """One entry per request (`handler.serving.parse_entry`)."""
         return [self._parse(index, row) for index, row in enumerate(data)]
 
     def _parse(self, index: int, row):
-        return parse_entry(row, self._content_type(index), self.config, self.models.tokenizer, self.models.max_context)
+        tokenizer, max_context = self.models.tokenizer, self.models.max_context
+        route = self._route(index)
+        return parse_entry(
+            row, self._content_type(index), self.config, tokenizer, max_context, route, self.model_name, self.created
+        )
 
     def _answer(self, replies: list[Reply]) -> list:
         """Per-request status, content type and, in continuous mode, the stream decision; returns the bodies."""
         for index, reply in enumerate(replies):
             if reply.status != 200:
-                self.context.set_response_status(reply.status, str(reply.body.get("error", "")), index)
+                error = reply.body.get("error", "")
+                message = error.get("message", "") if isinstance(error, dict) else error  # OpenAI's or ours
+                self.context.set_response_status(reply.status, str(message), index)
             if reply.content_type is not None:
                 self.context.set_response_content_type(index, reply.content_type)
         # TorchServe asks stopping_criteria[i] whether answer i ends its response: True ends a
@@ -103,10 +116,10 @@ class SpeculativeHandler(BaseHandler):
         )
         return [reply.body for reply in replies]
 
-    def _send_chunk(self, index: int, line: str) -> None:
-        self.context.set_response_content_type(index, NDJSON_CONTENT_TYPE)
+    def _send_chunk(self, index: int, text: str, content_type: str) -> None:
+        self.context.set_response_content_type(index, content_type)
         send_intermediate_predict_response(
-            {index: line},
+            {index: text},
             {index: self.context.get_request_id(index)},
             "Intermediate prediction success",
             200,
@@ -118,9 +131,17 @@ class SpeculativeHandler(BaseHandler):
         assert request_id is not None, "TorchServe names every job of a continuous batch"
         return request_id
 
+    def _route(self, index: int) -> Route:
+        """The request's route: TorchServe names the path after `/predictions/{model}/{version}/` in `url_path`."""
+        url_path = self._header(index, "url_path")
+        return route_from_url_path(url_path if isinstance(url_path, str) else None)
+
     def _content_type(self, index: int) -> str | None:
+        headers = self._header(index, "body") or {}
+        return headers.get("content-type") if isinstance(headers, dict) else None
+
+    def _header(self, index: int, name: str):
         try:
-            headers = self.context.get_request_header(index, "body") or {}
+            return self.context.get_request_header(index, name)
         except (AttributeError, IndexError, KeyError, TypeError):
             return None
-        return headers.get("content-type") if isinstance(headers, dict) else None

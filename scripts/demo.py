@@ -11,9 +11,11 @@ result is already there, so running it again is cheap:
 3. start TorchServe on 127.0.0.1 with token authorization on, as `make serve`
    does, after stopping the server an earlier run of this demo started;
 4. register the model through the management API and wait for it to load;
-5. send four requests: three open-ended ones (greedy, sampled with a seed,
-   a streamed chat) and an input-grounded code edit, whose answer copies much
-   of its prompt, then print the four speeds side by side.
+5. send four requests to the native route: three open-ended ones (greedy,
+   sampled with a seed, a streamed chat) and an input-grounded code edit,
+   whose answer copies much of its prompt, and print the four speeds side by
+   side; then one streamed chat through the official `openai` client, on the
+   OpenAI-compatible route (scripts.openai_demo).
 
 The server is left running; the end of the output says how to query and
 stop it. TorchServe's logs are in logs/.
@@ -40,7 +42,7 @@ from urllib.parse import urlparse
 import psutil
 import requests
 
-from scripts import package_mar, torchserve
+from scripts import openai_demo, package_mar, torchserve
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -392,6 +394,8 @@ TorchServe is still running, with {MODEL_NAME} registered. From this folder:
 
   .venv/bin/python -m scripts.client --url {inference_url} --stream "Merge two sorted lists in Python."
 
+  .venv/bin/python -m scripts.openai_demo --url {inference_url}
+
   .venv/bin/python -m scripts.loadtest --url {inference_url} --requests 8 --concurrency 4
 
 The keys in key_file.json expire after token_expiration_min (config.properties);
@@ -457,8 +461,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             register(management_url, management_headers, args.register_timeout)
 
-        step(5, "Sending four requests: three open-ended, one input-grounded")
+        step(5, "Sending four requests (three open-ended, one input-grounded), then one through the openai client")
         run_requests(inference_url, args.max_new_tokens)
+        print("\n--- chat through the openai client (OpenAI-compatible API) ---", flush=True)
+        openai_demo.run(inference_url, MODEL_NAME, torchserve.read_key(KEY_FILE), args.max_new_tokens)
     except (DemoError, torchserve.ClientError) as error:
         print(f"\ndemo failed: {error}", file=sys.stderr)
         return 1

@@ -28,3 +28,15 @@ def make_engine(target, draft, tokenizer, eos_token_ids=None) -> SpeculativeEngi
 @pytest.fixture(scope="session")
 def engine(tiny_pair):
     return make_engine(*tiny_pair)
+
+
+def fail_batches_holding(engine, monkeypatch, max_new_tokens: int) -> None:
+    """Makes `engine.generate` fail for any batch holding a request with this max_new_tokens, as a kernel might."""
+    real_generate = engine.generate
+
+    def flaky_generate(requests, *args, **kwargs):
+        if any(r.max_new_tokens == max_new_tokens for r in requests):
+            raise RuntimeError("simulated kernel failure")
+        return real_generate(requests, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", flaky_generate)

@@ -7,6 +7,7 @@ from ts.context import Context, RequestProcessor
 
 from handler.schema import ANSWER_KEYS, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SPECULATIVE_KEYS, STREAM_CHUNK_KEYS
 from handler.spec_handler import SpeculativeHandler
+from tests.models.conftest import fail_batches_holding
 
 HANDLER_SECTION = {
     "target_model": "target",
@@ -73,14 +74,7 @@ def test_plain_text_body_is_the_prompt(handler, tiny_models_dir):
 
 
 def test_a_model_failure_mid_batch_fails_only_the_affected_request(handler, tiny_models_dir, monkeypatch):
-    real_generate = handler.engine.generate
-
-    def flaky_generate(requests, *args, **kwargs):
-        if any(r.max_new_tokens == 13 for r in requests):
-            raise RuntimeError("simulated kernel failure")
-        return real_generate(requests, *args, **kwargs)
-
-    monkeypatch.setattr(handler.engine, "generate", flaky_generate)
+    fail_batches_holding(handler.engine, monkeypatch, max_new_tokens=13)
     answers, statuses = call(
         handler, tiny_models_dir, [{"prompt": "a", "max_new_tokens": 5}, {"prompt": "b", "max_new_tokens": 13}]
     )

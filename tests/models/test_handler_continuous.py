@@ -39,19 +39,24 @@ class Frontend:
         self.handler = handler
         self.model_dir = model_dir
         self.in_flight: dict[str, dict] = {}  # request id -> body, None once sent
+        self.url_paths: dict[str, str] = {}
         self.received: dict[str, list] = {}
         self.statuses: dict[str, int] = {}
         self.steps = 0
 
-    def submit(self, request_id: str, body: dict) -> None:
+    def submit(self, request_id: str, body, url_path: str = "") -> None:
+        """A new job; `url_path` is what TorchServe sets ("" on the native route, e.g. "v1/completions")."""
         self.in_flight[request_id] = body
+        self.url_paths[request_id] = url_path
 
     def call(self) -> None:
         ids = list(self.in_flight)
         data = [{"body": self.in_flight[r]} if self.in_flight[r] is not None else {} for r in ids]
         context = make_context(self.model_dir, True)
         context.request_ids = dict(enumerate(ids))
-        context.request_processor = [RequestProcessor({"body": {"content-type": "application/json"}}) for _ in ids]
+        context.request_processor = [
+            RequestProcessor({"body": {"content-type": "application/json"}, "url_path": self.url_paths[r]}) for r in ids
+        ]
         answers = self.handler.handle(data, context)
         self.steps += 1
         for index, request_id in enumerate(ids):
@@ -76,7 +81,11 @@ class Frontend:
         parts = [p for p in self.received[request_id] if p != ""]
         if len(parts) == 1 and isinstance(parts[0], dict):
             return parts[0]
-        return [json.loads(line) for part in parts for line in part.splitlines()]
+        return [json.loads(line) for line in self.text(request_id).splitlines()]
+
+    def text(self, request_id: str) -> str:
+        """A streamed body's chunks joined."""
+        return "".join(part for part in self.received[request_id] if isinstance(part, str))
 
 
 def solo(static_handler, model_dir, body: dict) -> dict:

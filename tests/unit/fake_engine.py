@@ -86,10 +86,11 @@ class FakeEngine:
         for request_id, request in list(self.requests.items()):
             tokens = self.tokens[request_id]
             first = FIRST_CHARACTER + request.prompt_ids[0] % 20
-            num_new = min(self.tokens_per_step, request.max_new_tokens - len(tokens))
+            length = self.length_of(request_id, request)
+            num_new = min(self.tokens_per_step, length - len(tokens))
             new = [first + len(tokens) + i for i in range(num_new)]
             tokens.extend(new)
-            finished = len(tokens) == request.max_new_tokens
+            finished = len(tokens) == length
             result = None
             if finished:
                 del self.requests[request_id]
@@ -113,6 +114,10 @@ class FakeEngine:
             )
         return outputs
 
-    def solo_text(self, request: GenerationRequest) -> str:
+    def length_of(self, request_id: Hashable, request: GenerationRequest) -> int:
+        """How many tokens the request generates; a test may make some rows finish early."""
+        return request.max_new_tokens
+
+    def solo_text(self, request: GenerationRequest, length: int | None = None) -> str:
         first = FIRST_CHARACTER + request.prompt_ids[0] % 20
-        return "".join(chr(first + i) for i in range(request.max_new_tokens))
+        return "".join(chr(first + i) for i in range(length or request.max_new_tokens))

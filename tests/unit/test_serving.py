@@ -8,6 +8,7 @@ import pytest
 
 from handler.config import HandlerConfig
 from handler.metrics import MetricsRecorder
+from handler.openai_api import route_from_url_path
 from handler.protocol import ParsedRequest, RequestError
 from handler.serving import (
     JSON_CONTENT_TYPE,
@@ -35,8 +36,13 @@ class RecordingMetrics:
         return sum(value for value, _ in self.values.get(name, []))
 
 
-def parse(body: dict, config: HandlerConfig = CONFIG):
-    return parse_entry({"body": body}, "application/json", config, TOKENIZER, max_context=256)
+MODEL = "fake"
+
+
+def parse(body: dict, config: HandlerConfig = CONFIG, url_path: str = ""):
+    """The entry of a request; `url_path` is TorchServe's header ("" on the native route, e.g. "v1/completions")."""
+    route = route_from_url_path(url_path)
+    return parse_entry({"body": body}, "application/json", config, TOKENIZER, 256, route, MODEL, created=1)
 
 
 class Harness:
@@ -50,18 +56,22 @@ class Harness:
         self.metrics = MetricsRecorder(self.recorded)
         self.in_flight: list[str] = []
         self.bodies: dict[str, dict] = {}
+        self.url_paths: dict[str, str] = {}
         self.received: dict[str, list] = {}  # every reply per request
 
-    def submit(self, request_id: str, body: dict) -> None:
+    def submit(self, request_id: str, body: dict, url_path: str = "") -> None:
         self.in_flight.append(request_id)
         self.bodies[request_id] = body
+        self.url_paths[request_id] = url_path
 
     def disconnect(self, request_id: str) -> None:
         self.in_flight.remove(request_id)
 
     def call(self):
         self.now += 1.0
-        new = {r: parse(self.bodies[r]) for r in self.in_flight if not self.batcher.knows(r)}
+        new = {
+            r: parse(self.bodies[r], url_path=self.url_paths[r]) for r in self.in_flight if not self.batcher.knows(r)
+        }
         replies = self.batcher.run_call(list(self.in_flight), new, self.metrics)
         for request_id, reply in zip(list(self.in_flight), replies):
             self.received.setdefault(request_id, []).append(reply)
@@ -187,7 +197,7 @@ def test_a_disconnected_client_frees_its_row_at_the_next_step():
     harness.call()
     harness.disconnect("gone")
     harness.call()
-    assert harness.engine.aborted == ["gone"]
+    assert harness.engine.aborted == [("gone", 0)], "the engine knows rows by (request id, row)"
     assert harness.engine.rows_per_step == [2, 1]
     assert not harness.batcher.knows("gone")
     assert harness.recorded.total("SpecAbortedRequests") == 1
@@ -318,7 +328,7 @@ def test_static_batches_split_to_fit_max_batch_tokens_and_stream_through_the_cal
     parsed.insert(1, parse({"prompt": "x", "top_k": -1}))
     sent = []
     recorded = RecordingMetrics()
-    replies = static.run(parsed, lambda index, line: sent.append((index, line)), MetricsRecorder(recorded))
+    replies = static.run(parsed, lambda index, line, _: sent.append((index, line)), MetricsRecorder(recorded))
     assert engine.rows_per_step == [2, 2, 2, 2, 1, 1, 1, 1]
     assert replies[1].status == 400 and "top_k" in replies[1].body["error"]
     assert {index for index, _ in sent} == {2}

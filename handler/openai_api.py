@@ -1,0 +1,479 @@
+"""The OpenAI-compatible API, requests side: routes, request translation, errors, the model list.
+
+TorchServe 0.12 hands the path segments after `/predictions/{model}/{version}/`
+to the handler in the `url_path` request header ("" on the native route), so a
+client uses `base_url = http://HOST:8080/predictions/{model}/{version}/v1`.
+
+An OpenAI body is translated into one native body per prompt and parsed by
+`handler.protocol.parse_request`, so both doors share every validation rule,
+default and limit. One OpenAI request becomes one engine row per choice
+(`n` choices per prompt, prompt-major: choice i belongs to prompt i // n), each
+with its own seed derived from the request's.
+
+Standard OpenAI fields this server does not implement are accepted at their
+neutral value (`presence_penalty: 0`, `logit_bias: {}`, ...) and refused with a
+400 naming them otherwise; unknown fields are refused as on the native route.
+A JSON `null` counts as a field left out, as in the OpenAI API.
+
+Answers and SSE chunks are built in `handler.openai_answers`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import time
+import uuid
+from typing import Any, Callable, Mapping
+
+from handler.config import HandlerConfig
+from handler.engine import GenerationRequest
+from handler.protocol import parse_request
+from handler.schema import SEED_RANGE, RequestError, integer_field
+
+ROUTE_NATIVE = "native"
+ROUTE_COMPLETIONS = "completions"
+ROUTE_CHAT = "chat"
+ROUTE_MODELS = "models"
+ROUTE_MODEL = "model"  # GET v1/models/{id}
+ROUTE_UNKNOWN = "unknown"
+PATHS = {"v1/completions": ROUTE_COMPLETIONS, "v1/chat/completions": ROUTE_CHAT, "v1/models": ROUTE_MODELS}
+
+MAX_CHOICES = 8  # engine rows one request may take: prompts x n
+MAX_TOP_LOGPROBS = 20
+OWNED_BY = "torchserve"
+
+# Fields both routes translate; the native field each one feeds is in brackets.
+SHARED_FIELDS = (
+    "model",
+    "max_tokens",  # [max_new_tokens]
+    "temperature",
+    "top_p",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "user",  # an end-user id for abuse tracking: accepted, not used
+    # Extensions, as in vLLM: not in the OpenAI API.
+    "top_k",
+    "num_speculative_tokens",
+    "drafter",
+)
+ROUTE_FIELDS = {
+    ROUTE_COMPLETIONS: ("prompt",),
+    # prompt_cache_key and safety_identifier are routing and abuse hints, like user: accepted, not used.
+    ROUTE_CHAT: ("messages", "max_completion_tokens", "top_logprobs", "prompt_cache_key", "safety_identifier"),
+}
+
+
+def _is_zero(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0
+
+
+def _is_empty(value: Any) -> bool:
+    return value in ({}, [])
+
+
+# Standard fields without an implementation: (accepts the value, the neutral value to tell the client).
+Neutral = tuple[Callable[[Any], bool], str]
+SHARED_NEUTRAL: dict[str, Neutral] = {
+    "frequency_penalty": (_is_zero, "0"),
+    "presence_penalty": (_is_zero, "0"),
+    "logit_bias": (_is_empty, "{}"),
+}
+ROUTE_NEUTRAL: dict[str, dict[str, Neutral]] = {
+    ROUTE_COMPLETIONS: {
+        "echo": (lambda v: v is False, "false"),
+        "suffix": (lambda v: v == "", '""'),
+        # best_of is validated against n in `_check_neutral_fields`.
+        "best_of": (lambda v: True, "n"),
+    },
+    ROUTE_CHAT: {
+        "tools": (_is_empty, "[]"),
+        "tool_choice": (lambda v: v == "none", '"none"'),
+        "parallel_tool_calls": (lambda v: isinstance(v, bool), "true or false, without tools"),
+        "functions": (_is_empty, "[]"),
+        "function_call": (lambda v: v == "none", '"none"'),
+        "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}'),
+        "modalities": (lambda v: v == ["text"], '["text"]'),
+        "store": (lambda v: v is False, "false"),
+        # Tags for stored completions; with nothing stored they change nothing.
+        "metadata": (lambda v: isinstance(v, Mapping), "an object"),
+        "service_tier": (lambda v: v in ("auto", "default"), '"auto"'),
+        "audio": (lambda v: False, "null"),
+        "prediction": (lambda v: False, "null"),
+        "reasoning_effort": (lambda v: False, "null"),
+        "verbosity": (lambda v: False, "null"),
+        "web_search_options": (lambda v: False, "null"),
+    },
+}
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")
+# Keys of a chat message besides role and content that may only be null or empty.
+MESSAGE_EXTRA_KEYS = ("name", "tool_calls", "function_call", "refusal", "audio", "annotations")
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Where a request goes: `kind` is one of the ROUTE_* names; `path` is the normalised url_path."""
+
+    kind: str
+    path: str = ""
+    model_id: str | None = None  # for ROUTE_MODEL
+
+    @property
+    def is_openai(self) -> bool:
+        return self.kind != ROUTE_NATIVE
+
+
+def route_from_url_path(url_path: str | None) -> Route:
+    """Maps TorchServe's `url_path` header to a route.
+
+    Args:
+        url_path: the path after `/predictions/{model}/{version}/`: "" or None on
+            the native route (older TorchServe versions send no header).
+    Returns:
+        The route; empty segments are dropped, so `v1//models/` is `v1/models`.
+    """
+    segments = [segment for segment in (url_path or "").split("/") if segment]
+    path = "/".join(segments)
+    if not segments:
+        return Route(ROUTE_NATIVE)
+    if path in PATHS:
+        return Route(PATHS[path], path)
+    if len(segments) == 3 and segments[:2] == ["v1", "models"]:
+        return Route(ROUTE_MODEL, path, model_id=segments[2])
+    return Route(ROUTE_UNKNOWN, path)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenAIRequest:
+    """One validated OpenAI request: the engine rows it runs as, and how to answer it."""
+
+    kind: str  # ROUTE_COMPLETIONS | ROUTE_CHAT
+    model: str
+    generations: tuple[GenerationRequest, ...]  # one row per choice, in choice order
+    n: int
+    stream: bool = False
+    include_usage: bool = False
+    # None: no logprobs. Else the number of most likely alternatives per token
+    # (completions `logprobs: N`, chat `top_logprobs`).
+    num_top_logprobs: int | None = None
+    id: str = ""
+    created: int = 0
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.generations) // self.n
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice `choice` of a request with `seed`.
+
+    Choice 0 keeps the request's seed, so that `n: 1` answers as the native
+    route does with the same seed. The others hash (seed, choice): `seed + choice`
+    would make choice 1 of seed 7 repeat choice 0 of seed 8.
+    """
+    if seed is None or choice == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}/{choice}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % (SEED_RANGE[1] + 1)
+
+
+def parse_openai_entry(
+    route: Route,
+    body: Any,
+    content_type: str | None,
+    config: HandlerConfig,
+    tokenizer,
+    max_context: int,
+    model_name: str,
+    created: int,
+) -> OpenAIRequest | dict:
+    """A request on an OpenAI route: the request for the engine, or the model list, answered without it.
+
+    Args:
+        route: the route, from `route_from_url_path`; not the native one.
+        body: the request's body as TorchServe passed it (empty on v1/models).
+        content_type: its Content-Type header.
+        config, tokenizer, max_context: as for `handler.protocol.parse_request`.
+        model_name: the name this model is served under.
+        created: when it was loaded (Unix seconds), for the model list.
+    Returns:
+        An OpenAIRequest, or the JSON answer of v1/models.
+    Raises:
+        RequestError: naming the field, or the route, and what to change.
+    """
+    assert route.is_openai, route
+    if route.kind in (ROUTE_MODELS, ROUTE_MODEL):
+        return models_answer(route, model_name, created)
+    if route.kind == ROUTE_UNKNOWN:
+        raise unknown_route_error(route)
+    return parse_openai_request(
+        route.kind, decode_openai_body(body, content_type), config, tokenizer, max_context, model_name
+    )
+
+
+def decode_openai_body(value: Any, content_type: str | None) -> dict:
+    """The JSON object of an OpenAI request, whatever Content-Type it came with.
+
+    Unlike the native route, plain text is never a prompt here, and an empty
+    body (a GET on a generation route) is refused as such.
+    """
+    if value in (b"", ""):
+        raise RequestError("body: empty; POST the request as a JSON object")
+    is_json = (content_type or "").split(";")[0].strip().lower() == "application/json"
+    # TorchServe passes bytes when it did not parse the body, and text as str for
+    # a text/* type; a str with a JSON type is a body that parsed to a JSON string.
+    if isinstance(value, (bytes, bytearray)) or (isinstance(value, str) and not is_json):
+        try:
+            text = value if isinstance(value, str) else bytes(value).decode("utf-8")
+            value = json.loads(text)
+        except UnicodeDecodeError as error:
+            raise RequestError(f"body: not valid UTF-8 ({error.reason} at byte {error.start})") from None
+        except json.JSONDecodeError as error:
+            raise RequestError(f"body: not valid JSON ({error})") from None
+    if not isinstance(value, Mapping):
+        raise RequestError(f"body: must be a JSON object, got {type(value).__name__}")
+    return dict(value)
+
+
+def parse_openai_request(
+    kind: str,
+    body: Mapping,
+    config: HandlerConfig,
+    tokenizer,
+    max_context: int,
+    model_name: str,
+) -> OpenAIRequest:
+    """Validates an OpenAI completions or chat body and translates it into engine rows.
+
+    Args:
+        kind: ROUTE_COMPLETIONS or ROUTE_CHAT.
+        body: the decoded JSON object.
+        config, tokenizer, max_context: as for `handler.protocol.parse_request`.
+        model_name: the name this model is served under; `model` must be it.
+    Returns:
+        The request, with one GenerationRequest per choice.
+    Raises:
+        RequestError: naming the field and what to change.
+    """
+    assert kind in ROUTE_FIELDS, kind
+    body = {key: value for key, value in body.items() if value is not None}
+    neutral = {**SHARED_NEUTRAL, **ROUTE_NEUTRAL[kind]}
+    known = SHARED_FIELDS + ROUTE_FIELDS[kind] + tuple(neutral)
+    unknown = sorted(set(body) - set(known))
+    if unknown:
+        raise RequestError(f"{unknown[0]}: unknown field for /v1/{_path_of(kind)}")
+    n = integer_field(body, "n", 1, 1, MAX_CHOICES)
+    _check_neutral_fields(body, neutral, n)
+
+    model = body.get("model", model_name)
+    if model != model_name:
+        raise RequestError(
+            f"model: the model {json.dumps(model)} does not exist; this endpoint serves {json.dumps(model_name)}",
+            status=404,
+        )
+    stream, include_usage = _stream_fields(body)
+    num_top_logprobs = _logprobs_fields(kind, body)
+
+    native: dict[str, Any] = {
+        key: body[key]
+        for key in ("temperature", "top_p", "top_k", "seed", "num_speculative_tokens", "drafter")
+        if key in body
+    }
+    max_tokens_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if max_tokens_key in body:
+        native["max_new_tokens"] = integer_field(
+            body, max_tokens_key, config.max_new_tokens, 1, config.max_new_tokens_limit
+        )
+    if "stop" in body:
+        stop = body["stop"]
+        native["stop"] = [stop] if isinstance(stop, str) else stop
+
+    if kind == ROUTE_CHAT:
+        prompts = [{"messages": _chat_messages(body.get("messages"))}]
+    else:
+        prompts = [{"prompt": prompt} for prompt in _completion_prompts(body.get("prompt"))]
+    if len(prompts) * n > MAX_CHOICES:
+        raise RequestError(
+            f"n: {len(prompts)} prompts x n {n} = {len(prompts) * n} choices; at most {MAX_CHOICES} per request"
+        )
+    generations = []
+    for index, prompt in enumerate(prompts):
+        try:
+            generation = parse_request({**native, **prompt}, config, tokenizer, max_context).generation
+        except RequestError as error:
+            if len(prompts) > 1 and str(error).startswith("prompt:"):
+                raise RequestError(f"prompt[{index}]:{str(error)[len('prompt:') :]}", error.status) from None
+            raise
+        for choice in range(n):
+            generations.append(
+                dataclasses.replace(generation, seed=choice_seed(generation.seed, choice), logprobs=num_top_logprobs)
+            )
+    prefix = "chatcmpl-" if kind == ROUTE_CHAT else "cmpl-"
+    return OpenAIRequest(
+        kind=kind,
+        model=model_name,
+        generations=tuple(generations),
+        n=n,
+        stream=stream,
+        include_usage=include_usage,
+        num_top_logprobs=num_top_logprobs,
+        id=prefix + uuid.uuid4().hex,
+        created=int(time.time()),
+    )
+
+
+def _path_of(kind: str) -> str:
+    return next(path for path, route in PATHS.items() if route == kind).removeprefix("v1/")
+
+
+def _check_neutral_fields(body: Mapping, neutral: Mapping[str, Neutral], n: int) -> None:
+    for key, (accepts, neutral_value) in neutral.items():
+        if key in body and not accepts(body[key]):
+            raise RequestError(
+                f"{key}: not supported by this server; leave it out or send {neutral_value}, "
+                f"got {json.dumps(body[key])}"
+            )
+    if "best_of" in body and body["best_of"] != n:
+        raise RequestError(f"best_of: not supported by this server; leave it out or send n ({n})")
+
+
+def _stream_fields(body: Mapping) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream: must be true or false, got {json.dumps(stream)}")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise RequestError("stream_options: only allowed with stream: true")
+    if not isinstance(options, Mapping):
+        raise RequestError('stream_options: must be an object such as {"include_usage": true}')
+    for key, value in options.items():
+        if key not in STREAM_OPTIONS:
+            raise RequestError(f"stream_options.{key}: unknown option; known options are {', '.join(STREAM_OPTIONS)}")
+        # include_obfuscation pads chunks against length side channels; no padding changes no content.
+        if value is not None and not isinstance(value, bool):
+            raise RequestError(f"stream_options.{key}: must be true or false, got {json.dumps(value)}")
+    return stream, bool(options.get("include_usage"))
+
+
+def _logprobs_fields(kind: str, body: Mapping) -> int | None:
+    """The number of alternatives per token, or None when no logprobs were asked for."""
+    if kind == ROUTE_COMPLETIONS:
+        if "logprobs" not in body:
+            return None
+        return integer_field(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    logprobs = body.get("logprobs", False)
+    if not isinstance(logprobs, bool):
+        raise RequestError(f"logprobs: must be true or false, got {json.dumps(logprobs)}")
+    if "top_logprobs" in body and not logprobs:
+        raise RequestError("top_logprobs: needs logprobs: true")
+    if not logprobs:
+        return None
+    return integer_field(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+
+
+def _completion_prompts(prompt: Any) -> list[str]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (int, list)) for p in prompt):
+        raise RequestError("prompt: token-id prompts are not supported; send the text")
+    raise RequestError("prompt: must be a string or a non-empty list of strings")
+
+
+def _chat_messages(messages: Any) -> list[dict]:
+    """OpenAI messages as the {role, content} strings `parse_request` takes.
+
+    Content may be a list of text parts, which are joined with newlines;
+    `developer` (OpenAI's newer name for `system`) becomes `system`, the role
+    open models' chat templates know.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages: must be a non-empty list of {role, content} objects")
+    normalised = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise RequestError(f"messages[{index}]: must be an object with 'role' and 'content'")
+        for key, value in message.items():
+            if key in ("role", "content") or key == "name" and isinstance(value, str):
+                continue
+            if key not in MESSAGE_EXTRA_KEYS:
+                raise RequestError(f"messages[{index}].{key}: unknown field")
+            if value is not None and not _is_empty(value):
+                raise RequestError(f"messages[{index}].{key}: not supported by this server")
+        role = message.get("role")
+        content = message.get("content")
+        if isinstance(content, list):
+            content = _text_of_parts(content, f"messages[{index}].content")
+        normalised.append({"role": "system" if role == "developer" else role, "content": content})
+    return normalised
+
+
+def _text_of_parts(parts: list, field: str) -> str:
+    texts = []
+    for index, part in enumerate(parts):
+        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise RequestError(f'{field}[{index}]: only {{"type": "text", "text": ...}} parts are supported')
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+# ---------------------------------------------------------------------------
+# Errors and the model list
+
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]/]*): ")
+_NOT_PARAMS = ("body", "server", "url")
+
+
+def error_answer(error: RequestError) -> tuple[int, dict]:
+    """The HTTP status and OpenAI error body for a refused or failed request.
+
+    The param is the field the message starts with. A prompt too long for the
+    context is a 400 with code `context_length_exceeded`, as OpenAI answers it
+    (the native route says 413).
+    """
+    message = str(error)
+    match = _FIELD_PREFIX.match(message)
+    param = match.group(1) if match and match.group(1) not in _NOT_PARAMS else None
+    status, code = error.status, None
+    if status == 413:
+        status, code = 400, "context_length_exceeded"
+    elif status == 404 and param == "model":
+        code = "model_not_found"
+    elif status == 404:
+        code = "unknown_url"
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def unknown_route_error(route: Route) -> RequestError:
+    return RequestError(
+        f"url: no route /{route.path}; this server has /v1/completions, /v1/chat/completions and /v1/models",
+        status=404,
+    )
+
+
+def model_card(model_name: str, created: int) -> dict:
+    return {"id": model_name, "object": "model", "created": created, "owned_by": OWNED_BY}
+
+
+def models_answer(route: Route, model_name: str, created: int) -> dict:
+    """GET v1/models (a list with this model) or v1/models/{id}; raises a 404 RequestError for another id."""
+    if route.kind == ROUTE_MODELS:
+        return {"object": "list", "data": [model_card(model_name, created)]}
+    assert route.kind == ROUTE_MODEL
+    if route.model_id != model_name:
+        raise RequestError(
+            f"model: the model {json.dumps(route.model_id)} does not exist; this endpoint serves "
+            f"{json.dumps(model_name)}",
+            status=404,
+        )
+    return model_card(model_name, created)

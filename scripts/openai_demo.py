@@ -1,0 +1,114 @@
+"""One streamed chat request through the official OpenAI client, against the served model.
+
+The OpenAI-compatible routes live under
+`{inference_url}/predictions/{model}/{version}/v1`; with token authorization
+on, the client's api_key is TorchServe's inference key (sent as
+`Authorization: Bearer ...`).
+
+`scripts.demo` calls `run()`; on its own, against a running server:
+
+    python -m scripts.openai_demo [--url http://127.0.0.1:8080] [--model qwen-coder-spec] [--key-file key_file.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from scripts import package_mar, torchserve
+
+MESSAGES = [
+    {"role": "system", "content": "You are a concise coding assistant."},
+    {"role": "user", "content": "Write a Python function that reverses the order of the words in a sentence."},
+]
+
+
+def base_url(inference_url: str, model_name: str, version: str = package_mar.MODEL_VERSION) -> str:
+    """The OpenAI base URL of a model served by TorchServe; the version is part of it."""
+    return f"{inference_url.rstrip('/')}/predictions/{model_name}/{version}/v1"
+
+
+def run(
+    inference_url: str,
+    model_name: str,
+    api_key: str | None,
+    max_tokens: int = 96,
+    out: TextIO = sys.stdout,
+) -> str:
+    """Streams one chat answer to `out` through the openai client and returns its text.
+
+    Args:
+        inference_url: TorchServe's inference address, e.g. http://127.0.0.1:8080.
+        model_name: the registered model.
+        api_key: the inference key from key_file.json; None when token auth is off.
+        max_tokens: the answer's token budget.
+        out: where the question, the answer and its statistics are written.
+    Returns:
+        The answer's text.
+    Raises:
+        torchserve.ClientError: the server refused the request or could not be reached.
+    """
+    import openai  # only this demo needs the client
+
+    client = openai.OpenAI(
+        base_url=base_url(inference_url, model_name),
+        api_key=api_key or "no-key",  # the client insists on one; a server without token auth ignores it
+        max_retries=0,
+        timeout=torchserve.DEFAULT_TIMEOUT_S,
+    )
+    out.write(f">>> {MESSAGES[-1]['content']}\n\n")
+    parts, usage, speculative = [], None, None
+    try:
+        stream = client.chat.completions.create(
+            model=model_name,
+            messages=MESSAGES,
+            max_completion_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        for chunk in stream:
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    parts.append(choice.delta.content)
+                    out.write(choice.delta.content)
+                    out.flush()
+            speculative = (chunk.model_extra or {}).get("speculative", speculative)
+            usage = chunk.usage or usage
+    except openai.APIStatusError as error:
+        raise torchserve.ClientError(
+            f"{client.base_url}: HTTP {error.status_code}: {error.message}", error.status_code
+        ) from None
+    except openai.APIError as error:
+        raise torchserve.ClientError(f"no answer from {client.base_url}: {error}") from None
+    summary = [f"{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens"] if usage else []
+    if speculative:
+        summary.append(f"acceptance {speculative['acceptance_rate']:.0%}")
+        summary.append(f"{speculative['mean_accepted_length']:.2f} tokens per target pass")
+    out.write(f"\n\n[openai client, {client.base_url}: {', '.join(summary)}]\n")
+    return "".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default=torchserve.DEFAULT_INFERENCE_URL, help="TorchServe inference address")
+    parser.add_argument("--model", default=torchserve.DEFAULT_MODEL, help="registered model name")
+    parser.add_argument(
+        "--key-file",
+        type=Path,
+        default=torchserve.DEFAULT_KEY_FILE,
+        help="TorchServe's key file (no key is sent when it does not exist: token auth off)",
+    )
+    parser.add_argument("--max-tokens", type=int, default=96)
+    args = parser.parse_args(argv)
+    try:
+        run(args.url, args.model, torchserve.read_key(args.key_file), args.max_tokens)
+    except torchserve.ClientError as error:
+        print(f"openai demo failed: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
