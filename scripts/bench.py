@@ -646,13 +646,18 @@ def parse_args(argv):
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="overrides the config")
     parser.add_argument("--draft-quantization", choices=["none", "int8"], help="overrides the config")
     parser.add_argument("--prompts", default=str(REPO_ROOT / "scripts" / "bench_prompts.json"))
-    parser.add_argument("--num-prompts", type=int, default=6, help="held-out prompts per set")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
+    # The defaults fit about 25 minutes on a 2-core CPU with the demo pair: 9 rows x 2 sets x 3 runs.
+    parser.add_argument("--num-prompts", type=int, default=3, help="held-out prompts per set")
+    parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--runs", type=int, default=3, help="runs per row; the table gives their median")
     parser.add_argument("--sweep-ks", default="1,2,3,4,6", help="fixed k for this engine and constant HF schedules")
     parser.add_argument("--sweep-prompts", type=int, default=1, help="tuning prompts per set")
-    parser.add_argument("--sweep-max-new-tokens", type=int, default=48)
-    parser.add_argument("--max-k", type=int, default=8, help="the cap of the cost-table and n-gram rows")
+    parser.add_argument("--sweep-max-new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--max-k",
+        type=int,
+        help="the cap of the cost-table and n-gram rows (default: the config's num_speculative_tokens)",
+    )
     parser.add_argument("--cost-batch-sizes", default="1", help="batch sizes the printed cost table shows")
     parser.add_argument("--rest-url", help="a running TorchServe's inference URL, e.g. http://127.0.0.1:8080")
     parser.add_argument("--model", default="qwen-coder-spec", help="the model name registered in TorchServe")
@@ -693,6 +698,8 @@ def main(argv=None) -> int:
         return rest_only(args, sets)
 
     config = bench_config(args)
+    if args.max_k is None:
+        args.max_k = max(1, config.num_speculative_tokens)
     models = load_models(config, None)
     machine = machine_info()
     logger.info("machine: %s", machine["description"])
