@@ -1,12 +1,15 @@
-"""Adaptive k: each request picks its number of drafts from its own running acceptance.
+"""Adaptive k: each step's number of drafts, from the rows' running acceptance and a cost table.
 
 With a per-token acceptance rate a, a step with k drafts emits on average
 E(k) = (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al. 2023, eq. 1) and costs
-k draft passes plus one verification. The best k maximises E(k) / cost(k);
-when no k > 0 beats plain decoding, the request falls back to k = 0, which is
-still exact. Adaptation never touches the sampler, so output stays lossless,
-and it reads only the request's own history, so a seeded request gives the
-same output in any batch.
+k draft passes plus one verification over k + 1 tokens. `plan_step_k` picks
+the k that maximises a whole batch's expected tokens per second, with costs
+read from a measured `handler.cost_table.CostTable`; k = 0 (plain decoding,
+still exact) wins whenever no k > 0 beats it. Adaptation never touches the
+sampler, so output stays lossless.
+
+`CostModel`, `best_k` and `AdaptiveK` are the older per-row policy with a
+linear cost model; the engine uses them until it plans k per batch.
 """
 
 from __future__ import annotations
@@ -17,10 +20,16 @@ from typing import Sequence
 
 import torch
 
+from handler.cost_table import CostTable
+
 # Weight of past steps in the acceptance estimate (about the last 10 steps count).
 DECAY = 0.9
 # Steps observed before a request may fall back to k = 0.
 MIN_STEPS_BEFORE_FALLBACK = 4
+# Plain-decoding steps after which a row drafts once more (k = 1), so that its acceptance
+# estimate can recover; an estimate that is never updated would keep it at k = 0 for good.
+# One width-2 pass in this many costs a few percent at worst.
+PROBE_INTERVAL = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,41 +63,49 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
+def plan_step_k(
+    acceptances: Sequence[float],
+    max_ks: Sequence[int],
+    table: CostTable,
+    model_drafting: bool,
+    batch_size: int | None = None,
+) -> int:
+    """The step's k, in 0..max(max_ks), with the most expected tokens per second for the batch.
+
+    A row drafts min(k, its max_k) useful tokens; the batch pays for k draft
+    steps (none when only a look-up drafts) and one verification of width
+    k + 1. Ties go to the smaller k, so k = 0 wins unless speculation is
+    strictly faster.
+
+    Args:
+        acceptances: each row's estimated per-token acceptance rate, in [0, 1].
+        max_ks: each row's largest useful k (its request's k, capped by what remains).
+        table: measured seconds per target forward and per draft step.
+        model_drafting: whether a draft model runs k steps (False: n-gram look-up only, free).
+        batch_size: the rows in the forward passes, planned or not (default: the planned rows).
+
+    Returns:
+        k, the number of drafts every row of the step gets.
+    """
+    assert len(acceptances) == len(max_ks) and len(max_ks) > 0, (acceptances, max_ks)
+    assert all(0.0 <= a <= 1.0 for a in acceptances) and min(max_ks) >= 0, (acceptances, max_ks)
+    batch_size = batch_size or len(max_ks)
+    draft_step = table.draft_seconds(batch_size) if model_drafting else 0.0
+    # k = 0: one token per planned row.
+    best, best_rate = 0, len(max_ks) / table.target_seconds(batch_size, 1)
+    for k in range(1, max(max_ks) + 1):
+        tokens = sum(expected_tokens(a, min(k, max_k)) for a, max_k in zip(acceptances, max_ks))
+        rate = tokens / (table.target_seconds(batch_size, k + 1) + k * draft_step)
+        # A relative margin, so that rounding never breaks a tie in favour of drafting.
+        if rate > best_rate * (1.0 + 1e-9):
+            best, best_rate = k, rate
+    return best
+
+
 def best_k(acceptance: float, max_k: int, cost: CostModel) -> int:
     """The k in 0..max_k with the most expected tokens per second."""
     rates = [expected_tokens(acceptance, k) / cost.step_cost(k) for k in range(max_k + 1)]
     return max(range(max_k + 1), key=rates.__getitem__)
-
-
-def plan_step_k(
-    acceptances: Sequence[float],
-    max_ks: Sequence[int],
-    table,
-    model_drafting: bool,
-    batch_size: int | None = None,
-) -> int:
-    """The step's k that maximises the batch's expected tokens per second.
-
-    Args:
-        acceptances: each planned row's per-token acceptance estimate.
-        max_ks: each planned row's cap; a row drafts min(k, cap).
-        table: measured costs, `target_seconds(batch_size, width)` and `draft_seconds(batch_size)`.
-        model_drafting: whether a draft model runs k passes (False for look-up drafts only).
-        batch_size: rows in the forward passes, planned or not (default: the planned rows).
-
-    Returns:
-        k in 0..max(max_ks); 0 when no k beats plain decoding.
-    """
-    batch_size = batch_size or len(max_ks)
-    best, best_rate = 0, 0.0
-    for k in range(max(max_ks, default=0) + 1):
-        tokens = sum(expected_tokens(a, min(k, cap)) for a, cap in zip(acceptances, max_ks))
-        seconds = table.target_seconds(batch_size, k + 1)
-        if model_drafting:
-            seconds += k * table.draft_seconds(batch_size)
-        if tokens / seconds > best_rate:
-            best, best_rate = k, tokens / seconds
-    return best
 
 
 class AcceptanceTracker:

@@ -121,6 +121,7 @@ class HandlerConfig:
     # Memory bound of the running batch: prompt + max_new_tokens summed over the requests
     # decoding together. 0 = no bound beyond TorchServe's batchSize.
     max_batch_tokens: int = 0
+    cpu_packed_weights: bool = True
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
     @property
@@ -189,7 +190,7 @@ class HandlerConfig:
             1,
             values["max_new_tokens_limit"],
         )
-        for key in ("adaptive_k", "allow_pickle_weights"):
+        for key in ("adaptive_k", "allow_pickle_weights", "cpu_packed_weights"):
             values[key] = _bool(f"handler.{key}", raw.get(key, getattr(default, key)))
         values["cpu_threads"] = _int("handler.cpu_threads", raw.get("cpu_threads", default.cpu_threads), 0, 1024)
         values["max_batch_tokens"] = _int(

@@ -34,7 +34,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from handler.adaptive import MIN_STEPS_BEFORE_FALLBACK, AcceptanceTracker, plan_step_k
+from handler.adaptive import MIN_STEPS_BEFORE_FALLBACK, PROBE_INTERVAL, AcceptanceTracker, plan_step_k
 from handler.config import SamplingParams
 from handler.drafter_model import ModelDrafter
 from handler.drafter_ngram import NgramDrafter
@@ -180,6 +180,7 @@ class _Row:
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
         self.trackers = {DRAFTER_MODEL: AcceptanceTracker(), DRAFTER_NGRAM: AcceptanceTracker()}
+        self.steps_without_drafts = 0
         self.stats = SpeculativeStats(num_speculative_tokens=request.num_speculative_tokens, drafter=drafter)
         self.generator = None
         if not request.sampling.is_greedy:
@@ -346,6 +347,7 @@ class SpeculativeEngine:
             new_tokens = emitted[slot][: accepted + 1]
             proposer = DRAFTER_MODEL if uses_model[slot] else DRAFTER_NGRAM
             row.stats.record(proposer, step_ks[slot], accepted)
+            row.steps_without_drafts = 0 if step_ks[slot] else row.steps_without_drafts + 1
             row.trackers[proposer].update(accepted, step_ks[slot])
             kept = row.extend(new_tokens)
             if row.logprobs is not None and kept:
@@ -454,12 +456,11 @@ class SpeculativeEngine:
             model_drafting=any(uses_model[s] and max_ks[s] > 0 for s in planned),
             batch_size=len(rows),
         )
-        warming_up = any(
-            rows[s].trackers[DRAFTER_MODEL if uses_model[s] else DRAFTER_NGRAM].num_steps < MIN_STEPS_BEFORE_FALLBACK
-            for s in planned
-        )
-        if k == 0 and warming_up:
-            k = 1  # too few steps observed to give up on drafting yet
+        trackers = [rows[s].trackers[DRAFTER_MODEL if uses_model[s] else DRAFTER_NGRAM] for s in planned]
+        warming_up = any(tracker.num_steps < MIN_STEPS_BEFORE_FALLBACK for tracker in trackers)
+        probing = any(rows[s].steps_without_drafts >= PROBE_INTERVAL for s in planned if max_ks[s] > 0)
+        if k == 0 and (warming_up or probing):
+            k = 1  # too few steps observed to give up on drafting, or time to look again
         step_ks = list(max_ks)
         for slot in planned:
             step_ks[slot] = min(k, max_ks[slot])

@@ -35,6 +35,8 @@ COUNTERS = {
     "spec_decode_num_draft_tokens": "draft tokens proposed, as vLLM counts them",
     "spec_decode_num_accepted_tokens": "draft tokens accepted, as vLLM counts them",
     "spec_decode_num_accepted_tokens_per_pos": "draft tokens accepted at each draft position (label position)",
+    "SpecDrafterDraftTokens": "draft tokens proposed, by the drafter that proposed them (label drafter)",
+    "SpecDrafterAcceptedTokens": "draft tokens accepted, by the drafter that proposed them (label drafter)",
 }
 GAUGES = {
     "SpecBatchOccupancy": "rows in the engine's running batch at the last step (a request, or an OpenAI choice)",
@@ -46,6 +48,13 @@ HISTOGRAMS = {
     "SpecQueueWaitSeconds": "time a request waited in the handler for room in the batch (max_batch_tokens)",
 }
 POSITION_DIMENSION = "position"
+DRAFTER_DIMENSION = "drafter"
+# Counters with a label of their own, passed before the ModelName and Level TorchServe appends.
+LABELLED_COUNTERS = {
+    "spec_decode_num_accepted_tokens_per_pos": POSITION_DIMENSION,
+    "SpecDrafterDraftTokens": DRAFTER_DIMENSION,
+    "SpecDrafterAcceptedTokens": DRAFTER_DIMENSION,
+}
 COUNT_UNIT = "Count"
 SECONDS_UNIT = "Seconds"
 
@@ -74,6 +83,11 @@ class MetricsRecorder:
         self._add("SpecTargetForwardPasses", stats.target_forward_passes, COUNT_UNIT, counter)
         if stats.fell_back:
             self._add("SpecFallbacks", 1, COUNT_UNIT, counter)
+        for drafter, num_drafted in stats.draft_tokens_by_drafter.items():
+            label = [Dimension(DRAFTER_DIMENSION, drafter)]
+            self._add("SpecDrafterDraftTokens", num_drafted, COUNT_UNIT, counter, label)
+            num_accepted = stats.accepted_tokens_by_drafter.get(drafter, 0)
+            self._add("SpecDrafterAcceptedTokens", num_accepted, COUNT_UNIT, counter, label)
         self._add("SpecRequestLatencySeconds", latency_seconds, SECONDS_UNIT, histogram)
         if stats.completion_tokens:
             self._add(

@@ -20,8 +20,8 @@ import time
 from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.torch_handler.base_handler import BaseHandler
 
-from handler.adaptive import measure_cost_model
 from handler.config import handler_config_from_yaml_config
+from handler.cost_table import measure_cost_table
 from handler.engine import SpeculativeEngine
 from handler.loading import load_models
 from handler.metrics import MetricsRecorder
@@ -44,8 +44,16 @@ class SpeculativeHandler(BaseHandler):
         self.device = self.models.device
         cost_table = None
         if self.config.adaptive_k:
-            cost_table = measure_cost_model(self.models.target, self.models.draft, self.config.num_speculative_tokens)
-            logger.info("adaptive k: %s (draft/target cost ratio c = %.3f)", cost_table, cost_table.draft_target_ratio)
+            # Measured here, on the device and dtype that serve, and cached in the model dir.
+            cost_table = measure_cost_table(
+                self.models.target,
+                self.models.draft,
+                max_width=self.config.max_num_speculative_tokens + 1,
+                max_batch_size=int((context.model_yaml_config or {}).get("batchSize", 1)),
+                cache_dir=properties.get("model_dir"),
+                model_identity=f"{context.model_name}/{(self.manifest or {}).get('model', {}).get('modelVersion', '')}",
+            )
+            logger.info("adaptive k: measured cost table\n%s", cost_table.format())
         self.engine = SpeculativeEngine(
             self.models.target,
             self.models.draft,

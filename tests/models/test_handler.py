@@ -191,3 +191,29 @@ def test_a_chat_template_error_is_a_400_for_that_request_only(handler, tiny_mode
     )
     assert statuses == [400, 200]
     assert answers[0]["error"].startswith("messages: the model's chat template rejected them")
+
+
+def test_requests_pick_a_drafter_the_archive_can_run(handler, tiny_models_dir):
+    bodies = [
+        {"prompt": "def add(a, b):", "max_new_tokens": 10, "drafter": "ngram"},
+        {"prompt": "def add(a, b):", "max_new_tokens": 10, "drafter": "hybrid"},
+        {"prompt": "def add(a, b):", "max_new_tokens": 10},
+        {"prompt": "def add(a, b):", "max_new_tokens": 10, "drafter": "eagle"},
+    ]
+    answers, statuses = call(handler, tiny_models_dir, bodies)
+    assert statuses == [200, 200, 200, 400]
+    assert [a["speculative"]["drafter"] for a in answers[:3]] == ["ngram", "hybrid", "model"]
+    # Greedy output does not depend on who drafted it.
+    assert answers[0]["token_ids"] == answers[1]["token_ids"] == answers[2]["token_ids"]
+    assert "drafter" in answers[3]["error"] and "ngram" in answers[3]["error"]
+
+
+def test_an_ngram_archive_serves_without_a_draft_model(tiny_models_dir):
+    section = {k: v for k, v in HANDLER_SECTION.items() if k != "draft_model"} | {"drafter": "ngram"}
+    lookup = SpeculativeHandler()
+    lookup.initialize(make_context(tiny_models_dir, section))
+    assert lookup.models.draft is None
+    answers, statuses = call(lookup, tiny_models_dir, [{"prompt": "x", "max_new_tokens": 8}, {"prompt": "x", "drafter": "model"}])
+    assert statuses == [200, 400]
+    assert answers[0]["speculative"]["drafter"] == "ngram"
+    assert "not available" in answers[1]["error"]

@@ -166,3 +166,18 @@ def test_batch_plan_never_changes_a_seeded_request(tiny_pair):
     others = [GenerationRequest(encode(tokenizer, p), 30, GREEDY, 8) for p in PROMPTS[1:4]]
     together = planned.generate([*others, seeded])[-1]
     assert together.token_ids == alone.token_ids
+
+
+def test_a_row_that_fell_back_probes_with_one_draft_every_interval(tiny_pair):
+    from handler.adaptive import MIN_STEPS_BEFORE_FALLBACK, PROBE_INTERVAL
+
+    target, draft, tokenizer = tiny_pair
+    planned = make_engine(target, draft, tokenizer, eos_token_ids=())
+    planned.cost_table = CostModel(draft_step=0.05, target_step=1.0, target_per_extra_token=1.0)
+    prompt_ids = encode(tokenizer, PROMPTS[1])
+    result = planned.generate([GenerationRequest(prompt_ids, 120, GREEDY, 4)])[0]
+    plain = make_engine(target, draft, tokenizer, eos_token_ids=()).generate([GenerationRequest(prompt_ids, 120, GREEDY, 0)])
+    assert result.token_ids == plain[0].token_ids
+    num_probes = result.stats.num_drafts - MIN_STEPS_BEFORE_FALLBACK
+    assert 1 <= num_probes <= 120 // PROBE_INTERVAL
+    assert result.stats.draft_tokens == result.stats.num_drafts  # warm-up and probes draft one token

@@ -39,6 +39,8 @@ def test_full_section_round_trips():
         }
     )
     assert config.dtype == "bfloat16" and config.num_speculative_tokens == 6
+    assert HandlerConfig.from_dict({"cpu_packed_weights": False}).cpu_packed_weights is False
+    assert HandlerConfig().cpu_packed_weights is True
     assert config.sampling == SamplingParams(0.7, 50, 0.95)
 
 
@@ -62,6 +64,7 @@ def test_full_section_round_trips():
         ({"sampling": {"top_k": -3}}, "handler.sampling.top_k"),
         ({"sampling": [1, 2]}, "handler.sampling"),
         ({"target_model": ""}, "handler.target_model"),
+        ({"cpu_packed_weights": "yes"}, "handler.cpu_packed_weights"),
     ],
 )
 def test_bad_values_name_the_key(section, key_in_message):
@@ -76,7 +79,7 @@ def test_handler_section_must_be_a_mapping():
 
 def test_every_handler_metric_is_declared_in_metrics_yaml():
     """TorchServe drops undeclared model metrics silently, so a missing declaration is a silent outage."""
-    from handler.metrics import COUNTERS, GAUGES, HISTOGRAMS, POSITION_DIMENSION
+    from handler.metrics import COUNTERS, GAUGES, HISTOGRAMS, LABELLED_COUNTERS, POSITION_DIMENSION
 
     declared = yaml.safe_load((REPO_ROOT / "model-config" / "metrics.yaml").read_text())["model_metrics"]
     assert {m["name"] for m in declared["counter"]} >= set(COUNTERS)
@@ -86,7 +89,9 @@ def test_every_handler_metric_is_declared_in_metrics_yaml():
     # passes the position first, TorchServe appends ModelName and Level.
     dimensions = {m["name"]: m["dimensions"] for kind in declared.values() for m in kind}
     assert dimensions["spec_decode_num_accepted_tokens_per_pos"] == [POSITION_DIMENSION, "ModelName", "Level"]
-    others = [dims for name, dims in dimensions.items() if name != "spec_decode_num_accepted_tokens_per_pos"]
+    for name, label in LABELLED_COUNTERS.items():
+        assert dimensions[name] == [label, "ModelName", "Level"], name
+    others = [dims for name, dims in dimensions.items() if name not in LABELLED_COUNTERS]
     assert all(dims == ["ModelName", "Level"] for dims in others)
     assert yaml.safe_load((REPO_ROOT / "model-config" / "metrics.yaml").read_text())["ts_metrics"]["counter"]
 

@@ -1,0 +1,383 @@
+"""A measured cost table: seconds per target forward by batch size and width, and per draft step.
+
+What a speculative step costs depends on the machine far more than on the
+model: on a GPU a verification over 8 tokens costs about as much as one, while
+on some CPUs a forward over 4 tokens costs twice one. So the table is measured
+at start-up, on the real device, dtype and models, in the way the engine
+calls them: a chunk of `width` new tokens appended to a cached context of
+about 100 tokens per row, with explicit position ids and `logits_to_keep =
+width` (the engine keeps the logits of every verified position).
+
+The grid is sparse (widths 1, 2, 3, 4, then powers of two, and the largest;
+batch sizes 1, powers of two, and the largest) and the table interpolates
+linearly in between. When a measurement takes long, the table is cached as
+JSON in a folder the caller names, keyed by the machine, the thread count,
+torch's version, the models' identity and the grid; any change re-measures.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import time
+from typing import Any, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Tokens already in each row's cache when a chunk is timed: a short, typical decoding context.
+CONTEXT_LENGTH = 100
+# Bumped whenever the measuring method changes, so that old cached tables are re-measured.
+FORMAT_VERSION = 1
+CACHE_FILE_PREFIX = "cost_table-"
+
+
+def sparse_grid(maximum: int, dense_up_to: int = 1) -> tuple[int, ...]:
+    """1..dense_up_to, then the powers of two below `maximum`, then `maximum`."""
+    assert maximum >= 1, maximum
+    points = set(range(1, min(dense_up_to, maximum) + 1))
+    power = 2
+    while power < maximum:
+        points.add(power)
+        power *= 2
+    points.add(maximum)
+    return tuple(sorted(points))
+
+
+def _interpolate(points: Sequence[int], values: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (points, values); linear extrapolation past the last point."""
+    assert len(points) == len(values) and len(points) >= 1
+    if len(points) == 1:
+        # One point: cost proportional to x, the honest guess for a bigger batch or chunk.
+        return values[0] * x / points[0]
+    if x <= points[0]:
+        return values[0]
+    index = min(bisect.bisect_left(points, x), len(points) - 1)
+    left, right = points[index - 1], points[index]
+    fraction = (x - left) / (right - left)
+    return max(0.0, values[index - 1] + fraction * (values[index] - values[index - 1]))
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """Seconds per forward pass on one machine.
+
+    Attributes:
+        widths: measured chunk widths, ascending, starting at 1.
+        batch_sizes: measured batch sizes, ascending, starting at 1.
+        target: target seconds, [len(batch_sizes)][len(widths)].
+        draft: draft seconds for a one-token step, [len(batch_sizes)]; None when
+            no draft model was measured (an n-gram-only deployment).
+    """
+
+    widths: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+    target: tuple[tuple[float, ...], ...]
+    draft: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        assert self.widths and self.widths[0] == 1 and list(self.widths) == sorted(set(self.widths)), self.widths
+        assert (
+            self.batch_sizes and self.batch_sizes[0] == 1 and list(self.batch_sizes) == sorted(set(self.batch_sizes))
+        ), self.batch_sizes
+        assert len(self.target) == len(self.batch_sizes), (len(self.target), self.batch_sizes)
+        assert all(len(row) == len(self.widths) for row in self.target), self.target
+        assert self.draft is None or len(self.draft) == len(self.batch_sizes), self.draft
+
+    @property
+    def has_draft(self) -> bool:
+        return self.draft is not None
+
+    def target_seconds(self, batch_size: int, width: int) -> float:
+        """The target's forward over `width` new tokens for each of `batch_size` rows.
+
+        Bilinear between grid points; past the grid, extrapolated from its edge.
+        """
+        assert batch_size >= 1 and width >= 1, (batch_size, width)
+        by_batch = [_interpolate(self.widths, row, width) for row in self.target]
+        return _interpolate(self.batch_sizes, by_batch, batch_size)
+
+    def draft_seconds(self, batch_size: int) -> float:
+        """The draft's step over one new token for each of `batch_size` rows."""
+        assert self.draft is not None, "this table has no draft: it was measured without a draft model"
+        assert batch_size >= 1, batch_size
+        return _interpolate(self.batch_sizes, self.draft, batch_size)
+
+    def format(self) -> str:
+        """A multi-line table in milliseconds, for the log and the benchmark."""
+        header = "batch \\ width " + "".join(f"{width:>9d}" for width in self.widths)
+        lines = ["target forward (ms) over a chunk of `width` new tokens per row:", header]
+        for batch_size, row in zip(self.batch_sizes, self.target):
+            lines.append(f"{batch_size:>13d} " + "".join(f"{seconds * 1e3:>9.1f}" for seconds in row))
+        lines.append(
+            "cost of width w / width 1, batch 1: "
+            + ", ".join(
+                f"{width}: {seconds / self.target[0][0]:.2f}" for width, seconds in zip(self.widths, self.target[0])
+            )
+        )
+        if self.draft is None:
+            lines.append("draft step: none (no draft model)")
+        else:
+            lines.append(
+                "draft step (ms) by batch size: "
+                + ", ".join(f"{batch}: {seconds * 1e3:.1f}" for batch, seconds in zip(self.batch_sizes, self.draft))
+            )
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "widths": list(self.widths),
+            "batch_sizes": list(self.batch_sizes),
+            "target_seconds": [list(row) for row in self.target],
+            "draft_seconds": None if self.draft is None else list(self.draft),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CostTable:
+        draft = data["draft_seconds"]
+        return cls(
+            widths=tuple(int(w) for w in data["widths"]),
+            batch_sizes=tuple(int(b) for b in data["batch_sizes"]),
+            target=tuple(tuple(float(s) for s in row) for row in data["target_seconds"]),
+            draft=None if draft is None else tuple(float(s) for s in draft),
+        )
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cpu_description() -> str:
+    """The CPU's model name and instruction-set flags: the things that decide its GEMM kernels."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            fields = {}
+            for line in cpuinfo:
+                name, _, value = line.partition(":")
+                fields.setdefault(name.strip(), value.strip())
+                if "model name" in fields and "flags" in fields:
+                    break
+        flags = sorted(flag for flag in fields.get("flags", "").split() if flag.startswith(("avx", "amx", "fma")))
+        return f"{fields.get('model name', platform.processor())} [{' '.join(flags)}]"
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def machine_key(device: torch.device) -> dict[str, Any]:
+    """What the timings depend on besides the models: the processor, the threads and torch."""
+    if device.type == "cuda":
+        processor = torch.cuda.get_device_name(device)
+    else:
+        processor = _cpu_description()
+    return {
+        "device": device.type,
+        "processor": processor,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def model_fingerprint(model: torch.nn.Module | None) -> dict[str, Any] | None:
+    """The model's architecture, parameter dtypes and layer types (an int8 draft differs from a bf16 one)."""
+    if model is None:
+        return None
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version"):
+        config.pop(volatile, None)
+    layer_types = sorted({type(module).__name__ for module in model.modules()})
+    dtypes = sorted({str(parameter.dtype) for parameter in model.parameters()})
+    digest = hashlib.sha256(json.dumps([config, layer_types, dtypes], sort_keys=True, default=str).encode())
+    return {"config_sha256": digest.hexdigest()[:16], "dtypes": dtypes}
+
+
+@torch.inference_mode()
+def _time_grid(
+    target: torch.nn.Module,
+    draft: torch.nn.Module | None,
+    widths: Sequence[int],
+    batch_sizes: Sequence[int],
+    repeats: int,
+    warmups: int,
+) -> tuple[list[list[float]], list[float] | None]:
+    from transformers import DynamicCache
+
+    device = _device_of(target)
+    generator = torch.Generator().manual_seed(0)
+
+    def random_ids(model, batch_size: int, width: int) -> torch.Tensor:
+        vocab = model.config.get_text_config().vocab_size
+        return torch.randint(0, vocab, (batch_size, width), generator=generator).to(device)  # [batch, width]
+
+    def prefilled(model, batch_size: int):
+        cache = DynamicCache(config=model.config)
+        model(
+            input_ids=random_ids(model, batch_size, CONTEXT_LENGTH),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return cache
+
+    def timed_chunk(model, cache, batch_size: int, width: int) -> float:
+        input_ids = random_ids(model, batch_size, width)  # [batch, width]
+        position_ids = torch.arange(CONTEXT_LENGTH, CONTEXT_LENGTH + width, device=device).expand(batch_size, width)
+        _synchronize(device)
+        start = time.perf_counter()
+        model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=width,
+        )
+        _synchronize(device)
+        seconds = time.perf_counter() - start
+        cache.crop(-width)  # rollback is a length: the next chunk sees the same context
+        return seconds
+
+    target_caches = {batch: prefilled(target, batch) for batch in batch_sizes}
+    draft_caches = {batch: prefilled(draft, batch) for batch in batch_sizes} if draft is not None else {}
+    target_samples = {(batch, width): [] for batch in batch_sizes for width in widths}
+    draft_samples = {batch: [] for batch in draft_caches}
+    # Repeats are the outer loop: a burst of load from another process spreads over every
+    # grid point instead of inflating one of them.
+    for repeat in range(warmups + repeats):
+        for batch in batch_sizes:
+            for width in widths:
+                seconds = timed_chunk(target, target_caches[batch], batch, width)
+                if repeat >= warmups:
+                    target_samples[batch, width].append(seconds)
+            if draft is not None:
+                seconds = timed_chunk(draft, draft_caches[batch], batch, 1)
+                if repeat >= warmups:
+                    draft_samples[batch].append(seconds)
+
+    target_grid = [[statistics.median(target_samples[batch, width]) for width in widths] for batch in batch_sizes]
+    # A wider chunk or a bigger batch never costs less: a noisy dip would make speculation look
+    # free, a noisy spike would make it look hopeless. Isotonic fits along each axis pool the
+    # out-of-order neighbours into their mean instead of letting one outlier set the rest.
+    target_grid = [_isotonic(row) for row in target_grid]
+    columns = [_isotonic(list(column)) for column in zip(*target_grid)]
+    target_grid = [_running_max(list(row)) for row in zip(*columns)]
+    draft_grid = None
+    if draft is not None:
+        draft_grid = _isotonic([statistics.median(draft_samples[batch]) for batch in batch_sizes])
+    return target_grid, draft_grid
+
+
+def _isotonic(values: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled block
+    for value in values:
+        blocks.append([value, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
+def _running_max(values: list[float]) -> list[float]:
+    return [max(values[: i + 1]) for i in range(len(values))]
+
+
+def _cache_path(cache_dir: str, key: dict[str, Any]) -> str:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(cache_dir, f"{CACHE_FILE_PREFIX}{digest}.json")
+
+
+def _read_cached(path: str, key: dict[str, Any]) -> CostTable | None:
+    try:
+        with open(path, encoding="utf-8") as file:
+            cached = json.load(file)
+        if cached.get("key") != key:
+            return None
+        return CostTable.from_json(cached["table"])
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as error:
+        if not isinstance(error, FileNotFoundError):
+            logger.warning("ignoring the cached cost table %s: %s", path, error)
+        return None
+
+
+def _write_cached(path: str, key: dict[str, Any], table: CostTable) -> None:
+    # Written to a temporary file and renamed, so a worker never reads half a table.
+    try:
+        folder = os.path.dirname(path)
+        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False, encoding="utf-8") as file:
+            json.dump({"key": key, "table": table.to_json()}, file, indent=1)
+        os.replace(file.name, path)
+    except OSError as error:
+        logger.warning("cannot cache the cost table in %s (%s); it will be measured again next start", path, error)
+
+
+def measure_cost_table(
+    target: torch.nn.Module,
+    draft: torch.nn.Module | None,
+    max_width: int,
+    max_batch_size: int,
+    *,
+    repeats: int = 3,
+    warmups: int = 1,
+    cache_dir: str | None = None,
+    model_identity: str = "",
+) -> CostTable:
+    """Times the target and the draft on their real device and dtype, or reads a cached table.
+
+    Args:
+        target: the target causal LM, in eval mode, on its device.
+        draft: the draft causal LM, or None when no draft model drafts (n-gram look-up).
+        max_width: the widest verification, max_num_speculative_tokens + 1.
+        max_batch_size: the most rows decoded together (TorchServe's batchSize).
+        repeats: timed runs per grid point; the table holds their median.
+        warmups: untimed runs over the whole grid first (allocator, kernel choice, caches).
+        cache_dir: a folder (the model dir) in which to cache the table as JSON; None never caches.
+        model_identity: names the archive (model name and version), part of the cache key.
+
+    Returns:
+        The CostTable over widths sparse_grid(max_width) and batch sizes sparse_grid(max_batch_size).
+    """
+    assert max_width >= 1 and max_batch_size >= 1 and repeats >= 1, (max_width, max_batch_size, repeats)
+    widths = sparse_grid(max_width, dense_up_to=4)
+    batch_sizes = sparse_grid(max_batch_size)
+    device = _device_of(target)
+    key = {
+        "format": FORMAT_VERSION,
+        "machine": machine_key(device),
+        "model_identity": model_identity,
+        "target": model_fingerprint(target),
+        "draft": model_fingerprint(draft),
+        "widths": list(widths),
+        "batch_sizes": list(batch_sizes),
+        "context_length": CONTEXT_LENGTH,
+    }
+    path = _cache_path(cache_dir, key) if cache_dir else None
+    if path is not None:
+        cached = _read_cached(path, key)
+        if cached is not None:
+            logger.info("cost table read from %s", path)
+            return cached
+    start = time.perf_counter()
+    target_grid, draft_grid = _time_grid(target, draft, widths, batch_sizes, repeats, warmups)
+    table = CostTable(
+        widths=widths,
+        batch_sizes=batch_sizes,
+        target=tuple(tuple(row) for row in target_grid),
+        draft=None if draft_grid is None else tuple(draft_grid),
+    )
+    logger.info("cost table measured in %.1f s", time.perf_counter() - start)
+    if path is not None:
+        _write_cached(path, key, table)
+    return table

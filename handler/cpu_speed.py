@@ -1,0 +1,275 @@
+"""A faster forward pass on the CPU: linear layers on oneDNN with pre-packed weights.
+
+Decoding on a CPU is bound by reading the weights: a verification over k + 1
+tokens should cost about what one token costs, since each weight is read once
+whatever the number of rows. torch's default CPU path does not get there. In
+float32, `F.linear` goes to MKL, whose matrix-vector path (one row) runs near
+memory speed but whose matrix-matrix path for 2..16 rows costs about twice as
+much on the CPUs measured (docs/cpu-verify-cost.md). In bfloat16 it goes to
+oneDNN, which re-orders the plain weight into its blocked layout on every call.
+
+`pack_linear_layers` re-lays each linear weight once, at load time, into
+oneDNN's blocked layout and runs the layer with `torch.ops.mkldnn._linear_pointwise`
+(the kernel torch.compile's CPU back end uses after freezing). The weights
+keep their values; only the order of the additions inside a dot product
+changes, which moves float32 logits by about 1e-5 on the demo target: the same
+size as the difference between MKL's one-row and many-row paths that every
+verification already sees. The memory stays the same: the plain weight is
+dropped once packed. A weight shared with the input embedding (a tied output
+head) stays plain, and its layer still runs on oneDNN.
+
+`choose_cpu_dtype` is the rule behind `dtype: auto` on the CPU: float32 unless
+bfloat16 is clearly faster on this machine, measured on one decoder layer's
+linear shapes, or float32 would not fit in memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import struct
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# bfloat16 must beat float32 by this factor for `dtype: auto` to give up float32's exactness.
+BF16_MIN_SPEEDUP = 1.25
+# Models whose float32 weights take less than this are never worth the bf16 caveat: their
+# passes are dominated by per-layer overheads, not by reading weights.
+MIN_BYTES_FOR_BF16 = 256 * 2**20
+# Share of the available memory that the float32 weights of both models may take.
+FP32_MEMORY_FRACTION = 0.6
+
+
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether this torch build can run oneDNN linear layers in `dtype` on this CPU."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
+
+
+class PackedLinear(torch.nn.Module):
+    """A bias-optional linear layer run by oneDNN, its weight pre-packed once (or shared and plain)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,  # [out_features, in_features]
+        bias: torch.nn.Parameter | None,  # [out_features]
+        pack: bool,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        weight = weight.detach()
+        # An opaque oneDNN tensor: kept as a plain attribute, outside state_dict and parameters().
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack else weight
+        self.bias = bias
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., in_features]
+        bias = None if self.bias is None else self.bias.detach()
+        return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, bias, "none", [None], "")  # [..., out]
+
+    def plain_weight(self) -> torch.Tensor:  # [out_features, in_features]
+        """The weight in torch's ordinary layout (packing keeps every value)."""
+        return self.packed_weight.to_dense() if self.packed_weight.is_mkldnn else self.packed_weight
+
+    def to_linear(self) -> torch.nn.Linear:
+        """An nn.Linear with the same weight and bias, e.g. for a quantizer that looks for nn.Linear."""
+        weight = self.plain_weight()
+        linear = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if self.bias is not None:
+            linear.bias = self.bias
+        return linear
+
+    def __deepcopy__(self, memo: dict) -> PackedLinear:
+        # An opaque oneDNN tensor has no storage for copy.deepcopy to copy: re-pack a plain copy.
+        bias = None if self.bias is None else copy.deepcopy(self.bias, memo)
+        return PackedLinear(self.plain_weight().clone(), bias, pack=self.packed_weight.is_mkldnn)
+
+    def extra_repr(self) -> str:
+        packed = self.packed_weight.is_mkldnn
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed={packed}"
+
+
+def pack_linear_layers(model: torch.nn.Module) -> int:
+    """Replaces every nn.Linear of a CPU model with a PackedLinear, in place.
+
+    Args:
+        model: a float32 or bfloat16 model on the CPU, in eval mode, used for inference only
+            (oneDNN's linear has no backward).
+
+    Returns:
+        The number of layers replaced (0 when oneDNN cannot run the model's dtype here).
+    """
+    parameter = next(model.parameters())
+    assert parameter.device.type == "cpu", parameter.device
+    if not onednn_supports(parameter.dtype):
+        logger.info("oneDNN cannot run %s linear layers here; keeping torch's default path", parameter.dtype)
+        return 0
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    shared = embedding.weight if embedding is not None else None
+    num_replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            # Exactly nn.Linear: subclasses (quantized or LoRA layers) compute something else.
+            if type(child) is not torch.nn.Linear or child.weight.dtype != parameter.dtype:
+                continue
+            tied = shared is not None and child.weight is shared
+            setattr(parent, name, PackedLinear(child.weight, child.bias, pack=not tied))
+            num_replaced += 1
+    return num_replaced
+
+
+def unpack_linear_layers(model: torch.nn.Module) -> int:
+    """Turns every PackedLinear of a model back into an nn.Linear, in place; returns how many."""
+    num_replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                setattr(parent, name, child.to_linear())
+                num_replaced += 1
+    return num_replaced
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@torch.inference_mode()
+def measure_bf16_speedup(weight_shapes: list[tuple[int, int]], widths: tuple[int, ...], repeats: int = 5) -> float:
+    """float32 seconds / bfloat16 seconds for packed linear layers of these shapes, on this CPU.
+
+    One pass runs every layer in turn, so that the weights together overflow
+    the last-level cache as a whole model does; a layer timed alone could be
+    served from the cache in bfloat16 and not in float32. The timing runs on
+    one thread and keeps the fastest pass: a ratio of two memory-bound passes
+    survives that, while a multi-threaded pass on a busy machine mostly times
+    the other processes.
+
+    Args:
+        weight_shapes: (out_features, in_features) of the layers to time, e.g. one decoder layer's.
+        widths: rows per pass (tokens in a verification); their times are summed.
+        repeats: timed passes per dtype and width, alternating between the dtypes.
+
+    Returns:
+        How many times faster bfloat16 runs; 0.0 when oneDNN cannot run bfloat16 here.
+    """
+    if not (onednn_supports(torch.float32) and onednn_supports(torch.bfloat16)) or not weight_shapes:
+        return 0.0
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(shape, generator=generator) * 0.02 for shape in weight_shapes]  # [out, in] each
+    dtypes = (torch.float32, torch.bfloat16)
+    layers = {dtype: [PackedLinear(weight.to(dtype), None, pack=True) for weight in weights] for dtype in dtypes}
+    inputs = {
+        (dtype, width): [
+            torch.randn(width, in_features, generator=generator).to(dtype) for _, in_features in weight_shapes
+        ]
+        for dtype in dtypes
+        for width in widths
+    }  # each [width, in_features]
+    best = {(dtype, width): float("inf") for dtype in dtypes for width in widths}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for repeat in range(repeats + 1):
+            for width in widths:
+                for dtype in dtypes:
+                    start = time.perf_counter()
+                    for layer, hidden in zip(layers[dtype], inputs[dtype, width]):
+                        layer(hidden)
+                    if repeat:  # the first pass creates oneDNN's kernels
+                        best[dtype, width] = min(best[dtype, width], time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    seconds = {dtype: sum(best[dtype, width] for width in widths) for dtype in dtypes}
+    return seconds[torch.float32] / seconds[torch.bfloat16]
+
+
+def _safetensors_headers(path: str) -> list[dict]:
+    headers = []
+    if not os.path.isdir(path):
+        return headers
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(path, name), "rb") as file:
+                (header_length,) = struct.unpack("<Q", file.read(8))
+                header = json.loads(file.read(header_length))
+            header.pop("__metadata__", None)
+            headers.append(header)
+    return headers
+
+
+def checkpoint_fp32_bytes(paths: list[str]) -> int:
+    """The float32 size of the weights in these model folders, read from their safetensors headers."""
+    return sum(
+        4 * math.prod(tensor["shape"])
+        for path in paths
+        for header in _safetensors_headers(path)
+        for tensor in header.values()
+    )
+
+
+def first_layer_weight_shapes(path: str) -> list[tuple[int, int]]:
+    """The (out, in) shapes of the 2-D weights of decoder layer 0 in a model folder's safetensors."""
+    shapes = []
+    for header in _safetensors_headers(path):
+        for key, tensor in header.items():
+            if ".layers.0." in key and key.endswith(".weight") and len(tensor["shape"]) == 2:
+                shapes.append((int(tensor["shape"][0]), int(tensor["shape"][1])))
+    return sorted(shapes)
+
+
+def choose_cpu_dtype(fp32_bytes: int, weight_shapes: list[tuple[int, int]], max_width: int) -> torch.dtype:
+    """The dtype `dtype: auto` picks on the CPU.
+
+    float32 (exact greedy output, token for token) unless both: the weights are
+    big enough for their reading to dominate a pass, and bfloat16 measures at
+    least BF16_MIN_SPEEDUP times faster on these layer shapes at widths 1 and
+    max_width. bfloat16 regardless when float32 weights would take more than
+    FP32_MEMORY_FRACTION of the available memory.
+
+    Args:
+        fp32_bytes: float32 size of both models' weights (checkpoint_fp32_bytes).
+        weight_shapes: (out_features, in_features) of one decoder layer's linear layers.
+        max_width: the widest verification, max_num_speculative_tokens + 1.
+
+    Returns:
+        torch.float32 or torch.bfloat16.
+    """
+    available = _available_memory_bytes()
+    if available is not None and fp32_bytes > FP32_MEMORY_FRACTION * available and onednn_supports(torch.bfloat16):
+        logger.info(
+            "dtype auto: bfloat16, float32 weights (%.1f GB) exceed %.0f%% of the available memory (%.1f GB)",
+            fp32_bytes / 1e9,
+            100 * FP32_MEMORY_FRACTION,
+            available / 1e9,
+        )
+        return torch.bfloat16
+    if fp32_bytes < MIN_BYTES_FOR_BF16 or not weight_shapes:
+        logger.info("dtype auto: float32 (%.0f MB of weights: too small for bfloat16 to pay)", fp32_bytes / 2**20)
+        return torch.float32
+    speedup = measure_bf16_speedup(weight_shapes, widths=tuple(sorted({1, max(1, max_width)})))
+    dtype = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
+    logger.info(
+        "dtype auto: %s (bfloat16 measured %.2fx float32's speed on one decoder layer; needs %.2fx)",
+        str(dtype).removeprefix("torch."),
+        speedup,
+        BF16_MIN_SPEEDUP,
+    )
+    return dtype

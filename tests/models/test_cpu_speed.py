@@ -1,0 +1,154 @@
+"""oneDNN packed linear layers keep the target's output; the dtype rule of `dtype: auto` on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from handler import cpu_speed
+from handler.config import HandlerConfig
+from handler.cpu_speed import (
+    PackedLinear,
+    checkpoint_fp32_bytes,
+    choose_cpu_dtype,
+    first_layer_weight_shapes,
+    measure_bf16_speedup,
+    pack_linear_layers,
+)
+from handler.engine import GenerationRequest
+from handler.loading import load_models
+
+from .conftest import make_engine
+from .test_engine import GREEDY, PROMPTS, encode, reference_greedy
+
+pytestmark = pytest.mark.skipif(not cpu_speed.onednn_supports(torch.float32), reason="this torch has no oneDNN")
+
+
+def load_tiny(tiny_models_dir, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return [
+        AutoModelForCausalLM.from_pretrained(tiny_models_dir / name, dtype=dtype).eval() for name in ("target", "draft")
+    ]
+
+
+@pytest.fixture(scope="module")
+def packed_pair(tiny_models_dir):
+    target, draft = load_tiny(tiny_models_dir)
+    assert pack_linear_layers(target) == pack_linear_layers(draft) == 2 * 7 + 1  # 2 layers x 7, plus the head
+    return target, draft
+
+
+def test_every_linear_is_replaced_and_the_tied_head_stays_shared(tiny_models_dir):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_models_dir / "target", dtype=torch.float32).eval()
+    tied = target.get_output_embeddings().weight is target.get_input_embeddings().weight
+    num_parameters = sum(parameter.numel() for parameter in target.parameters())
+    pack_linear_layers(target)
+    assert not any(type(module) is torch.nn.Linear for module in target.modules())
+    head = target.lm_head
+    assert isinstance(head, PackedLinear)
+    assert head.packed_weight.is_mkldnn is not tied  # a shared weight stays plain, no copy
+    assert target.model.layers[0].mlp.up_proj.packed_weight.is_mkldnn
+    # The plain weights are gone, not duplicated: only the embedding, norms and biases stay parameters.
+    assert sum(parameter.numel() for parameter in target.parameters()) < num_parameters
+
+
+def test_packed_logits_match_the_plain_model(tiny_models_dir, packed_pair):
+    plain, _ = load_tiny(tiny_models_dir)
+    packed, _ = packed_pair
+    input_ids = torch.arange(3, 40)[None]  # [1, 37]
+    with torch.inference_mode():
+        expected = plain(input_ids).logits
+        actual = packed(input_ids).logits
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_output_with_packed_layers_equals_the_plain_targets_generate(tiny_pair, packed_pair, k):
+    plain_target, _, tokenizer = tiny_pair
+    engine = make_engine(*packed_pair, tokenizer)
+    for prompt in PROMPTS:
+        prompt_ids = encode(tokenizer, prompt)
+        expected = reference_greedy(plain_target, prompt_ids, 40)
+        assert engine.generate([GenerationRequest(prompt_ids, 40, GREEDY, k)])[0].token_ids == expected, prompt
+
+
+def test_bfloat16_layers_pack_too(tiny_models_dir):
+    if not cpu_speed.onednn_supports(torch.bfloat16):
+        pytest.skip("oneDNN has no bfloat16 on this CPU")
+    plain, _ = load_tiny(tiny_models_dir, torch.bfloat16)
+    packed, _ = load_tiny(tiny_models_dir, torch.bfloat16)
+    assert pack_linear_layers(packed) == 15
+    input_ids = torch.arange(3, 20)[None]
+    with torch.inference_mode():
+        # bf16 F.linear already runs on oneDNN: packing only saves the per-call re-layout.
+        torch.testing.assert_close(packed(input_ids).logits, plain(input_ids).logits, rtol=0, atol=0)
+
+
+def test_load_models_packs_on_the_cpu_unless_the_config_says_no(tiny_models_dir):
+    on = load_models(HandlerConfig(dtype="float32"), str(tiny_models_dir))
+    assert isinstance(on.target.lm_head, PackedLinear) and isinstance(on.draft.lm_head, PackedLinear)
+    off = load_models(HandlerConfig(dtype="float32", cpu_packed_weights=False), str(tiny_models_dir))
+    assert type(off.target.lm_head) is torch.nn.Linear
+
+
+def test_checkpoint_sizes_and_shapes_come_from_the_safetensors_headers(tiny_models_dir, tiny_pair):
+    target, draft, _ = tiny_pair
+    expected = 4 * sum(
+        p.numel() for model in (target, draft) for p in model.state_dict().values() if p.is_floating_point()
+    )
+    # Tied heads are stored once; the state dict lists them twice.
+    tied = sum(model.lm_head.weight.numel() for model in (target, draft) if model.config.tie_word_embeddings)
+    assert (
+        checkpoint_fp32_bytes([str(tiny_models_dir / "target"), str(tiny_models_dir / "draft")]) == expected - 4 * tied
+    )
+    config = target.config
+    hidden, inter = config.hidden_size, config.intermediate_size
+    shapes = first_layer_weight_shapes(str(tiny_models_dir / "target"))
+    assert (inter, hidden) in shapes and (hidden, inter) in shapes and len(shapes) == 7
+    assert first_layer_weight_shapes(str(tiny_models_dir / "no-such-folder")) == []
+
+
+def test_auto_dtype_rule(monkeypatch):
+    shapes = [(64, 32), (32, 64)]
+    big = 4 * 2**30
+    monkeypatch.setattr(cpu_speed, "_available_memory_bytes", lambda: 64 * 2**30)
+    # Small models stay float32 without measuring.
+    monkeypatch.setattr(cpu_speed, "measure_bf16_speedup", lambda *a, **k: pytest.fail("measured a tiny model"))
+    assert choose_cpu_dtype(10 * 2**20, shapes, 5) == torch.float32
+    # Large models: bf16 only when it measures at least BF16_MIN_SPEEDUP faster.
+    monkeypatch.setattr(cpu_speed, "measure_bf16_speedup", lambda *a, **k: 2.0)
+    assert choose_cpu_dtype(big, shapes, 5) == torch.bfloat16
+    monkeypatch.setattr(cpu_speed, "measure_bf16_speedup", lambda *a, **k: 1.1)
+    assert choose_cpu_dtype(big, shapes, 5) == torch.float32
+    # float32 that would not fit in memory: bf16 whatever the speed.
+    monkeypatch.setattr(cpu_speed, "_available_memory_bytes", lambda: 5 * 2**30)
+    assert choose_cpu_dtype(big, shapes, 5) == torch.bfloat16
+
+
+def test_the_bf16_speedup_is_measured_on_real_layers():
+    speedup = measure_bf16_speedup([(256, 128), (128, 256)], widths=(1, 4), repeats=2)
+    assert speedup > 0.0 if cpu_speed.onednn_supports(torch.bfloat16) else speedup == 0.0
+
+
+def test_a_packed_model_deep_copies_and_unpacks_for_the_int8_quantizer(tiny_models_dir, tiny_pair):
+    import copy
+
+    from handler.loading import quantize_draft_int8
+
+    _, plain_draft, _ = tiny_pair
+    packed, _ = load_tiny(tiny_models_dir)
+    pack_linear_layers(packed)
+    clone = copy.deepcopy(packed)
+    input_ids = torch.arange(3, 20)[None]
+    with torch.inference_mode():
+        torch.testing.assert_close(clone(input_ids).logits, packed(input_ids).logits, rtol=0, atol=0)
+    quantized = quantize_draft_int8(clone)
+    assert not any(isinstance(module, PackedLinear) for module in quantized.modules())
+    # Every linear became a dynamically quantized one, as for a draft that was never packed.
+    kinds = {type(module).__name__ for module in quantized.modules()}
+    plain_kinds = {type(module).__name__ for module in quantize_draft_int8(copy.deepcopy(plain_draft)).modules()}
+    assert kinds == plain_kinds
+    assert not any(type(module) is torch.nn.Linear for module in quantized.modules())

@@ -1,0 +1,76 @@
+"""The cost table: grid, interpolation, JSON round trip, and the cache that re-measures on a stale key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from handler.cost_table import CostTable, _cache_path, sparse_grid
+
+# Batch 1 and 4; widths 1, 2, 4: verification costs grow with width and batch.
+TABLE = CostTable(
+    widths=(1, 2, 4),
+    batch_sizes=(1, 4),
+    target=((0.10, 0.12, 0.20), (0.16, 0.24, 0.40)),
+    draft=(0.02, 0.05),
+)
+
+
+def test_sparse_grid_keeps_the_small_widths_and_the_maximum():
+    assert sparse_grid(1) == (1,)
+    assert sparse_grid(4) == (1, 2, 4)
+    assert sparse_grid(9, dense_up_to=4) == (1, 2, 3, 4, 8, 9)
+    assert sparse_grid(17, dense_up_to=4) == (1, 2, 3, 4, 8, 16, 17)
+    assert sparse_grid(3, dense_up_to=4) == (1, 2, 3)
+
+
+def test_grid_points_are_exact_and_between_them_the_table_interpolates():
+    assert TABLE.target_seconds(1, 1) == pytest.approx(0.10)
+    assert TABLE.target_seconds(4, 4) == pytest.approx(0.40)
+    assert TABLE.target_seconds(1, 3) == pytest.approx(0.16)  # halfway from width 2 to 4
+    assert TABLE.target_seconds(2, 1) == pytest.approx(0.12)  # a third of the way from batch 1 to 4
+    assert TABLE.target_seconds(2, 3) == pytest.approx(0.16 + (0.32 - 0.16) / 3)  # bilinear
+    assert TABLE.draft_seconds(1) == pytest.approx(0.02)
+    assert TABLE.draft_seconds(3) == pytest.approx(0.04)
+
+
+def test_past_the_grid_the_table_extrapolates_from_its_edge():
+    assert TABLE.target_seconds(1, 6) == pytest.approx(0.28)
+    assert TABLE.target_seconds(7, 1) == pytest.approx(0.22)
+    single = CostTable(widths=(1,), batch_sizes=(1,), target=((0.1,),), draft=None)
+    assert single.target_seconds(3, 2) == pytest.approx(0.6)  # proportional to the tokens
+
+
+def test_json_round_trip_and_readable_format():
+    again = CostTable.from_json(json.loads(json.dumps(TABLE.to_json())))
+    assert again == TABLE
+    no_draft = CostTable(widths=(1, 2), batch_sizes=(1,), target=((0.1, 0.2),))
+    assert CostTable.from_json(json.loads(json.dumps(no_draft.to_json()))) == no_draft
+    text = TABLE.format()
+    assert "100.0" in text and "400.0" in text and "2: 1.20" in text and "4: 50.0" in text
+    assert "no draft model" in no_draft.format()
+    with pytest.raises(AssertionError):
+        no_draft.draft_seconds(1)
+
+
+def test_a_malformed_table_is_refused():
+    with pytest.raises(AssertionError):
+        CostTable(widths=(2, 4), batch_sizes=(1,), target=((0.1, 0.2),))
+    with pytest.raises(AssertionError):
+        CostTable(widths=(1, 2), batch_sizes=(1, 2), target=((0.1, 0.2),))
+
+
+def test_the_cache_file_name_follows_the_key(tmp_path):
+    key = {"machine": {"processor": "cpu A", "threads": 2}, "widths": [1, 2]}
+    other = {"machine": {"processor": "cpu A", "threads": 4}, "widths": [1, 2]}
+    assert _cache_path(str(tmp_path), key) == _cache_path(str(tmp_path), dict(key))
+    assert _cache_path(str(tmp_path), key) != _cache_path(str(tmp_path), other)
+
+
+def test_noisy_measurements_are_made_monotone_without_letting_one_spike_set_the_rest():
+    from handler.cost_table import _isotonic
+
+    assert _isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert _isotonic([1.0, 5.0, 2.0, 3.0, 6.0]) == pytest.approx([1.0, 10 / 3, 10 / 3, 10 / 3, 6.0])
+    assert _isotonic([3.0, 1.0]) == [2.0, 2.0]
