@@ -51,8 +51,8 @@ import time
 import torch
 import yaml
 
-from handler.adaptive import measure_cost_model
 from handler.config import HandlerConfig, SamplingParams, handler_config_from_yaml_config
+from handler.cost_table import CostTable, measure_cost_table
 from handler.engine import DRAFTER_HYBRID, DRAFTER_MODEL, DRAFTER_NGRAM, GenerationRequest, SpeculativeEngine
 from handler.loading import load_models
 from scripts import torchserve
@@ -436,25 +436,31 @@ def machine_info() -> dict:
     return info
 
 
-def describe_cost_table(table, max_width: int, batch_sizes: list[int]) -> dict:
-    """The table as the engine's planner sees it: target ms per width and batch size, draft ms per batch size."""
-    widths = list(range(1, max_width + 1))
+def describe_cost_table(table: CostTable) -> dict:
+    """The measured grid in milliseconds: target by batch size and width, draft step by batch size."""
     return {
-        "source": type(table).__name__,
-        "widths": widths,
-        "batch_sizes": batch_sizes,
-        "target_ms": [[1e3 * table.target_seconds(b, w) for w in widths] for b in batch_sizes],
-        "draft_ms": [1e3 * table.draft_seconds(b) for b in batch_sizes],
+        "widths": list(table.widths),
+        "batch_sizes": list(table.batch_sizes),
+        "target_ms": [[1e3 * seconds for seconds in row] for row in table.target],
+        "draft_ms": None if table.draft is None else [1e3 * seconds for seconds in table.draft],
     }
 
 
 def cost_table_markdown(cost: dict) -> list[str]:
+    draft_ms = cost["draft_ms"] or [None] * len(cost["batch_sizes"])
     lines = [
         "| batch | " + " | ".join(f"target, width {w} (ms)" for w in cost["widths"]) + " | draft step (ms) |",
         "|---" * (len(cost["widths"]) + 2) + "|",
     ]
-    for b, target_ms, draft_ms in zip(cost["batch_sizes"], cost["target_ms"], cost["draft_ms"]):
-        lines.append(f"| {b} | " + " | ".join(f"{ms:.0f}" for ms in target_ms) + f" | {draft_ms:.0f} |")
+    for b, target_ms, draft in zip(cost["batch_sizes"], cost["target_ms"], draft_ms):
+        lines.append(f"| {b} | " + " | ".join(f"{ms:.1f}" for ms in target_ms) + f" | {_fmt(draft, '{:.1f}')} |")
+    width_1 = cost["target_ms"][0][0]
+    lines += [
+        "",
+        "Batch 1, cost of width w over width 1: "
+        + ", ".join(f"{w}: {ms / width_1:.2f}" for w, ms in zip(cost["widths"], cost["target_ms"][0]))
+        + ".",
+    ]
     return lines
 
 
@@ -481,13 +487,16 @@ def markdown(report: dict) -> str:
         f"Load average (1 min) at start {report['load_average']['start']:.2f}, at end "
         f"{report['load_average']['end']:.2f}; wall time {report['wall_seconds'] / 60:.1f} min.",
         f"Target {settings['target']}, draft {settings['draft']}; dtype {settings['dtype']}, draft "
-        f"{settings['draft_note']}, the same draft object for this engine and HF assisted generation.",
+        f"{settings['draft_note']}; every row runs the same target object (linear layers packed for oneDNN: "
+        f"{'yes' if settings['cpu_packed_weights'] else 'no'}) and the same draft object. This engine's n-gram "
+        f"look-up matches suffixes of {settings['prompt_lookup_min']} to {settings['prompt_lookup_max']} tokens; "
+        f"the cost-table and n-gram rows draft at most k={settings['max_k']}.",
         f"Held-out prompts: {settings['num_prompts']} per set, up to {settings['max_new_tokens']} new tokens, greedy; "
         f"tokens/s = generated tokens / seconds over the set, prefill included, median of {settings['runs']} runs "
         f"(row order rotated each run); sweep on {settings['sweep_prompts']} tuning prompt(s) per set x "
         f"{settings['sweep_max_new_tokens']} tokens.",
         "",
-        f"Cost table ({report['cost_table']['source']}, measured at start):",
+        "Cost table, measured at start (handler.cost_table; between grid points the planner interpolates):",
         "",
         *cost_table_markdown(report["cost_table"]),
     ]
@@ -658,7 +667,9 @@ def parse_args(argv):
         type=int,
         help="the cap of the cost-table and n-gram rows (default: the config's num_speculative_tokens)",
     )
-    parser.add_argument("--cost-batch-sizes", default="1", help="batch sizes the printed cost table shows")
+    parser.add_argument(
+        "--cost-max-batch-size", type=int, default=1, help="the cost table's largest batch (the bench decodes one row)"
+    )
     parser.add_argument("--rest-url", help="a running TorchServe's inference URL, e.g. http://127.0.0.1:8080")
     parser.add_argument("--model", default="qwen-coder-spec", help="the model name registered in TorchServe")
     parser.add_argument("--key-file", default="key_file.json")
@@ -667,7 +678,6 @@ def parse_args(argv):
     parser.add_argument("--out-dir", default="bench_results")
     args = parser.parse_args(argv)
     args.sweep_ks = [int(k) for k in args.sweep_ks.split(",")]
-    args.cost_batch_sizes = [int(b) for b in args.cost_batch_sizes.split(",")]
     if args.runs < 1 or args.num_prompts < 1 or args.sweep_prompts < 1 or min(args.sweep_ks) < 1:
         parser.error("--runs, --num-prompts, --sweep-prompts and every --sweep-ks value must be at least 1")
     if args.rest_only and not args.rest_url:
@@ -704,9 +714,12 @@ def main(argv=None) -> int:
     machine = machine_info()
     logger.info("machine: %s", machine["description"])
     draft_note = "int8" if config.draft_quantization == "int8" else str(models.dtype).replace("torch.", "")
-    cost_table = measure_cost_model(models.target, models.draft, args.max_k)
-    cost = describe_cost_table(cost_table, args.max_k + 1, args.cost_batch_sizes)
-    print("\n".join(["Cost table, measured at start:", *cost_table_markdown(cost)]), flush=True)
+    # Measured afresh (never read from a cache), as the handler measures it at start-up.
+    cost_table = measure_cost_table(
+        models.target, models.draft, max_width=args.max_k + 1, max_batch_size=args.cost_max_batch_size
+    )
+    cost = describe_cost_table(cost_table)
+    print("Cost table, measured at start:\n" + cost_table.format(), flush=True)
 
     runner = Runner(models, config, cost_table)
     for prompt_set in sets.values():
@@ -733,6 +746,7 @@ def main(argv=None) -> int:
             "sweep_prompts": args.sweep_prompts,
             "sweep_max_new_tokens": args.sweep_max_new_tokens,
             "max_k": args.max_k,
+            "cpu_packed_weights": config.cpu_packed_weights and models.device.type == "cpu",
             "prompt_lookup_min": config.prompt_lookup_min,
             "prompt_lookup_max": config.prompt_lookup_max,
         },

@@ -54,13 +54,13 @@ def test_bench_writes_json_markdown_and_plot(tiny_models_dir, tmp_path):
             "--sweep-ks", "1,2",
             "--sweep-max-new-tokens", "4",
             "--max-k", "3",
-            "--cost-batch-sizes", "1,2",
+            "--cost-max-batch-size", "2",
             "--out-dir", str(out),
         ]
     )  # fmt: skip
     report = json.loads((out / "bench.json").read_text())
     assert report["machine"]["cpu"] and report["machine"]["torch"]
-    assert report["cost_table"]["widths"] == [1, 2, 3, 4] and len(report["cost_table"]["target_ms"]) == 2
+    assert report["cost_table"]["widths"] == [1, 2, 3, 4] and report["cost_table"]["batch_sizes"] == [1, 2]
     assert set(report["sets"]) == {"open", "grounded"}
     for data in report["sets"].values():
         keys = [row["key"] for row in data["rows"]]
