@@ -34,7 +34,7 @@ TORCH_SPEC_FILE := $(VENV)/.torch-spec
 TINY_MODELS := models/tiny
 
 .PHONY: help install check-java test test-fast lint tiny-models package serve dev-serve register \
-	unregister stop loadtest demo install-demo clean FORCE
+	unregister stop loadtest demo install-demo bench clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [VAR=value ...]"
@@ -117,6 +117,13 @@ install-demo: install
 
 demo: install-demo ## Run the demo (scripts.demo)
 	$(PY) -m scripts.demo
+
+# The demo pair with model-config/qwen-coder.yaml; `make demo` fetches the models.
+# Results in bench_results/ (bench.json, bench.md, bench.png).
+BENCH_ARGS ?=
+
+bench: install-demo ## Benchmark against HF generate on both prompt sets (BENCH_ARGS; ~25 min on 2 cores)
+	$(PY) -m scripts.bench $(BENCH_ARGS)
 
 clean: ## Remove the tiny models, archives and no-archive folders in model_store/, and logs
 	rm -rf $(TINY_MODELS) logs

@@ -1,16 +1,35 @@
 #!/usr/bin/env python3
-"""Benchmark: plain target decoding, Hugging Face assisted generation, this engine, and TorchServe.
+"""Benchmark: this engine against Hugging Face `generate`, on open-ended and input-grounded prompts.
 
-Everything is measured in one run on one machine, and speedups are ratios to
-baselines from the same run. Outputs go to --out-dir: bench.json (every
-figure), bench.md (the tables) and bench.png (tokens/s against k).
+Everything is measured in one run, on one machine, with the same loaded
+models, and every speedup is a ratio to a baseline from the same run.
 
-    python -m scripts.bench --target models/qwen2.5-coder-1.5b-instruct \\
-        --draft models/qwen2.5-coder-0.5b-instruct --draft-quantization int8
+Prompt sets (scripts/bench_prompts.json): `open` (coding and chat requests)
+and `grounded` (code edits whose answer copies much of the prompt). Each set
+has `tuning` prompts, on which a sweep picks the fixed k, Hugging Face's best
+assisted-generation schedule and the drafters' modes, and `held_out` prompts,
+on which the table is measured and nothing is tuned.
 
-Add --rest-url/--model/--key-file to also measure a running TorchServe
-(`make demo` leaves one running), including 4 concurrent requests against 4
-sent one after another.
+Rows, for each prompt set, medians of --runs runs after a warm-up:
+
+- HF `generate`, target only: the baseline;
+- HF assisted generation given the *same draft object* the engine uses (the
+  int8 one when the config quantizes the draft), at its best schedule;
+- HF prompt lookup, `prompt_lookup_num_tokens` 3 and 10;
+- this engine: k=0 (plain decoding), the model drafter with the best fixed k,
+  the model drafter with k planned from the cost table, the n-gram drafter and
+  the hybrid drafter (each in the mode that won the sweep).
+
+Greedy outputs are compared with the engine's own plain decoding and with HF
+target-only decoding: in bfloat16 a near-tie can flip a token (see
+docs/benchmark.md); in float32 they must be equal. Outputs go to --out-dir:
+bench.json (every figure), bench.md (the tables) and bench.png (the sweep).
+
+    python -m scripts.bench                      # the demo pair with model-config/qwen-coder.yaml
+    python -m scripts.bench --num-prompts 2 --max-new-tokens 32 --runs 3
+
+With --rest-url it also measures a running TorchServe (`make demo` leaves
+one), one request at a time and 4 at once; --rest-only measures only that.
 """
 
 from __future__ import annotations
@@ -21,6 +40,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import pathlib
 import platform
@@ -29,174 +49,534 @@ import sys
 import time
 
 import torch
+import yaml
 
-from handler.adaptive import CostModel, expected_tokens, measure_cost_model
-from handler.config import HandlerConfig, SamplingParams
-from handler.engine import GenerationRequest, SpeculativeEngine
-from handler.loading import load_models, quantize_draft_int8
+from handler.config import HandlerConfig, SamplingParams, handler_config_from_yaml_config
+from handler.cost_table import CostTable, measure_cost_table
+from handler.engine import DRAFTER_HYBRID, DRAFTER_MODEL, DRAFTER_NGRAM, GenerationRequest, SpeculativeEngine
+from handler.loading import load_models
 from scripts import torchserve
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_TARGET = REPO_ROOT / "models" / "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = REPO_ROOT / "models" / "qwen2.5-coder-0.5b-instruct"
+DEFAULT_CONFIG = REPO_ROOT / "model-config" / "qwen-coder.yaml"
+PROMPT_SETS = ("open", "grounded")
+GREEDY = SamplingParams()
+# The CPU features that decide which kernels a forward pass can use.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+# Hugging Face's two adaptive schedules, tried beside the constant ones of the sweep:
+# the default of transformers 5 (20 tokens, stop below 0.4 confidence) and the older heuristic.
+HF_DYNAMIC_SCHEDULES = (
+    {"num_assistant_tokens": 20, "schedule": "constant", "confidence_threshold": 0.4},
+    {"num_assistant_tokens": 5, "schedule": "heuristic", "confidence_threshold": 0.0},
+)
 
 logger = logging.getLogger("bench")
-GREEDY = SamplingParams()
-SAMPLED = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)
+
+
+# --------------------------------------------------------------------------- methods
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One way to generate: a Hugging Face `generate` call or this engine with given settings."""
+
+    key: str
+    label: str
+    k: int | None = None  # the engine's k (its cap when the cost table plans)
+    assistant: dict | None = None  # HF assisted generation's schedule
+    prompt_lookup: int | None = None  # HF prompt_lookup_num_tokens
+    drafter: str | None = None  # set for the engine's rows
+    planned: bool = False  # the engine plans each step's k from the cost table
+
+    @property
+    def is_engine(self) -> bool:
+        return self.drafter is not None
+
+
+def hf_target_only() -> Method:
+    return Method("hf_target_only", "HF `generate`, target only")
+
+
+def hf_assisted(schedule: dict, draft_note: str) -> Method:
+    threshold = schedule["confidence_threshold"]
+    label = f"HF assisted, same {draft_note} draft, {schedule['schedule']} {schedule['num_assistant_tokens']}"
+    if threshold:
+        label += f", threshold {threshold}"
+    return Method("hf_assisted", label, assistant=schedule)
+
+
+def hf_prompt_lookup(num_tokens: int) -> Method:
+    return Method(f"hf_prompt_lookup_{num_tokens}", f"HF prompt lookup, {num_tokens} tokens", prompt_lookup=num_tokens)
+
+
+def constant_schedule(k: int) -> dict:
+    """HF assisted generation drafting exactly k tokens each step, like this engine's fixed k."""
+    return {"num_assistant_tokens": k, "schedule": "constant", "confidence_threshold": 0.0}
+
+
+def engine_method(key: str, drafter: str, k: int, planned: bool) -> Method:
+    if k == 0:
+        label = "this engine, k=0 (plain decoding)"
+    elif planned:
+        label = f"this engine, {drafter} drafter, cost-table k<={k}"
+    else:
+        label = f"this engine, {drafter} drafter, fixed k={k}"
+    return Method(key, label, k=k, drafter=drafter, planned=planned)
 
 
 @dataclasses.dataclass
-class Measurement:
-    """One method over a set of prompts: total tokens and seconds, plus per-prompt rates."""
+class Run:
+    """One method over a list of prompts, once."""
 
-    method: str
-    k: int | None
-    num_tokens: int
-    seconds: float
-    per_prompt_tokens_per_second: list[float]
+    num_tokens: int = 0
+    seconds: float = 0.0
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    rejections: int = 0
     target_passes: int = 0
-    outputs: list[list[int]] = dataclasses.field(default_factory=list, repr=False)
+    outputs: list[list[int]] = dataclasses.field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
         return self.num_tokens / self.seconds if self.seconds else 0.0
 
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
-    @property
-    def per_token_acceptance(self) -> float | None:
-        """Maximum-likelihood acceptance probability under the i.i.d. model of Leviathan et al."""
-        trials = self.accepted_tokens + self.rejections
-        return self.accepted_tokens / trials if trials else None
+class Runner:
+    """Runs methods on the loaded pair: Hugging Face `generate` and this engine share the same models."""
 
-    @property
-    def mean_accepted_length(self) -> float | None:
-        return self.num_tokens / self.target_passes if self.target_passes else None
+    def __init__(self, models, config: HandlerConfig, cost_table) -> None:
+        self.models = models
+        self.config = config
+        self.cost_table = cost_table
+        self.engines: dict[bool, SpeculativeEngine] = {}
 
-    def as_dict(self) -> dict:
-        data = {k: v for k, v in dataclasses.asdict(self).items() if k != "outputs"}
-        data.update(
-            tokens_per_second=self.tokens_per_second,
-            median_prompt_tokens_per_second=statistics.median(self.per_prompt_tokens_per_second),
-            acceptance_rate=self.acceptance_rate,
-            per_token_acceptance=self.per_token_acceptance,
-            mean_accepted_length=self.mean_accepted_length,
-        )
-        return data
+    def engine(self, planned: bool) -> SpeculativeEngine:
+        if planned not in self.engines:
+            self.engines[planned] = SpeculativeEngine(
+                self.models.target,
+                self.models.draft,
+                self.models.tokenizer,
+                self.models.eos_token_ids,
+                self.models.pad_token_id,
+                cost_table=self.cost_table if planned else None,
+                prompt_lookup_min=self.config.prompt_lookup_min,
+                prompt_lookup_max=self.config.prompt_lookup_max,
+            )
+        return self.engines[planned]
 
+    def encode(self, prompt: dict) -> tuple[int, ...]:
+        tokenizer = self.models.tokenizer
+        text = tokenizer.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
+        return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-def timed(fn):
-    start = time.perf_counter()
-    value = fn()
-    return value, time.perf_counter() - start
+    def run(self, method: Method, prompts_ids: list[tuple[int, ...]], max_new_tokens: int) -> Run:
+        """Generates greedily for each prompt in turn; seconds count each whole call, prefill included."""
+        run = Run()
+        for prompt_ids in prompts_ids:
+            start = time.perf_counter()
+            if method.is_engine:
+                request = GenerationRequest(
+                    prompt_ids, max_new_tokens, GREEDY, num_speculative_tokens=method.k, drafter=method.drafter
+                )
+                result = self.engine(method.planned).generate([request])[0]
+                tokens = result.token_ids
+                run.draft_tokens += result.stats.draft_tokens
+                run.accepted_tokens += result.stats.accepted_tokens
+                run.target_passes += result.stats.target_forward_passes
+            else:
+                tokens = self._hf_generate(method, prompt_ids, max_new_tokens)
+            run.seconds += time.perf_counter() - start
+            run.num_tokens += len(tokens)
+            run.outputs.append(tokens)
+        return run
 
-
-class Bench:
-    def __init__(self, args) -> None:
-        self.args = args
-        config = HandlerConfig(
-            target_model=str(pathlib.Path(args.target).resolve()),
-            draft_model=str(pathlib.Path(args.draft).resolve()),
-            dtype=args.dtype,
-        )
-        self.models = load_models(config, None)
-        self.target, self.draft, self.tokenizer = self.models.target, self.models.draft, self.models.tokenizer
-        # Hugging Face assisted generation gets the draft as published; the engine may get a cheaper copy.
-        self.engine_draft = self.draft
-        if args.draft_quantization == "int8":
-            self.engine_draft = quantize_draft_int8(_copy_model(self.draft))
-        self.max_new_tokens = args.max_new_tokens
-
-    def engine(self, cost_table: CostModel | None = None) -> SpeculativeEngine:
-        return SpeculativeEngine(
-            self.target,
-            self.engine_draft,
-            self.tokenizer,
-            self.models.eos_token_ids,
-            self.models.pad_token_id,
-            cost_table=cost_table,
-        )
-
-    def encode(self, prompts: list[dict]) -> list[tuple[int, ...]]:
-        encoded = []
-        for prompt in prompts:
-            text = self.tokenizer.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
-            encoded.append(tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
-        return encoded
-
-    def hf_generate(self, prompt_ids, max_new_tokens, assistant=None, sampling=GREEDY, seed=0):
-        input_ids = torch.tensor([prompt_ids], device=self.models.device)
+    def _hf_generate(self, method: Method, prompt_ids: tuple[int, ...], max_new_tokens: int) -> list[int]:
+        models = self.models
+        input_ids = torch.tensor([prompt_ids], device=models.device)  # [1, prompt]
         kwargs = dict(
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=max_new_tokens,
-            eos_token_id=list(self.models.eos_token_ids),
-            pad_token_id=self.models.pad_token_id,
+            eos_token_id=list(models.eos_token_ids),
+            pad_token_id=models.pad_token_id,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
         )
-        if sampling.is_greedy:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        else:
-            torch.manual_seed(seed)
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-        if assistant is not None:
-            kwargs["assistant_model"] = self.draft
-            config = self.draft.generation_config
-            config.num_assistant_tokens = assistant["num_assistant_tokens"]
-            config.num_assistant_tokens_schedule = assistant["schedule"]
-            config.assistant_confidence_threshold = assistant["confidence_threshold"]
-            if self.draft.config.vocab_size != self.target.config.vocab_size:
-                # Transformers then insists on universal assisted decoding, which needs both tokenizers.
-                kwargs.update(tokenizer=self.tokenizer, assistant_tokenizer=self.tokenizer)
+        if method.prompt_lookup is not None:
+            kwargs["prompt_lookup_num_tokens"] = method.prompt_lookup
+        if method.assistant is not None:
+            # The draft object the engine uses, int8 layers included: HF runs it as it is.
+            draft = models.draft
+            kwargs["assistant_model"] = draft
+            # transformers reads the schedule from the assistant's own generation config.
+            generation_config = draft.generation_config
+            generation_config.num_assistant_tokens = method.assistant["num_assistant_tokens"]
+            generation_config.num_assistant_tokens_schedule = method.assistant["schedule"]
+            generation_config.assistant_confidence_threshold = method.assistant["confidence_threshold"]
+            if draft.config.vocab_size != models.target.config.vocab_size:
+                # transformers then insists on universal assisted decoding, which needs both tokenizers.
+                kwargs.update(tokenizer=models.tokenizer, assistant_tokenizer=models.tokenizer)
         with torch.inference_mode():
-            output = self.target.generate(input_ids, **kwargs)
-        return output[0, len(prompt_ids) :].tolist()
-
-    def measure_hf(self, name, prompts_ids, max_new_tokens, assistant=None, sampling=GREEDY, k=None):
-        self.hf_generate(prompts_ids[0], 4, assistant, sampling)  # warm-up
-        num_tokens, seconds, rates, outputs = 0, 0.0, [], []
-        for i, prompt_ids in enumerate(prompts_ids):
-            tokens, elapsed = timed(
-                lambda p=prompt_ids, seed=i: self.hf_generate(p, max_new_tokens, assistant, sampling, seed=seed)
-            )
-            tokens = _trim_at_eos(tokens, self.models.eos_token_ids)
-            num_tokens += len(tokens)
-            seconds += elapsed
-            rates.append(len(tokens) / elapsed)
-            outputs.append(tokens)
-        return Measurement(name, k, num_tokens, seconds, rates, outputs=outputs)
-
-    def measure_engine(self, name, prompts_ids, max_new_tokens, k, sampling=GREEDY, cost_table=None):
-        engine = self.engine(cost_table)
-        engine.generate([GenerationRequest(prompts_ids[0], 4, sampling, k, seed=0)])  # warm-up
-        m = Measurement(name, k, 0, 0.0, [])
-        for i, prompt_ids in enumerate(prompts_ids):
-            request = GenerationRequest(prompt_ids, max_new_tokens, sampling, k, seed=i)
-            result, elapsed = timed(lambda r=request: engine.generate([r])[0])
-            stats = result.stats
-            m.num_tokens += len(result.token_ids)
-            m.seconds += elapsed
-            m.per_prompt_tokens_per_second.append(len(result.token_ids) / elapsed)
-            m.draft_tokens += stats.draft_tokens
-            m.accepted_tokens += stats.accepted_tokens
-            m.rejections += stats.rejections
-            m.target_passes += stats.target_forward_passes
-            m.outputs.append(result.token_ids)
-        return m
+            output = models.target.generate(input_ids, **kwargs)  # [1, prompt + new]
+        return trim_at_eos(output[0, len(prompt_ids) :].tolist(), models.eos_token_ids)
 
 
-def _copy_model(model):
-    import copy
-
-    return copy.deepcopy(model)
-
-
-def _trim_at_eos(tokens: list[int], eos_token_ids) -> list[int]:
+def trim_at_eos(tokens: list[int], eos_token_ids) -> list[int]:
+    """The tokens up to and including the first EOS, as the engine returns them."""
     for i, token in enumerate(tokens):
         if token in eos_token_ids:
             return tokens[: i + 1]
     return tokens
+
+
+# --------------------------------------------------------------------------- sweep
+
+
+def sweep(runner: Runner, sets: dict, args, draft_note: str) -> dict:
+    """Measures every candidate setting once on each set's tuning prompts and picks the best.
+
+    Returns:
+        per set: each candidate's tokens/s, the best HF assisted schedule and the best fixed k;
+        and across sets: the mode (cost table or fixed k) that wins for each drafter.
+    """
+    ks = args.sweep_ks
+    cap = args.max_k
+    result: dict = {"sets": {}}
+    for name, prompt_set in sets.items():
+        ids = prompt_set["tuning_ids"]
+        logger.info("sweep on %s: %d tuning prompts x %d tokens", name, len(ids), args.sweep_max_new_tokens)
+
+        def measure(method: Method, ids=ids) -> dict:
+            runner.run(method, ids[:1], 4)  # warm-up
+            run = runner.run(method, ids, args.sweep_max_new_tokens)
+            logger.info("  %-60s %6.2f tokens/s", method.label, run.tokens_per_second)
+            return {"label": method.label, "tokens_per_second": run.tokens_per_second, **acceptance(run)}
+
+        baseline = measure(hf_target_only())
+        engine_fixed = {k: measure(engine_method("engine_fixed", DRAFTER_MODEL, k, planned=False)) for k in ks}
+        hf_constant = {k: measure(hf_assisted(constant_schedule(k), draft_note)) for k in ks}
+        hf_dynamic = [(schedule, measure(hf_assisted(schedule, draft_note))) for schedule in HF_DYNAMIC_SCHEDULES]
+        best_k = max(ks, key=lambda k: engine_fixed[k]["tokens_per_second"])
+        hf_candidates = [(constant_schedule(k), row) for k, row in hf_constant.items()] + hf_dynamic
+        best_hf = max(hf_candidates, key=lambda item: item[1]["tokens_per_second"])[0]
+        modes = {
+            "model planned": measure(engine_method("engine_planned", DRAFTER_MODEL, cap, planned=True)),
+            "ngram planned": measure(engine_method("engine_ngram", DRAFTER_NGRAM, cap, planned=True)),
+            "ngram fixed": measure(engine_method("engine_ngram", DRAFTER_NGRAM, cap, planned=False)),
+            "hybrid planned": measure(engine_method("engine_hybrid", DRAFTER_HYBRID, cap, planned=True)),
+            "hybrid fixed": measure(engine_method("engine_hybrid", DRAFTER_HYBRID, best_k, planned=False)),
+        }
+        result["sets"][name] = {
+            "target_only_tokens_per_second": baseline["tokens_per_second"],
+            "engine_fixed": {str(k): row for k, row in engine_fixed.items()},
+            "hf_constant": {str(k): row for k, row in hf_constant.items()},
+            "hf_dynamic": [dict(schedule=s, **row) for s, row in hf_dynamic],
+            "modes": modes,
+            "best_k": best_k,
+            "best_hf_schedule": best_hf,
+        }
+
+    # One mode per drafter for both sets: the higher geometric mean of speedups over target-only.
+    def score(mode: str) -> float:
+        return geometric_mean(
+            s["modes"][mode]["tokens_per_second"] / s["target_only_tokens_per_second"] for s in result["sets"].values()
+        )
+
+    result["ngram_planned"] = score("ngram planned") >= score("ngram fixed")
+    result["hybrid_planned"] = score("hybrid planned") >= score("hybrid fixed")
+    result["scores"] = {mode: score(mode) for mode in next(iter(result["sets"].values()))["modes"]}
+    return result
+
+
+def geometric_mean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(max(v, 1e-9)) for v in values) / len(values))
+
+
+def acceptance(run: Run) -> dict:
+    return {
+        "acceptance_rate": run.accepted_tokens / run.draft_tokens if run.draft_tokens else None,
+        "tokens_per_pass": run.num_tokens / run.target_passes if run.target_passes else None,
+        "drafts_per_pass": run.draft_tokens / run.target_passes if run.target_passes else None,
+    }
+
+
+# --------------------------------------------------------------------------- main table
+
+
+def table_methods(set_sweep: dict, sweep_result: dict, cap: int, draft_note: str) -> list[Method]:
+    """The rows of one prompt set's table, with the settings its sweep picked."""
+    hybrid_k = cap if sweep_result["hybrid_planned"] else set_sweep["best_k"]
+    return [
+        hf_target_only(),
+        hf_assisted(set_sweep["best_hf_schedule"], draft_note),
+        hf_prompt_lookup(3),
+        hf_prompt_lookup(10),
+        engine_method("engine_k0", DRAFTER_MODEL, 0, planned=False),
+        engine_method("engine_fixed", DRAFTER_MODEL, set_sweep["best_k"], planned=False),
+        engine_method("engine_planned", DRAFTER_MODEL, cap, planned=True),
+        engine_method("engine_ngram", DRAFTER_NGRAM, cap, planned=sweep_result["ngram_planned"]),
+        engine_method("engine_hybrid", DRAFTER_HYBRID, hybrid_k, planned=sweep_result["hybrid_planned"]),
+    ]
+
+
+def measure_table(runner: Runner, sets: dict, methods: dict[str, list[Method]], args) -> dict[str, dict[str, list]]:
+    """Every method on every set's held-out prompts, --runs times, the order rotated from run to run."""
+    runs: dict[str, dict[str, list[Run]]] = {name: {m.key: [] for m in methods[name]} for name in sets}
+    for name in sets:
+        for method in methods[name]:
+            runner.run(method, sets[name]["held_out_ids"][:1], 4)  # warm-up
+    for index in range(args.runs):
+        for name in sets:
+            ids = sets[name]["held_out_ids"]
+            # Rotating the order spreads slow drift of a shared machine over every row alike.
+            shift = index % len(methods[name])
+            for method in methods[name][shift:] + methods[name][:shift]:
+                run = runner.run(method, ids, args.max_new_tokens)
+                runs[name][method.key].append(run)
+                logger.info(
+                    "run %d/%d %s: %-60s %6.2f tokens/s",
+                    index + 1,
+                    args.runs,
+                    name,
+                    method.label,
+                    run.tokens_per_second,
+                )
+    return runs
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two outputs differ, or None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def summarize_set(methods: list[Method], runs: dict[str, list[Run]]) -> list[dict]:
+    """Median tokens/s, ratios to the baselines, acceptance and output checks for each row."""
+    medians = {m.key: statistics.median(r.tokens_per_second for r in runs[m.key]) for m in methods}
+    target_only = medians["hf_target_only"]
+    hf_keys = [m.key for m in methods if not m.is_engine and m.key != "hf_target_only"]
+    best_hf_key = max(hf_keys, key=medians.__getitem__)
+    reference = {"engine k=0": runs["engine_k0"][0].outputs, "HF target only": runs["hf_target_only"][0].outputs}
+    rows = []
+    for m in methods:
+        first = runs[m.key][0]
+        row = {
+            "key": m.key,
+            "method": m.label,
+            "k": m.k,
+            "drafter": m.drafter,
+            "planned": m.planned,
+            "runs_tokens_per_second": [r.tokens_per_second for r in runs[m.key]],
+            "tokens_per_second": medians[m.key],
+            "num_tokens": first.num_tokens,
+            "vs_target_only": medians[m.key] / target_only,
+            "vs_hf_assisted": medians[m.key] / medians["hf_assisted"],
+            "vs_best_hf": medians[m.key] / medians[best_hf_key],
+            "best_hf": best_hf_key,
+            **acceptance(first),
+            # Greedy decoding is deterministic, so every run must give the first run's outputs.
+            "same_outputs_every_run": all(r.outputs == first.outputs for r in runs[m.key]),
+            "differences": {
+                name: [
+                    {"prompt": i, "first_differing_token": d}
+                    for i, (a, b) in enumerate(zip(first.outputs, outputs))
+                    if (d := first_difference(a, b)) is not None
+                ]
+                for name, outputs in reference.items()
+            },
+        }
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- machine, cost table
+
+
+def machine_info() -> dict:
+    """CPU model, cores, the CPU features that matter to the kernels, memory, library versions."""
+    import transformers
+
+    cpu, flags, mem_gib = platform.processor() or platform.machine(), [], None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpuinfo = f.read().splitlines()
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+        present = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+        flags = [flag for flag in CPU_FLAGS if flag in present]
+        with open("/proc/meminfo") as f:
+            mem_gib = int(f.readline().split()[1]) / 2**20  # MemTotal, in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_flags": flags,
+        "memory_gib": round(mem_gib, 1) if mem_gib else None,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+    info["description"] = (
+        f"{cpu}, {info['cores']} cores ({usable} usable, {info['torch_threads']} torch threads), "
+        f"flags {' '.join(flags) or 'none of ' + ' '.join(CPU_FLAGS)}"
+        + (f", {info['memory_gib']} GiB" if mem_gib else "")
+        + (f", GPU {info['gpu']}" if info["gpu"] else "")
+        + f"; torch {info['torch']}, transformers {info['transformers']}"
+    )
+    return info
+
+
+def describe_cost_table(table: CostTable) -> dict:
+    """The measured grid in milliseconds: target by batch size and width, draft step by batch size."""
+    return {
+        "widths": list(table.widths),
+        "batch_sizes": list(table.batch_sizes),
+        "target_ms": [[1e3 * seconds for seconds in row] for row in table.target],
+        "draft_ms": None if table.draft is None else [1e3 * seconds for seconds in table.draft],
+    }
+
+
+def cost_table_markdown(cost: dict) -> list[str]:
+    draft_ms = cost["draft_ms"] or [None] * len(cost["batch_sizes"])
+    lines = [
+        "| batch | " + " | ".join(f"target, width {w} (ms)" for w in cost["widths"]) + " | draft step (ms) |",
+        "|---" * (len(cost["widths"]) + 2) + "|",
+    ]
+    for b, target_ms, draft in zip(cost["batch_sizes"], cost["target_ms"], draft_ms):
+        lines.append(f"| {b} | " + " | ".join(f"{ms:.1f}" for ms in target_ms) + f" | {_fmt(draft, '{:.1f}')} |")
+    width_1 = cost["target_ms"][0][0]
+    lines += [
+        "",
+        "Batch 1, cost of width w over width 1: "
+        + ", ".join(f"{w}: {ms / width_1:.2f}" for w, ms in zip(cost["widths"], cost["target_ms"][0]))
+        + ".",
+    ]
+    return lines
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(value, pattern: str = "{:.2f}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def _same_output(row: dict, num_prompts: int) -> str:
+    parts = []
+    for differences in row["differences"].values():
+        same = num_prompts - len(differences)
+        where = ", ".join(f"#{d['prompt']} from token {d['first_differing_token']}" for d in differences)
+        parts.append(f"{same}/{num_prompts}" + (f" ({where})" if where else ""))
+    return " / ".join(parts)
+
+
+def markdown(report: dict) -> str:
+    settings = report["settings"]
+    lines = [
+        f"Date: {report['date']}. Machine: {report['machine']['description']}.",
+        f"Load average (1 min) at start {report['load_average']['start']:.2f}, at end "
+        f"{report['load_average']['end']:.2f}; wall time {report['wall_seconds'] / 60:.1f} min.",
+        f"Target {settings['target']}, draft {settings['draft']}; dtype {settings['dtype']}, draft "
+        f"{settings['draft_note']}; every row runs the same target object (linear layers packed for oneDNN: "
+        f"{'yes' if settings['cpu_packed_weights'] else 'no'}) and the same draft object. This engine's n-gram "
+        f"look-up matches suffixes of {settings['prompt_lookup_min']} to {settings['prompt_lookup_max']} tokens; "
+        f"the cost-table and n-gram rows draft at most k={settings['max_k']}.",
+        f"Held-out prompts: {settings['num_prompts']} per set, up to {settings['max_new_tokens']} new tokens, greedy; "
+        f"tokens/s = generated tokens / seconds over the set, prefill included, median of {settings['runs']} runs "
+        f"(row order rotated each run); sweep on {settings['sweep_prompts']} tuning prompt(s) per set x "
+        f"{settings['sweep_max_new_tokens']} tokens.",
+        "",
+        "Cost table, measured at start (handler.cost_table; between grid points the planner interpolates):",
+        "",
+        *cost_table_markdown(report["cost_table"]),
+    ]
+    for name, data in report["sets"].items():
+        n = settings["num_prompts"]
+        lines += [
+            "",
+            f"**{name}** ({data['description']}; {n} held-out prompts, prompt lengths "
+            f"{min(data['prompt_tokens'])}-{max(data['prompt_tokens'])} tokens):",
+            "",
+            "| method | tokens/s | runs (min-max) | vs target-only | vs HF assisted (same draft) | vs best HF "
+            "| acceptance | tokens/pass | drafts/pass | same output as engine k=0 / HF target-only |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in data["rows"]:
+            runs = row["runs_tokens_per_second"]
+            lines.append(
+                f"| {row['method']} | {row['tokens_per_second']:.2f} | {min(runs):.2f}-{max(runs):.2f} "
+                f"| {row['vs_target_only']:.2f}x | {row['vs_hf_assisted']:.2f}x | {row['vs_best_hf']:.2f}x "
+                f"| {_fmt(row['acceptance_rate'])} | {_fmt(row['tokens_per_pass'])} | {_fmt(row['drafts_per_pass'])} "
+                f"| {_same_output(row, n)} |"
+            )
+        best_hf = next(r["method"] for r in data["rows"] if r["key"] == data["rows"][0]["best_hf"])
+        lines += ["", f"Best HF row on {name}: {best_hf}."]
+    lines += ["", "Sweep on the tuning prompts (one run each; tokens/s):", ""]
+    for name, data in report["sweep"]["sets"].items():
+        ks = list(data["engine_fixed"])
+        lines += [
+            f"*{name}* (target only {data['target_only_tokens_per_second']:.2f} tokens/s):",
+            "",
+            "| k | " + " | ".join(ks) + " |",
+            "|---" * (len(ks) + 1) + "|",
+            "| this engine, model drafter, fixed k | "
+            + " | ".join(f"{data['engine_fixed'][k]['tokens_per_second']:.2f}" for k in ks)
+            + " |",
+            "| HF assisted, constant k | "
+            + " | ".join(f"{data['hf_constant'][k]['tokens_per_second']:.2f}" for k in ks)
+            + " |",
+            "",
+            "; ".join(f"{row['label']}: {row['tokens_per_second']:.2f}" for row in data["hf_dynamic"])
+            + "; "
+            + "; ".join(f"{row['label']}: {row['tokens_per_second']:.2f}" for row in data["modes"].values())
+            + ".",
+            "",
+        ]
+    scores = report["sweep"]["scores"]
+    lines.append(
+        "Geometric mean over both sets of the speedup over target-only on the tuning prompts: "
+        + ", ".join(f"{mode} {value:.2f}x" for mode, value in scores.items())
+        + "."
+    )
+    if report.get("rest"):
+        lines += ["", "Through TorchServe over REST: " + rest_summary(report["rest"])]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = report["sweep"]["sets"]
+    fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4), squeeze=False)
+    for ax, (name, data) in zip(axes[0], sets.items()):
+        ks = [int(k) for k in data["engine_fixed"]]
+        ax.plot(ks, [row["tokens_per_second"] for row in data["engine_fixed"].values()], "o-", label="this engine")
+        ax.plot(ks, [row["tokens_per_second"] for row in data["hf_constant"].values()], "s-", label="HF assisted")
+        ax.axhline(data["target_only_tokens_per_second"], color="gray", linestyle="--", label="target only")
+        ax.set_title(f"{name} (tuning prompts)")
+        ax.set_xlabel("k (draft tokens per step)")
+        ax.set_ylabel("tokens/s")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{pathlib.Path(report['settings']['target']).name}, {report['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+# --------------------------------------------------------------------------- REST
 
 
 def measure_rest(args, prompts: list[dict]) -> dict:
@@ -212,21 +592,20 @@ def measure_rest(args, prompts: list[dict]) -> dict:
     post(prompts[0])  # warm-up
     answers = [post(p) for p in prompts]
     tokens = sum(a["usage"]["completion_tokens"] for a, _ in answers)
-    seconds = sum(t for _, t in answers)
     sequential = {
-        "num_tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_second": tokens / seconds,
-        "median_prompt_tokens_per_second": statistics.median(a["usage"]["completion_tokens"] / t for a, t in answers),
+        "tokens_per_second": tokens / sum(t for _, t in answers),
         "acceptance_rate": sum(a["speculative"]["accepted_tokens"] for a, _ in answers)
         / max(1, sum(a["speculative"]["draft_tokens"] for a, _ in answers)),
         "mean_accepted_length": tokens / max(1, sum(a["speculative"]["target_forward_passes"] for a, _ in answers)),
-        "outputs": [a["token_ids"] for a, _ in answers],
     }
     four = prompts[:4]
-    (one_by_one, sequential_seconds) = timed(lambda: [post(p) for p in four])
+    start = time.perf_counter()
+    one_by_one = [post(p) for p in four]
+    sequential_seconds = time.perf_counter() - start
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        (together, concurrent_seconds) = timed(lambda: list(pool.map(post, four)))
+        start = time.perf_counter()
+        together = list(pool.map(post, four))
+        concurrent_seconds = time.perf_counter() - start
     batch = {
         "sequential_tokens_per_second": sum(a["usage"]["completion_tokens"] for a, _ in one_by_one)
         / sequential_seconds,
@@ -239,126 +618,58 @@ def measure_rest(args, prompts: list[dict]) -> dict:
 def rest_summary(rest: dict) -> str:
     sequential, batch = rest["sequential"], rest["batch_of_4"]
     return (
-        f"{sequential['tokens_per_second']:.2f} tokens/s sequentially (median per prompt "
-        f"{sequential['median_prompt_tokens_per_second']:.2f}, acceptance {sequential['acceptance_rate']:.2f}, "
-        f"{sequential['mean_accepted_length']:.2f} tokens/pass); 4 concurrent requests with batchSize 4: "
-        f"{batch['concurrent_tokens_per_second']:.2f} tokens/s aggregate vs "
+        f"{sequential['tokens_per_second']:.2f} tokens/s one request at a time (acceptance "
+        f"{sequential['acceptance_rate']:.2f}, {sequential['mean_accepted_length']:.2f} tokens/pass); 4 concurrent "
+        f"requests: {batch['concurrent_tokens_per_second']:.2f} tokens/s aggregate vs "
         f"{batch['sequential_tokens_per_second']:.2f} one after another ({batch['ratio']:.2f}x)."
     )
 
 
-def predicted_speedup(m: Measurement, c: float) -> float | None:
-    """E / (k c + 1) with E from the measured per-token acceptance and k the mean drafts per step."""
-    a = m.per_token_acceptance
-    if a is None or not m.target_passes:
-        return None
-    k = m.draft_tokens / m.target_passes
-    whole_k = max(1, round(k))
-    return expected_tokens(a, whole_k) / (k * c + 1)
+# --------------------------------------------------------------------------- entry point
 
 
-def machine_description() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)} (CUDA), host {cpu}"
-    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+def load_prompt_sets(path: pathlib.Path, num_prompts: int, sweep_prompts: int) -> dict:
+    """The prompt sets, each cut to its first `sweep_prompts` tuning and `num_prompts` held-out prompts."""
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    sets = {}
+    for name in PROMPT_SETS:
+        if name not in raw:
+            raise ValueError(f"{path}: no prompt set {name!r}")
+        tuning, held_out = raw[name]["tuning"][:sweep_prompts], raw[name]["held_out"][:num_prompts]
+        if not tuning or not held_out:
+            raise ValueError(f"{path}: the {name!r} set needs tuning and held_out prompts")
+        sets[name] = {"description": raw[name].get("description", name), "tuning": tuning, "held_out": held_out}
+    return sets
 
 
-def markdown(report: dict) -> str:
-    lines = [
-        f"Date: {report['date']}. Machine: {report['machine']}. torch {report['torch']}.",
-        f"Target: {report['target']}; draft: {report['draft']} ({report['draft_quantization']} for this engine); "
-        f"dtype {report['dtype']}.",
-        f"{report['num_prompts']} prompts, up to {report['max_new_tokens']} new tokens, greedy unless noted. "
-        "Tokens/s = all generated tokens / all seconds, one run per prompt after a warm-up; "
-        "the median per-prompt rate is also given.",
-        f"Draft/target cost ratio c = {report['cost']['c']:.3f} (draft pass {report['cost']['draft_ms']:.1f} ms, "
-        f"target pass {report['cost']['target_ms']:.1f} ms).",
-        "",
-        "| method | k | tokens/s | median/prompt | vs target-only | vs HF assisted | acceptance | tokens/pass "
-        "| predicted E/(kc+1) | measured/predicted |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in report["main"]:
-        lines.append(
-            "| {method} | {k} | {tps:.2f} | {med:.2f} | {vt:.2f}x | {vh} | {acc} | {mal} | {pred} | {ratio} |".format(
-                method=row["method"],
-                k="-" if row["k"] is None else row["k"],
-                tps=row["tokens_per_second"],
-                med=row["median_prompt_tokens_per_second"],
-                vt=row["speedup_vs_target"],
-                vh="-" if row.get("speedup_vs_hf_assisted") is None else f"{row['speedup_vs_hf_assisted']:.2f}x",
-                acc="-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.2f}",
-                mal="-" if row["mean_accepted_length"] is None else f"{row['mean_accepted_length']:.2f}",
-                pred="-" if row.get("predicted_speedup") is None else f"{row['predicted_speedup']:.2f}x",
-                ratio="-" if row.get("measured_over_predicted") is None else f"{row['measured_over_predicted']:.2f}",
-            )
-        )
-    if report.get("sampled"):
-        s = report["sampled"]
-        lines += [
-            "",
-            f"Sampled (temperature {SAMPLED.temperature}, top_k {SAMPLED.top_k}, top_p {SAMPLED.top_p}): "
-            f"target-only {s['target_only']:.2f} tokens/s, this engine {s['engine']:.2f} tokens/s "
-            f"({s['engine'] / s['target_only']:.2f}x), acceptance {s['acceptance_rate']:.2f}.",
-        ]
-    lines += [
-        "",
-        "K sweep (" + report["sweep_note"] + "):",
-        "",
-        "| k | this engine tokens/s | acceptance | HF assisted (constant k) tokens/s |",
-        "|---|---|---|---|",
-    ]
-    for row in report["sweep"]:
-        lines.append(
-            f"| {row['k']} | {row['engine_tokens_per_second']:.2f} | {row['engine_acceptance_rate']:.2f} | "
-            f"{row['hf_tokens_per_second']:.2f} |"
-        )
-    if report.get("rest"):
-        lines += ["", "Through TorchServe over REST: " + rest_summary(report["rest"])]
-    return "\n".join(lines) + "\n"
-
-
-def plot(report: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ks = [row["k"] for row in report["sweep"]]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot(ks, [row["engine_tokens_per_second"] for row in report["sweep"]], "o-", label="this engine (fixed k)")
-    ax.plot(ks, [row["hf_tokens_per_second"] for row in report["sweep"]], "s-", label="HF assisted (constant k)")
-    ax.axhline(report["sweep_target_only"], color="gray", linestyle="--", label="target only")
-    ax.set_xlabel("k (draft tokens per step)")
-    ax.set_ylabel("tokens/s")
-    ax.set_title(f"{pathlib.Path(report['target']).name} + {pathlib.Path(report['draft']).name}, {report['date']}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def main(argv=None) -> int:
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", required=True)
-    parser.add_argument("--draft", required=True)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--draft-quantization", default="none", choices=["none", "int8"])
+    parser.add_argument("--target", default=str(DEFAULT_TARGET))
+    parser.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    parser.add_argument(
+        "--config",
+        default=str(DEFAULT_CONFIG),
+        help="model-config.yaml whose handler section gives dtype, draft_quantization, cpu_threads and the "
+        "n-gram sizes (default: the demo's)",
+    )
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="overrides the config")
+    parser.add_argument("--draft-quantization", choices=["none", "int8"], help="overrides the config")
     parser.add_argument("--prompts", default=str(REPO_ROOT / "scripts" / "bench_prompts.json"))
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--k", type=int, default=4, help="k for the main table's fixed-k rows")
-    parser.add_argument("--sweep-ks", default="1,2,3,4,5,6,8")
-    parser.add_argument("--sweep-prompts", type=int, default=3)
-    parser.add_argument("--sweep-max-new-tokens", type=int, default=64)
-    parser.add_argument("--skip-sampled", action="store_true")
+    # The defaults fit about 25 minutes on a 2-core CPU with the demo pair: 9 rows x 2 sets x 3 runs.
+    parser.add_argument("--num-prompts", type=int, default=3, help="held-out prompts per set")
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--runs", type=int, default=3, help="runs per row; the table gives their median")
+    parser.add_argument("--sweep-ks", default="1,2,3,4,6", help="fixed k for this engine and constant HF schedules")
+    parser.add_argument("--sweep-prompts", type=int, default=1, help="tuning prompts per set")
+    parser.add_argument("--sweep-max-new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--max-k",
+        type=int,
+        help="the cap of the cost-table and n-gram rows (default: the config's num_speculative_tokens)",
+    )
+    parser.add_argument(
+        "--cost-max-batch-size", type=int, default=1, help="the cost table's largest batch (the bench decodes one row)"
+    )
     parser.add_argument("--rest-url", help="a running TorchServe's inference URL, e.g. http://127.0.0.1:8080")
     parser.add_argument("--model", default="qwen-coder-spec", help="the model name registered in TorchServe")
     parser.add_argument("--key-file", default="key_file.json")
@@ -366,128 +677,92 @@ def main(argv=None) -> int:
     parser.add_argument("--rest-only", action="store_true", help="measure only the running TorchServe")
     parser.add_argument("--out-dir", default="bench_results")
     args = parser.parse_args(argv)
+    args.sweep_ks = [int(k) for k in args.sweep_ks.split(",")]
+    if args.runs < 1 or args.num_prompts < 1 or args.sweep_prompts < 1 or min(args.sweep_ks) < 1:
+        parser.error("--runs, --num-prompts, --sweep-prompts and every --sweep-ks value must be at least 1")
+    if args.rest_only and not args.rest_url:
+        parser.error("--rest-only needs --rest-url")
+    return args
+
+
+def bench_config(args) -> HandlerConfig:
+    """The handler config the bench loads with: the model-config file, the paths and overrides from the CLI."""
+    with open(args.config, encoding="utf-8") as f:
+        config = handler_config_from_yaml_config(yaml.safe_load(f))
+    overrides = {"target_model": str(pathlib.Path(args.target).resolve())}
+    overrides["draft_model"] = str(pathlib.Path(args.draft).resolve())
+    overrides["drafter"] = DRAFTER_MODEL if config.drafter == DRAFTER_NGRAM else config.drafter
+    if args.dtype:
+        overrides["dtype"] = args.dtype
+    if args.draft_quantization:
+        overrides["draft_quantization"] = args.draft_quantization
+    return dataclasses.replace(config, **overrides)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-
-    with open(args.prompts) as f:
-        prompts = json.load(f)[: args.num_prompts]
+    started, load_at_start = time.perf_counter(), os.getloadavg()[0]
+    sets = load_prompt_sets(pathlib.Path(args.prompts), args.num_prompts, args.sweep_prompts)
     if args.rest_only:
-        if not args.rest_url:
-            parser.error("--rest-only needs --rest-url")
-        return rest_only(args, prompts)
-    bench = Bench(args)
-    prompts_ids = bench.encode(prompts)
-    sweep_ids = prompts_ids[: args.sweep_prompts]
-    sweep_ks = [int(k) for k in args.sweep_ks.split(",")]
-    cost = measure_cost_model(bench.target, bench.engine_draft, args.k)
-    c = cost.draft_target_ratio
-    logger.info("cost model: %s, c = %.3f", cost, c)
+        return rest_only(args, sets)
 
-    # K sweep on a subset: picks HF assisted's best setting and shows the engine's curve.
-    logger.info("K sweep on %d prompts x %d tokens", len(sweep_ids), args.sweep_max_new_tokens)
-    sweep_target = bench.measure_hf("target-only", sweep_ids, args.sweep_max_new_tokens)
-    sweep, hf_candidates = [], []
-    for k in sweep_ks:
-        ours = bench.measure_engine("engine", sweep_ids, args.sweep_max_new_tokens, k)
-        assistant = {"num_assistant_tokens": k, "schedule": "constant", "confidence_threshold": 0.0}
-        theirs = bench.measure_hf("hf", sweep_ids, args.sweep_max_new_tokens, assistant, k=k)
-        hf_candidates.append((theirs.tokens_per_second, assistant))
-        sweep.append(
-            {
-                "k": k,
-                "engine_tokens_per_second": ours.tokens_per_second,
-                "engine_acceptance_rate": ours.acceptance_rate or 0.0,
-                "hf_tokens_per_second": theirs.tokens_per_second,
-            }
-        )
-        logger.info(
-            "k=%d engine %.2f tok/s (acc %.2f), HF %.2f tok/s",
-            k,
-            ours.tokens_per_second,
-            ours.acceptance_rate or 0,
-            theirs.tokens_per_second,
-        )
-    for schedule in (
-        {"num_assistant_tokens": 20, "schedule": "constant", "confidence_threshold": 0.4},
-        {"num_assistant_tokens": 5, "schedule": "heuristic_transient", "confidence_threshold": 0.4},
-    ):
-        theirs = bench.measure_hf("hf", sweep_ids, args.sweep_max_new_tokens, schedule)
-        hf_candidates.append((theirs.tokens_per_second, schedule))
-        logger.info("HF %s: %.2f tok/s", schedule, theirs.tokens_per_second)
-    best_hf = max(hf_candidates, key=lambda item: item[0])[1]
-    best_k = max(sweep, key=lambda row: row["engine_tokens_per_second"])["k"]
-    logger.info("best HF assisted setting on the sweep: %s; best fixed k for the engine: %d", best_hf, best_k)
-
-    logger.info("main table on %d prompts x %d tokens", len(prompts_ids), args.max_new_tokens)
-    target_only = bench.measure_hf("HF generate, target only", prompts_ids, args.max_new_tokens)
-    hf_name = (
-        f"HF assisted ({best_hf['schedule']}, num_assistant_tokens={best_hf['num_assistant_tokens']}, "
-        f"confidence_threshold={best_hf['confidence_threshold']})"
+    config = bench_config(args)
+    if args.max_k is None:
+        args.max_k = max(1, config.num_speculative_tokens)
+    models = load_models(config, None)
+    machine = machine_info()
+    logger.info("machine: %s", machine["description"])
+    draft_note = "int8" if config.draft_quantization == "int8" else str(models.dtype).replace("torch.", "")
+    # Measured afresh (never read from a cache), as the handler measures it at start-up.
+    cost_table = measure_cost_table(
+        models.target, models.draft, max_width=args.max_k + 1, max_batch_size=args.cost_max_batch_size
     )
-    hf_assisted = bench.measure_hf(hf_name, prompts_ids, args.max_new_tokens, best_hf)
-    engine_k0 = bench.measure_engine("this engine, k=0 (plain decoding)", prompts_ids, args.max_new_tokens, 0)
-    engine_fixed = bench.measure_engine(f"this engine, fixed k={best_k}", prompts_ids, args.max_new_tokens, best_k)
-    engine_adaptive = bench.measure_engine(
-        f"this engine, adaptive k<={max(sweep_ks)}",
-        prompts_ids,
-        args.max_new_tokens,
-        max(sweep_ks),
-        cost_table=cost,
-    )
-    measurements = [target_only, hf_assisted, engine_k0, engine_fixed, engine_adaptive]
-    # Greedy speculative output is the target's own output: check it here too, on the real pair.
-    mismatches = sum(a != b for a, b in zip(engine_fixed.outputs, engine_k0.outputs))
-    rows = []
-    for m in measurements:
-        row = m.as_dict()
-        row["speedup_vs_target"] = m.tokens_per_second / target_only.tokens_per_second
-        row["speedup_vs_hf_assisted"] = (
-            m.tokens_per_second / hf_assisted.tokens_per_second if m.method.startswith("this engine") else None
-        )
-        if m.draft_tokens:
-            predicted = predicted_speedup(m, c)
-            row["predicted_speedup"] = predicted
-            # Against the engine's own plain decoding, the baseline the formula assumes.
-            row["measured_over_predicted"] = (m.tokens_per_second / engine_k0.tokens_per_second) / predicted
-        rows.append(row)
+    cost = describe_cost_table(cost_table)
+    print("Cost table, measured at start:\n" + cost_table.format(), flush=True)
 
-    sampled = None
-    if not args.skip_sampled:
-        logger.info("sampled setting on the sweep prompts")
-        s_target = bench.measure_hf("target-only sampled", sweep_ids, args.sweep_max_new_tokens, sampling=SAMPLED)
-        s_engine = bench.measure_engine("engine sampled", sweep_ids, args.sweep_max_new_tokens, best_k, SAMPLED)
-        sampled = {
-            "target_only": s_target.tokens_per_second,
-            "engine": s_engine.tokens_per_second,
-            "acceptance_rate": s_engine.acceptance_rate or 0.0,
-        }
+    runner = Runner(models, config, cost_table)
+    for prompt_set in sets.values():
+        prompt_set["tuning_ids"] = [runner.encode(p) for p in prompt_set["tuning"]]
+        prompt_set["held_out_ids"] = [runner.encode(p) for p in prompt_set["held_out"]]
+    sweep_result = sweep(runner, sets, args, draft_note)
+    methods = {name: table_methods(sweep_result["sets"][name], sweep_result, args.max_k, draft_note) for name in sets}
+    runs = measure_table(runner, sets, methods, args)
 
-    rest = measure_rest(args, prompts) if args.rest_url else None
     report = {
         "date": datetime.date.today().isoformat(),
-        "machine": machine_description(),
-        "torch": torch.__version__,
-        "target": args.target,
-        "draft": args.draft,
-        "dtype": str(bench.models.dtype).replace("torch.", ""),
-        "draft_quantization": args.draft_quantization,
-        "num_prompts": len(prompts_ids),
-        "max_new_tokens": args.max_new_tokens,
-        "cost": {
-            "c": c,
-            "draft_ms": cost.draft_step * 1e3,
-            "target_ms": cost.target_step * 1e3,
-            "target_extra_token_ms": cost.target_per_extra_token * 1e3,
+        "machine": machine,
+        "load_average": {"start": load_at_start, "end": os.getloadavg()[0]},
+        "settings": {
+            "target": args.target,
+            "draft": args.draft,
+            "config": args.config,
+            "dtype": str(models.dtype).replace("torch.", ""),
+            "draft_note": draft_note,
+            "num_prompts": args.num_prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "runs": args.runs,
+            "sweep_ks": args.sweep_ks,
+            "sweep_prompts": args.sweep_prompts,
+            "sweep_max_new_tokens": args.sweep_max_new_tokens,
+            "max_k": args.max_k,
+            "cpu_packed_weights": config.cpu_packed_weights and models.device.type == "cpu",
+            "prompt_lookup_min": config.prompt_lookup_min,
+            "prompt_lookup_max": config.prompt_lookup_max,
         },
-        "greedy_outputs_differing_from_plain_decoding": mismatches,
-        "main": rows,
-        "sampled": sampled,
-        "sweep": sweep,
-        "sweep_target_only": sweep_target.tokens_per_second,
-        "sweep_note": f"{len(sweep_ids)} prompts x {args.sweep_max_new_tokens} tokens; "
-        f"target only {sweep_target.tokens_per_second:.2f} tokens/s",
-        "best_hf_assisted": best_hf,
-        "rest": rest,
+        "cost_table": cost,
+        "sweep": sweep_result,
+        "sets": {
+            name: {
+                "description": sets[name]["description"],
+                "prompt_tokens": [len(ids) for ids in sets[name]["held_out_ids"]],
+                "rows": summarize_set(methods[name], runs[name]),
+            }
+            for name in sets
+        },
+        "rest": measure_rest(args, sets["open"]["held_out"]) if args.rest_url else None,
     }
+    report["wall_seconds"] = time.perf_counter() - started
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
@@ -495,19 +770,13 @@ def main(argv=None) -> int:
     (out / "bench.md").write_text(table)
     plot(report, out / "bench.png")
     print(table)
-    print(f"greedy outputs differing from plain decoding: {mismatches} of {len(prompts_ids)}")
     print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
     return 0
 
 
-def rest_only(args, prompts: list[dict]) -> int:
-    rest = measure_rest(args, prompts)
-    report = {
-        "date": datetime.date.today().isoformat(),
-        "machine": machine_description(),
-        "model": args.model,
-        "rest": rest,
-    }
+def rest_only(args, sets: dict) -> int:
+    rest = measure_rest(args, sets["open"]["held_out"])
+    report = {"date": datetime.date.today().isoformat(), "machine": machine_info(), "model": args.model, "rest": rest}
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_rest.json").write_text(json.dumps(report, indent=2))

@@ -11,9 +11,11 @@ result is already there, so running it again is cheap:
 3. start TorchServe on 127.0.0.1 with token authorization on, as `make serve`
    does, after stopping the server an earlier run of this demo started;
 4. register the model through the management API and wait for it to load;
-5. send three requests to the native route: greedy, sampled with a seed,
-   and a streamed chat; then one streamed chat through the official `openai`
-   client, on the OpenAI-compatible route (scripts.openai_demo).
+5. send four requests to the native route: three open-ended ones (greedy,
+   sampled with a seed, a streamed chat) and an input-grounded code edit,
+   whose answer copies much of its prompt, and print the four speeds side by
+   side; then one streamed chat through the official `openai` client, on the
+   OpenAI-compatible route (scripts.openai_demo).
 
 The server is left running; the end of the output says how to query and
 stop it. TorchServe's logs are in logs/.
@@ -75,6 +77,44 @@ CHAT_REQUEST = {
     ],
     "stream": True,
 }
+# Input-grounded: the answer repeats the function, which prompt look-up (drafter ngram or hybrid) drafts for free.
+GROUNDED_REQUEST = {
+    "messages": [
+        {
+            "role": "user",
+            "content": """Add type hints to this function. Return the whole function.
+
+```python
+def moving_average(values, window, skip_missing=True):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    averages = []
+    total = 0.0
+    count = 0
+    queue = []
+    for value in values:
+        if value is None and skip_missing:
+            continue
+        queue.append(value)
+        total += value
+        count += 1
+        if count > window:
+            total -= queue.pop(0)
+            count -= 1
+        averages.append(total / count)
+    return averages
+```""",
+        }
+    ],
+    "temperature": 0.0,
+}
+# (title, kind, body): the speeds are printed side by side at the end.
+EXAMPLES = (
+    ("greedy completion", "open-ended", GREEDY_REQUEST),
+    ("sampled completion, temperature 0.7, seed 42", "open-ended", SAMPLED_REQUEST),
+    ("chat messages, streamed", "open-ended", CHAT_REQUEST),
+    ("add type hints to a function", "input-grounded", GROUNDED_REQUEST),
+)
 
 
 class DemoError(Exception):
@@ -294,12 +334,8 @@ def register(management_url: str, headers: dict, timeout_s: float) -> None:
 
 def run_requests(inference_url: str, max_new_tokens: int) -> None:
     headers = torchserve.auth_headers(KEY_FILE)
-    examples = (
-        ("greedy completion", GREEDY_REQUEST),
-        ("sampled completion, temperature 0.7, seed 42", SAMPLED_REQUEST),
-        ("chat messages, streamed", CHAT_REQUEST),
-    )
-    for title, body in examples:
+    speeds = []
+    for title, kind, body in EXAMPLES:
         body = dict(body, max_new_tokens=max_new_tokens)
         shown = body.get("prompt") or body["messages"][-1]["content"]
         print(f"\n--- {title} ---\n>>> {shown.rstrip()}\n", flush=True)
@@ -324,6 +360,26 @@ def run_requests(inference_url: str, max_new_tokens: int) -> None:
         if not body.get("stream"):
             print(body.get("prompt", "") + answer.text)
         print(f"\n[{torchserve.format_stats(answer)}]", flush=True)
+        speeds.append((title, kind, answer))
+    print_speeds(speeds)
+
+
+def print_speeds(speeds: list[tuple[str, str, torchserve.Answer]]) -> None:
+    """The requests' tokens/s side by side, and the input-grounded ones against the open-ended mean."""
+    open_ended = [answer.tokens_per_s for _, kind, answer in speeds if kind == "open-ended"]
+    baseline = sum(open_ended) / len(open_ended) if open_ended else 0.0
+    print("\n--- speed ---")
+    for title, kind, answer in speeds:
+        speculative = answer.final.get("speculative") or {}
+        line = (
+            f"  {title + ' (' + kind + ')':<62} {answer.tokens_per_s:5.1f} tokens/s, "
+            f"{speculative.get('mean_accepted_length', 0):.2f} tokens/target pass, "
+            f"drafter {speculative.get('drafter', '?')}"
+        )
+        if kind != "open-ended" and baseline > 0:
+            line += f" ({answer.tokens_per_s / baseline:.2f}x the open-ended mean)"
+        print(line)
+    print(f"  open-ended mean {baseline:.1f} tokens/s", flush=True)
 
 
 def print_next_steps(inference_url: str) -> None:
@@ -405,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             register(management_url, management_headers, args.register_timeout)
 
-        step(5, "Sending three requests, then one through the openai client")
+        step(5, "Sending four requests (three open-ended, one input-grounded), then one through the openai client")
         run_requests(inference_url, args.max_new_tokens)
         print("\n--- chat through the openai client (OpenAI-compatible API) ---", flush=True)
         openai_demo.run(inference_url, MODEL_NAME, torchserve.read_key(KEY_FILE), args.max_new_tokens)

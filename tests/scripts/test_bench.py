@@ -1,6 +1,8 @@
-"""scripts.bench runs end to end on the tiny pair and writes its three outputs.
+"""scripts.bench runs end to end on the tiny pair and writes its outputs.
 
 No timing is asserted: benchmarks are programs, and their figures live in docs/benchmark.md.
+What is checked is the shape of the report and, in float32, that every row of this
+engine reproduces plain decoding token for token.
 """
 
 from __future__ import annotations
@@ -10,41 +12,69 @@ import json
 import pytest
 
 from scripts import bench
+from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.models  # loads and runs the tiny pair: not in the fast tier
 
+FUNCTION = "def add(a, b):\n    total = a + b\n    return total\n"
+
+
+def _prompt(text: str) -> dict:
+    return {"messages": [{"role": "user", "content": text}]}
+
 
 def test_bench_writes_json_markdown_and_plot(tiny_models_dir, tmp_path):
-
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(
+        json.dumps(
+            {
+                "open": {"tuning": [_prompt("Hello")], "held_out": [_prompt("Write a loop"), _prompt("Hi there")]},
+                "grounded": {
+                    "tuning": [_prompt("Add type hints:\n" + FUNCTION)],
+                    "held_out": [_prompt("Rename total to s:\n" + FUNCTION), _prompt("Add a docstring:\n" + FUNCTION)],
+                },
+            }
+        )
+    )
     out = tmp_path / "bench"
+    # the real prompt file parses and has enough held-out prompts for the default run
+    sets = bench.load_prompt_sets(REPO_ROOT / "scripts" / "bench_prompts.json", 6, 1)
+    assert all(len(s["held_out"]) == 6 for s in sets.values())
     bench.main(
         [
-            "--target",
-            str(tiny_models_dir / "target"),
-            "--draft",
-            str(tiny_models_dir / "draft"),
-            "--dtype",
-            "float32",
-            "--draft-quantization",
-            "int8",
-            "--num-prompts",
-            "2",
-            "--max-new-tokens",
-            "6",
-            "--sweep-ks",
-            "1,2",
-            "--sweep-prompts",
-            "1",
-            "--sweep-max-new-tokens",
-            "4",
-            "--out-dir",
-            str(out),
+            "--target", str(tiny_models_dir / "target"),
+            "--draft", str(tiny_models_dir / "draft"),
+            "--config", str(REPO_ROOT / "model-config" / "model-config.yaml"),
+            "--dtype", "float32",
+            "--draft-quantization", "int8",
+            "--prompts", str(prompts),
+            "--num-prompts", "2",
+            "--max-new-tokens", "6",
+            "--runs", "2",
+            "--sweep-ks", "1,2",
+            "--sweep-max-new-tokens", "4",
+            "--max-k", "3",
+            "--cost-max-batch-size", "2",
+            "--out-dir", str(out),
         ]
-    )
+    )  # fmt: skip
     report = json.loads((out / "bench.json").read_text())
-    assert [row["k"] for row in report["sweep"]] == [1, 2]
-    assert report["greedy_outputs_differing_from_plain_decoding"] == 0
-    methods = [row["method"] for row in report["main"]]
-    assert methods[0].startswith("HF generate") and any(m.startswith("this engine, fixed") for m in methods)
-    assert "| method |" in (out / "bench.md").read_text()
+    assert report["machine"]["cpu"] and report["machine"]["torch"]
+    assert report["cost_table"]["widths"] == [1, 2, 3, 4] and report["cost_table"]["batch_sizes"] == [1, 2]
+    assert set(report["sets"]) == {"open", "grounded"}
+    for data in report["sets"].values():
+        keys = [row["key"] for row in data["rows"]]
+        assert keys == [
+            "hf_target_only", "hf_assisted", "hf_prompt_lookup_3", "hf_prompt_lookup_10",
+            "engine_k0", "engine_fixed", "engine_planned", "engine_ngram", "engine_hybrid",
+        ]  # fmt: skip
+        for row in data["rows"]:
+            assert len(row["runs_tokens_per_second"]) == 2
+            assert row["same_outputs_every_run"]
+            if row["drafter"] is not None:
+                # float32: speculative greedy output is plain decoding's, token for token
+                assert row["differences"]["engine k=0"] == [], row
+    assert [int(k) for k in report["sweep"]["sets"]["open"]["engine_fixed"]] == [1, 2]
+    table = (out / "bench.md").read_text()
+    assert "| method |" in table and "Cost table" in table and "**grounded**" in table
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
