@@ -15,6 +15,7 @@ from typing import Hashable, Mapping, Sequence
 import torch
 
 from handler.kv_cache import RaggedCache, left_pad, prefill
+from handler.rollback import draft_rollback
 from handler.sampler import sample_from_probs, warp_logits_to_probs
 
 
@@ -138,25 +139,19 @@ class ModelDrafter:
         tokens, but never the last committed token: the next proposal needs the
         logits that follow it, so it stays pending. The unseen committed tokens
         become pending. A row absent from `committed` committed nothing.
+        The arithmetic is `handler.rollback.draft_rollback`.
         """
         if self.cache is None:
             return
         lengths = self.cache.lengths.clone()
         for slot, request_id in enumerate(self.order):
-            fed = self.fed[request_id]
-            new_tokens = list(committed.get(request_id, ()))
-            if not new_tokens:
-                # Back to before the last proposal: its pending tokens are pending again.
-                lengths[slot] -= len(fed) + len(self.fed_pending[request_id])
-                self.pending[request_id] = self.fed_pending[request_id] + self.pending[request_id]
-            else:
-                num_matching = 0
-                while (
-                    num_matching < min(len(fed), len(new_tokens) - 1) and fed[num_matching] == new_tokens[num_matching]
-                ):
-                    num_matching += 1
-                lengths[slot] -= len(fed) - num_matching
-                self.pending[request_id].extend(new_tokens[num_matching:])
+            num_dropped, self.pending[request_id] = draft_rollback(
+                self.fed_pending[request_id],
+                self.fed[request_id],
+                self.pending[request_id],
+                committed.get(request_id, ()),
+            )
+            lengths[slot] -= num_dropped
             self.fed[request_id] = []
             self.fed_pending[request_id] = []
         self.cache.rollback(lengths)

@@ -39,6 +39,7 @@ from handler.config import SamplingParams
 from handler.drafter_model import ModelDrafter
 from handler.drafter_ngram import NgramDrafter
 from handler.kv_cache import RaggedCache, prefill
+from handler.rollback import target_lengths_after_verify
 from handler.sampler import draw_step_uniforms, rejection_sample, warp_logits_to_probs
 from handler.schema import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from handler.stopping import StopChecker
@@ -340,8 +341,6 @@ class SpeculativeEngine:
         num_accepted, emitted, logits = self._verify(rows, step_ks, lookups, uses_model)
 
         outputs, finished, committed = [], [], {}
-        target_lengths = self.target_cache.lengths.clone()
-        width = max(step_ks)
         for slot, row in enumerate(rows):
             accepted = num_accepted[slot]
             new_tokens = emitted[slot][: accepted + 1]
@@ -353,13 +352,13 @@ class SpeculativeEngine:
             if row.logprobs is not None and kept:
                 row.logprobs.extend(self._logprobs(logits[slot, : len(kept)], kept, row.request.logprobs))
             committed[row.request_id] = kept
-            # Roll back: the target keeps its pending token and the accepted drafts.
-            target_lengths[slot] -= width - accepted
             outputs.append(StepOutput(row.request_id, kept, row.token_ids, row.finish_reason, None))
             if row.finish_reason is not None:
                 outputs[-1].result = row.result()
                 finished.append(row)
-        self.target_cache.rollback(target_lengths)
+        # Roll back: the target keeps its pending token and the accepted drafts.
+        kept_lengths = target_lengths_after_verify(self.target_cache.lengths.tolist(), step_ks, num_accepted)
+        self.target_cache.rollback(torch.tensor(kept_lengths, dtype=torch.long))
         self.ngram_drafter.observe(committed)
         if self.model_drafter is not None:
             self.model_drafter.observe(committed)
