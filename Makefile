@@ -122,7 +122,7 @@ demo: install-demo ## Run the demo (scripts.demo)
 # Results in bench_results/ (bench.json, bench.md, bench.png).
 BENCH_ARGS ?=
 
-bench: install-demo ## Benchmark against HF generate on both prompt sets (BENCH_ARGS; ~25 min on 2 cores)
+bench: install-demo ## Benchmark against HF generate on both prompt sets (BENCH_ARGS; ~45 min on 2 cores)
 	$(PY) -m scripts.bench $(BENCH_ARGS)
 
 clean: ## Remove the tiny models, archives and no-archive folders in model_store/, and logs

@@ -67,21 +67,21 @@ def plan_step_k(
     acceptances: Sequence[float],
     max_ks: Sequence[int],
     table: CostTable,
-    model_drafting: bool,
+    model_max_k: int,
     batch_size: int | None = None,
 ) -> int:
     """The step's k, in 0..max(max_ks), with the most expected tokens per second for the batch.
 
-    A row drafts min(k, its max_k) useful tokens; the batch pays for k draft
-    steps (none when only a look-up drafts) and one verification of width
-    k + 1. Ties go to the smaller k, so k = 0 wins unless speculation is
+    A row drafts min(k, its max_k) useful tokens; the batch pays for
+    min(k, model_max_k) draft-model steps (none when only look-ups draft: they
+    are free) and one verification of width k + 1. Ties go to the smaller k, so k = 0 wins unless speculation is
     strictly faster.
 
     Args:
         acceptances: each row's estimated per-token acceptance rate, in [0, 1].
         max_ks: each row's largest useful k (its request's k, capped by what remains).
         table: measured seconds per target forward and per draft step.
-        model_drafting: whether a draft model runs k steps (False: n-gram look-up only, free).
+        model_max_k: the largest max_k among the rows the draft model drafts for (0: none does).
         batch_size: the rows in the forward passes, planned or not (default: the planned rows).
 
     Returns:
@@ -90,12 +90,12 @@ def plan_step_k(
     assert len(acceptances) == len(max_ks) and len(max_ks) > 0, (acceptances, max_ks)
     assert all(0.0 <= a <= 1.0 for a in acceptances) and min(max_ks) >= 0, (acceptances, max_ks)
     batch_size = batch_size or len(max_ks)
-    draft_step = table.draft_seconds(batch_size) if model_drafting else 0.0
+    draft_step = table.draft_seconds(batch_size) if model_max_k > 0 else 0.0
     # k = 0: one token per planned row.
     best, best_rate = 0, len(max_ks) / table.target_seconds(batch_size, 1)
     for k in range(1, max(max_ks) + 1):
         tokens = sum(expected_tokens(a, min(k, max_k)) for a, max_k in zip(acceptances, max_ks))
-        rate = tokens / (table.target_seconds(batch_size, k + 1) + k * draft_step)
+        rate = tokens / (table.target_seconds(batch_size, k + 1) + min(k, model_max_k) * draft_step)
         # A relative margin, so that rounding never breaks a tie in favour of drafting.
         if rate > best_rate * (1.0 + 1e-9):
             best, best_rate = k, rate

@@ -109,6 +109,9 @@ class HandlerConfig:
     drafter: str = "model"
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    # Most drafts one look-up proposes; 0 = the request's k. A look-up costs no draft
+    # pass, only verify width, so it may usefully exceed the draft model's k.
+    prompt_lookup_num_tokens: int = 0
     dtype: str = "auto"
     num_speculative_tokens: int = 4
     max_num_speculative_tokens: int = 16
@@ -178,6 +181,12 @@ class HandlerConfig:
         values["num_speculative_tokens"] = _int(
             "handler.num_speculative_tokens",
             raw.get("num_speculative_tokens", default.num_speculative_tokens),
+            0,
+            values["max_num_speculative_tokens"],
+        )
+        values["prompt_lookup_num_tokens"] = _int(
+            "handler.prompt_lookup_num_tokens",
+            raw.get("prompt_lookup_num_tokens", default.prompt_lookup_num_tokens),
             0,
             values["max_num_speculative_tokens"],
         )

@@ -205,6 +205,12 @@ class _Row:
         # The verify pass must stay inside the context.
         return max(0, min(self.request.num_speculative_tokens, self.remaining - 1))
 
+    def lookup_cap(self, lookup_num_tokens: int) -> int:
+        """The most look-up drafts this row may verify now: `lookup_num_tokens` (0: its k), none when its k is 0."""
+        if self.request.num_speculative_tokens == 0 or lookup_num_tokens == 0:
+            return self.cap()
+        return max(0, min(lookup_num_tokens, self.remaining - 1))
+
     def extend(self, new_token_ids: Sequence[int]) -> list[int]:
         """Appends tokens one by one until a stop condition; returns those kept."""
         kept = []
@@ -258,6 +264,7 @@ class SpeculativeEngine:
         cost_table=None,
         prompt_lookup_min: int = 1,
         prompt_lookup_max: int = 4,
+        prompt_lookup_num_tokens: int = 0,
     ) -> None:
         """
         Args:
@@ -269,6 +276,8 @@ class SpeculativeEngine:
                 object with `target_seconds(batch_size, width)` and `draft_seconds(batch_size)`).
                 When given, each step's k is planned for the batch; else every row drafts its cap.
             prompt_lookup_min, prompt_lookup_max: the n-gram drafter's suffix lengths.
+            prompt_lookup_num_tokens: the most drafts one look-up proposes; 0 = the request's k.
+                A look-up costs no draft pass, only verify width, so it may exceed k.
         """
         self.target = target
         self.tokenizer = tokenizer
@@ -279,6 +288,7 @@ class SpeculativeEngine:
         self.cost_table = cost_table
         self.model_drafter = ModelDrafter(draft, self.vocab_size, pad_token_id) if draft is not None else None
         self.ngram_drafter = NgramDrafter(prompt_lookup_min, prompt_lookup_max)
+        self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.drafters = DRAFTERS if draft is not None else (DRAFTER_NGRAM,)
         self.default_drafter = default_drafter or (DRAFTER_MODEL if draft is not None else DRAFTER_NGRAM)
         assert self.default_drafter in self.drafters, (self.default_drafter, self.drafters)
@@ -417,7 +427,14 @@ class SpeculativeEngine:
         self.rows.extend(new_rows)
         self.ngram_drafter.add({r.request_id: r.request.prompt_ids for r in new_rows if r.drafter != DRAFTER_MODEL})
         if self.model_drafter is not None:
-            self.model_drafter.add({r.request_id: r.request.prompt_ids for r in new_rows if r.drafter != DRAFTER_NGRAM})
+            # A row whose k is 0 never drafts: the draft model need not read its prompt.
+            self.model_drafter.add(
+                {
+                    r.request_id: r.request.prompt_ids
+                    for r in new_rows
+                    if r.drafter != DRAFTER_NGRAM and r.request.num_speculative_tokens > 0
+                }
+            )
 
     def _drop(self, rows: list[_Row]) -> None:
         """Removes rows from the batch and from every drafter."""
@@ -437,7 +454,10 @@ class SpeculativeEngine:
     def _lookups(self, rows: list[_Row]) -> list[list[int]]:
         """The n-gram drafter's proposal for each row that uses it ([] for the others)."""
         return [
-            self.ngram_drafter.lookup(row.request_id, row.cap()) if row.drafter != DRAFTER_MODEL else [] for row in rows
+            self.ngram_drafter.lookup(row.request_id, row.lookup_cap(self.prompt_lookup_num_tokens))
+            if row.drafter != DRAFTER_MODEL
+            else []
+            for row in rows
         ]
 
     def _plan(self, rows: list[_Row], max_ks: list[int], uses_model: list[bool]) -> list[int]:
@@ -452,7 +472,7 @@ class SpeculativeEngine:
             acceptances,
             [max_ks[s] for s in planned],
             self.cost_table,
-            model_drafting=any(uses_model[s] and max_ks[s] > 0 for s in planned),
+            model_max_k=max((max_ks[s] for s in planned if uses_model[s]), default=0),
             batch_size=len(rows),
         )
         trackers = [rows[s].trackers[DRAFTER_MODEL if uses_model[s] else DRAFTER_NGRAM] for s in planned]

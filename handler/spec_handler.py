@@ -64,6 +64,7 @@ class SpeculativeHandler(BaseHandler):
             cost_table=cost_table,
             prompt_lookup_min=self.config.prompt_lookup_min,
             prompt_lookup_max=self.config.prompt_lookup_max,
+            prompt_lookup_num_tokens=self.config.prompt_lookup_num_tokens,
         )
         # The OpenAI routes: `model` must name the model as TorchServe serves it.
         self.model_name = context.model_name

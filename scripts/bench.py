@@ -116,13 +116,17 @@ def constant_schedule(k: int) -> dict:
     return {"num_assistant_tokens": k, "schedule": "constant", "confidence_threshold": 0.0}
 
 
-def engine_method(key: str, drafter: str, k: int, planned: bool) -> Method:
+def engine_method(key: str, drafter: str, k: int, planned: bool, lookup: int = 0) -> Method:
+    """One of this engine's rows; `lookup` is the config's prompt_lookup_num_tokens (0: look-ups draft k)."""
     if k == 0:
         label = "this engine, k=0 (plain decoding)"
-    elif planned:
-        label = f"this engine, {drafter} drafter, cost-table k<={k}"
     else:
-        label = f"this engine, {drafter} drafter, fixed k={k}"
+        mode = f"cost-table k<={k}" if planned else f"fixed k={k}"
+        if drafter == DRAFTER_NGRAM and lookup:
+            mode = f"cost-table, look-ups<={lookup}" if planned else f"look-ups of {lookup}"
+        elif drafter == DRAFTER_HYBRID and lookup:
+            mode += f", look-ups<={lookup}"
+        label = f"this engine, {drafter} drafter, {mode}"
     return Method(key, label, k=k, drafter=drafter, planned=planned)
 
 
@@ -162,6 +166,7 @@ class Runner:
                 cost_table=self.cost_table if planned else None,
                 prompt_lookup_min=self.config.prompt_lookup_min,
                 prompt_lookup_max=self.config.prompt_lookup_max,
+                prompt_lookup_num_tokens=self.config.prompt_lookup_num_tokens,
             )
         return self.engines[planned]
 
@@ -243,14 +248,16 @@ def sweep(runner: Runner, sets: dict, args, draft_note: str) -> dict:
     """
     ks = args.sweep_ks
     cap = args.max_k
+    lookup = runner.config.prompt_lookup_num_tokens
     result: dict = {"sets": {}}
     for name, prompt_set in sets.items():
         ids = prompt_set["tuning_ids"]
-        logger.info("sweep on %s: %d tuning prompts x %d tokens", name, len(ids), args.sweep_max_new_tokens)
+        budget = args.sweep_max_new_tokens[name]
+        logger.info("sweep on %s: %d tuning prompts x %d tokens", name, len(ids), budget)
 
-        def measure(method: Method, ids=ids) -> dict:
+        def measure(method: Method, ids=ids, budget=budget) -> dict:
             runner.run(method, ids[:1], 4)  # warm-up
-            run = runner.run(method, ids, args.sweep_max_new_tokens)
+            run = runner.run(method, ids, budget)
             logger.info("  %-60s %6.2f tokens/s", method.label, run.tokens_per_second)
             return {"label": method.label, "tokens_per_second": run.tokens_per_second, **acceptance(run)}
 
@@ -263,10 +270,10 @@ def sweep(runner: Runner, sets: dict, args, draft_note: str) -> dict:
         best_hf = max(hf_candidates, key=lambda item: item[1]["tokens_per_second"])[0]
         modes = {
             "model planned": measure(engine_method("engine_planned", DRAFTER_MODEL, cap, planned=True)),
-            "ngram planned": measure(engine_method("engine_ngram", DRAFTER_NGRAM, cap, planned=True)),
-            "ngram fixed": measure(engine_method("engine_ngram", DRAFTER_NGRAM, cap, planned=False)),
-            "hybrid planned": measure(engine_method("engine_hybrid", DRAFTER_HYBRID, cap, planned=True)),
-            "hybrid fixed": measure(engine_method("engine_hybrid", DRAFTER_HYBRID, best_k, planned=False)),
+            "ngram planned": measure(engine_method("engine_ngram", DRAFTER_NGRAM, cap, True, lookup)),
+            "ngram fixed": measure(engine_method("engine_ngram", DRAFTER_NGRAM, cap, False, lookup)),
+            "hybrid planned": measure(engine_method("engine_hybrid", DRAFTER_HYBRID, cap, True, lookup)),
+            "hybrid fixed": measure(engine_method("engine_hybrid", DRAFTER_HYBRID, best_k, False, lookup)),
         }
         result["sets"][name] = {
             "target_only_tokens_per_second": baseline["tokens_per_second"],
@@ -306,7 +313,7 @@ def acceptance(run: Run) -> dict:
 # --------------------------------------------------------------------------- main table
 
 
-def table_methods(set_sweep: dict, sweep_result: dict, cap: int, draft_note: str) -> list[Method]:
+def table_methods(set_sweep: dict, sweep_result: dict, cap: int, draft_note: str, lookup: int = 0) -> list[Method]:
     """The rows of one prompt set's table, with the settings its sweep picked."""
     hybrid_k = cap if sweep_result["hybrid_planned"] else set_sweep["best_k"]
     return [
@@ -317,8 +324,8 @@ def table_methods(set_sweep: dict, sweep_result: dict, cap: int, draft_note: str
         engine_method("engine_k0", DRAFTER_MODEL, 0, planned=False),
         engine_method("engine_fixed", DRAFTER_MODEL, set_sweep["best_k"], planned=False),
         engine_method("engine_planned", DRAFTER_MODEL, cap, planned=True),
-        engine_method("engine_ngram", DRAFTER_NGRAM, cap, planned=sweep_result["ngram_planned"]),
-        engine_method("engine_hybrid", DRAFTER_HYBRID, hybrid_k, planned=sweep_result["hybrid_planned"]),
+        engine_method("engine_ngram", DRAFTER_NGRAM, cap, sweep_result["ngram_planned"], lookup),
+        engine_method("engine_hybrid", DRAFTER_HYBRID, hybrid_k, sweep_result["hybrid_planned"], lookup),
     ]
 
 
@@ -334,7 +341,7 @@ def measure_table(runner: Runner, sets: dict, methods: dict[str, list[Method]], 
             # Rotating the order spreads slow drift of a shared machine over every row alike.
             shift = index % len(methods[name])
             for method in methods[name][shift:] + methods[name][:shift]:
-                run = runner.run(method, ids, args.max_new_tokens)
+                run = runner.run(method, ids, args.max_new_tokens[name])
                 runs[name][method.key].append(run)
                 logger.info(
                     "run %d/%d %s: %-60s %6.2f tokens/s",
@@ -480,6 +487,10 @@ def _same_output(row: dict, num_prompts: int) -> str:
     return " / ".join(parts)
 
 
+def _budgets(per_set: dict[str, int]) -> str:
+    return ", ".join(f"{tokens} ({name})" for name, tokens in per_set.items())
+
+
 def markdown(report: dict) -> str:
     settings = report["settings"]
     lines = [
@@ -490,11 +501,16 @@ def markdown(report: dict) -> str:
         f"{settings['draft_note']}; every row runs the same target object (linear layers packed for oneDNN: "
         f"{'yes' if settings['cpu_packed_weights'] else 'no'}) and the same draft object. This engine's n-gram "
         f"look-up matches suffixes of {settings['prompt_lookup_min']} to {settings['prompt_lookup_max']} tokens; "
-        f"the cost-table and n-gram rows draft at most k={settings['max_k']}.",
-        f"Held-out prompts: {settings['num_prompts']} per set, up to {settings['max_new_tokens']} new tokens, greedy; "
-        f"tokens/s = generated tokens / seconds over the set, prefill included, median of {settings['runs']} runs "
-        f"(row order rotated each run); sweep on {settings['sweep_prompts']} tuning prompt(s) per set x "
-        f"{settings['sweep_max_new_tokens']} tokens.",
+        f"the cost-table rows draft at most k={settings['max_k']}"
+        + (
+            f", and a look-up proposes up to {settings['prompt_lookup_num_tokens']} tokens (prompt_lookup_num_tokens)."
+            if settings.get("prompt_lookup_num_tokens")
+            else "; a look-up proposes up to k tokens."
+        ),
+        f"Held-out prompts: {settings['num_prompts']} per set, up to {_budgets(settings['max_new_tokens'])} new "
+        f"tokens, greedy; tokens/s = generated tokens / seconds over the set, prefill included, median of "
+        f"{settings['runs']} runs (row order rotated each run); sweep on {settings['sweep_prompts']} tuning "
+        f"prompt(s) per set x {_budgets(settings['sweep_max_new_tokens'])} tokens.",
         "",
         "Cost table, measured at start (handler.cost_table; between grid points the planner interpolates):",
         "",
@@ -585,7 +601,7 @@ def measure_rest(args, prompts: list[dict]) -> dict:
     headers = torchserve.auth_headers(key_file)
 
     def post(prompt):
-        body = {"messages": prompt["messages"], "max_new_tokens": args.max_new_tokens, "temperature": 0}
+        body = {"messages": prompt["messages"], "max_new_tokens": args.max_new_tokens["open"], "temperature": 0}
         answer = torchserve.generate(args.rest_url, args.model, body, headers, key_file, args.rest_timeout)
         return answer.final, answer.elapsed_s
 
@@ -655,13 +671,19 @@ def parse_args(argv):
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="overrides the config")
     parser.add_argument("--draft-quantization", choices=["none", "int8"], help="overrides the config")
     parser.add_argument("--prompts", default=str(REPO_ROOT / "scripts" / "bench_prompts.json"))
-    # The defaults fit about 25 minutes on a 2-core CPU with the demo pair: 9 rows x 2 sets x 3 runs.
+    # The defaults take about 45 minutes on a 2-core CPU with the demo pair: 9 rows x 2 sets x 3 runs.
     parser.add_argument("--num-prompts", type=int, default=3, help="held-out prompts per set")
-    parser.add_argument("--max-new-tokens", type=int, default=40)
+    # An edit's answer copies the code it edits, so it runs longer than a chat answer; 40 tokens of it
+    # would be mostly the preamble and the prefill of a long prompt.
+    parser.add_argument(
+        "--max-new-tokens",
+        default="open=64,grounded=128",
+        help="new tokens per held-out prompt: one number for every set, or per set as open=N,grounded=M",
+    )
     parser.add_argument("--runs", type=int, default=3, help="runs per row; the table gives their median")
     parser.add_argument("--sweep-ks", default="1,2,3,4,6", help="fixed k for this engine and constant HF schedules")
     parser.add_argument("--sweep-prompts", type=int, default=1, help="tuning prompts per set")
-    parser.add_argument("--sweep-max-new-tokens", type=int, default=32)
+    parser.add_argument("--sweep-max-new-tokens", default="open=32,grounded=64", help="as --max-new-tokens")
     parser.add_argument(
         "--max-k",
         type=int,
@@ -678,11 +700,30 @@ def parse_args(argv):
     parser.add_argument("--out-dir", default="bench_results")
     args = parser.parse_args(argv)
     args.sweep_ks = [int(k) for k in args.sweep_ks.split(",")]
+    for name in ("max_new_tokens", "sweep_max_new_tokens"):
+        try:
+            setattr(args, name, _per_set(getattr(args, name)))
+        except ValueError as error:
+            parser.error(f"--{name.replace('_', '-')}: {error}")
     if args.runs < 1 or args.num_prompts < 1 or args.sweep_prompts < 1 or min(args.sweep_ks) < 1:
         parser.error("--runs, --num-prompts, --sweep-prompts and every --sweep-ks value must be at least 1")
     if args.rest_only and not args.rest_url:
         parser.error("--rest-only needs --rest-url")
     return args
+
+
+def _per_set(value: str) -> dict[str, int]:
+    """'64' or 'open=64,grounded=128' as {set name: tokens} for every prompt set."""
+    if "=" not in value:
+        per_set = {name: int(value) for name in PROMPT_SETS}
+    else:
+        pairs = [item.split("=", 1) for item in value.split(",")]
+        per_set = {name.strip(): int(tokens) for name, tokens in pairs}
+        if set(per_set) != set(PROMPT_SETS):
+            raise ValueError(f"name every prompt set ({', '.join(PROMPT_SETS)}), got {', '.join(per_set)}")
+    if min(per_set.values()) < 1:
+        raise ValueError("token budgets must be at least 1")
+    return {name: per_set[name] for name in PROMPT_SETS}
 
 
 def bench_config(args) -> HandlerConfig:
@@ -726,7 +767,10 @@ def main(argv=None) -> int:
         prompt_set["tuning_ids"] = [runner.encode(p) for p in prompt_set["tuning"]]
         prompt_set["held_out_ids"] = [runner.encode(p) for p in prompt_set["held_out"]]
     sweep_result = sweep(runner, sets, args, draft_note)
-    methods = {name: table_methods(sweep_result["sets"][name], sweep_result, args.max_k, draft_note) for name in sets}
+    lookup = config.prompt_lookup_num_tokens
+    methods = {
+        name: table_methods(sweep_result["sets"][name], sweep_result, args.max_k, draft_note, lookup) for name in sets
+    }
     runs = measure_table(runner, sets, methods, args)
 
     report = {
@@ -749,6 +793,7 @@ def main(argv=None) -> int:
             "cpu_packed_weights": config.cpu_packed_weights and models.device.type == "cpu",
             "prompt_lookup_min": config.prompt_lookup_min,
             "prompt_lookup_max": config.prompt_lookup_max,
+            "prompt_lookup_num_tokens": config.prompt_lookup_num_tokens,
         },
         "cost_table": cost,
         "sweep": sweep_result,

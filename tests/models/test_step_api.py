@@ -123,6 +123,42 @@ def test_hybrid_uses_the_lookup_where_it_matches_and_the_model_elsewhere(tiny_pa
     assert result.token_ids == reference_greedy(target, grounded, 40)
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "hybrid"])
+def test_look_ups_propose_up_to_their_own_cap_and_stay_exact(tiny_pair, drafter, monkeypatch):
+    target, draft, tokenizer = tiny_pair
+    engine = make_engine(target, draft, tokenizer)
+    monkeypatch.setattr(engine, "prompt_lookup_num_tokens", 6)
+    prompt_ids = encode(tokenizer, PROMPTS[0])
+    expected = reference_greedy(target, prompt_ids, 24)
+
+    # A random tiny model never copies its prompt, so the look-up is an oracle that
+    # knows the greedy continuation: every step then verifies as many drafts as allowed.
+    caps, model_ks, fed_rows = [], [], []
+
+    def oracle(request_id, cap):
+        caps.append(cap)
+        done = len(next(row for row in engine.rows if row.request_id == request_id).token_ids)
+        return list(expected[done : done + cap])
+
+    propose, add = engine.model_drafter.propose, engine.model_drafter.add
+    monkeypatch.setattr(engine.ngram_drafter, "lookup", oracle)
+    monkeypatch.setattr(engine.model_drafter, "propose", lambda k, rows: model_ks.append(k) or propose(k, rows))
+    monkeypatch.setattr(engine.model_drafter, "add", lambda prompts: fed_rows.extend(prompts) or add(prompts))
+    result = engine.generate([GenerationRequest(prompt_ids, 24, GREEDY, 2, drafter=drafter)])[0]
+    assert result.token_ids == expected
+    # 6 drafts per pass although the request's k is 2; the cap shrinks as max_new_tokens nears.
+    # Every draft is accepted: 3 passes of 6 drafts + the bonus (21 tokens), then 2 drafts + the bonus.
+    assert caps == [6, 6, 6, 2]
+    assert result.stats.accepted_per_position == [4, 4, 3, 3, 3, 3]
+    assert model_ks == []  # the look-up always matched, so hybrid never ran the draft model
+    assert bool(fed_rows) == (drafter == "hybrid")  # but hybrid kept it ready
+    # k = 0 turns every drafter off, the look-up included, and the draft model never reads the prompt.
+    caps.clear(), fed_rows.clear()
+    plain = engine.generate([GenerationRequest(prompt_ids, 24, GREEDY, 0, drafter=drafter)])[0]
+    assert plain.token_ids == expected and plain.stats.draft_tokens == 0
+    assert fed_rows == [] and set(caps) <= {0}
+
+
 def test_logprobs_equal_a_direct_forward_of_the_target(tiny_pair, engine):
     target, _, tokenizer = tiny_pair
     prompt_ids = encode(tokenizer, PROMPTS[0])

@@ -118,6 +118,9 @@ def test_drafter_keys():
     lookup = HandlerConfig.from_dict({"drafter": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5})
     assert lookup.draft_model is None and lookup.drafters == ("ngram",)
     assert (lookup.prompt_lookup_min, lookup.prompt_lookup_max) == (2, 5)
+    assert lookup.prompt_lookup_num_tokens == 0  # the request's k
+    wide = HandlerConfig.from_dict({"prompt_lookup_num_tokens": 8, "max_num_speculative_tokens": 8})
+    assert wide.prompt_lookup_num_tokens == 8
     hybrid = HandlerConfig.from_dict({"drafter": "hybrid", "draft_model": "small"})
     assert hybrid.draft_model == "small" and "hybrid" in hybrid.drafters
 
@@ -129,6 +132,9 @@ def test_drafter_keys():
         ({"drafter": "ngram", "draft_model": "draft"}, "handler.draft_model"),
         ({"prompt_lookup_min": 0}, "handler.prompt_lookup_min"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "handler.prompt_lookup_max"),
+        # The cost table and the verify pass go no wider than max_num_speculative_tokens + 1.
+        ({"prompt_lookup_num_tokens": 9, "max_num_speculative_tokens": 8}, "handler.prompt_lookup_num_tokens"),
+        ({"prompt_lookup_num_tokens": -1}, "handler.prompt_lookup_num_tokens"),
     ],
 )
 def test_bad_drafter_settings_name_the_key(raw, key):
