@@ -596,25 +596,45 @@ def plot(report: dict, path: pathlib.Path) -> None:
 
 
 def measure_rest(args, prompts: list[dict]) -> dict:
-    """Tokens/s through a running TorchServe: sequential requests, then 4 at once."""
+    """Tokens/s through a running TorchServe, against target-only decoding through the same server.
+
+    Target-only is the same request with `num_speculative_tokens: 0`: the same worker,
+    models and HTTP path, with no drafting. The two alternate, one request at a time,
+    --runs times; then 4 requests go at once against the same 4 one after another.
+    """
     key_file = pathlib.Path(args.key_file) if args.key_file else None
     headers = torchserve.auth_headers(key_file)
 
-    def post(prompt):
+    def post(prompt, extra=None):
         body = {"messages": prompt["messages"], "max_new_tokens": args.max_new_tokens["open"], "temperature": 0}
+        body.update(extra or {})
         answer = torchserve.generate(args.rest_url, args.model, body, headers, key_file, args.rest_timeout)
         return answer.final, answer.elapsed_s
 
-    post(prompts[0])  # warm-up
-    answers = [post(p) for p in prompts]
+    target_only = {"num_speculative_tokens": 0}
+    post(prompts[0]), post(prompts[0], target_only)  # warm-up
+    runs: dict[str, list[float]] = {"shipped": [], "target_only": []}
+    answers: list = []
+    for index in range(args.runs):
+        order = ["shipped", "target_only"] if index % 2 == 0 else ["target_only", "shipped"]
+        for mode in order:
+            done = [post(p, None if mode == "shipped" else target_only) for p in prompts]
+            tokens = sum(a["usage"]["completion_tokens"] for a, _ in done)
+            runs[mode].append(tokens / sum(t for _, t in done))
+            if mode == "shipped":
+                answers += done
+            logger.info("REST run %d/%d %s: %.2f tokens/s", index + 1, args.runs, mode, runs[mode][-1])
     tokens = sum(a["usage"]["completion_tokens"] for a, _ in answers)
     sequential = {
-        "tokens_per_second": tokens / sum(t for _, t in answers),
+        "tokens_per_second": statistics.median(runs["shipped"]),
+        "target_only_tokens_per_second": statistics.median(runs["target_only"]),
+        "runs": runs,
         "acceptance_rate": sum(a["speculative"]["accepted_tokens"] for a, _ in answers)
         / max(1, sum(a["speculative"]["draft_tokens"] for a, _ in answers)),
         "mean_accepted_length": tokens / max(1, sum(a["speculative"]["target_forward_passes"] for a, _ in answers)),
     }
-    four = prompts[:4]
+    sequential["ratio"] = sequential["tokens_per_second"] / sequential["target_only_tokens_per_second"]
+    four = (prompts * 4)[:4]
     start = time.perf_counter()
     one_by_one = [post(p) for p in four]
     sequential_seconds = time.perf_counter() - start
@@ -628,13 +648,15 @@ def measure_rest(args, prompts: list[dict]) -> dict:
         "concurrent_tokens_per_second": sum(a["usage"]["completion_tokens"] for a, _ in together) / concurrent_seconds,
     }
     batch["ratio"] = batch["concurrent_tokens_per_second"] / batch["sequential_tokens_per_second"]
-    return {"sequential": sequential, "batch_of_4": batch}
+    return {"num_prompts": len(prompts), "sequential": sequential, "batch_of_4": batch}
 
 
 def rest_summary(rest: dict) -> str:
     sequential, batch = rest["sequential"], rest["batch_of_4"]
     return (
-        f"{sequential['tokens_per_second']:.2f} tokens/s one request at a time (acceptance "
+        f"one request at a time, {sequential['tokens_per_second']:.2f} tokens/s with the archive's config against "
+        f"{sequential['target_only_tokens_per_second']:.2f} target-only through the same server "
+        f"(`num_speculative_tokens: 0`): {sequential['ratio']:.2f}x (medians; acceptance "
         f"{sequential['acceptance_rate']:.2f}, {sequential['mean_accepted_length']:.2f} tokens/pass); 4 concurrent "
         f"requests: {batch['concurrent_tokens_per_second']:.2f} tokens/s aggregate vs "
         f"{batch['sequential_tokens_per_second']:.2f} one after another ({batch['ratio']:.2f}x)."
