@@ -8,17 +8,15 @@ read from a measured `handler.cost_table.CostTable`; k = 0 (plain decoding,
 still exact) wins whenever no k > 0 beats it. Adaptation never touches the
 sampler, so output stays lossless.
 
-`CostModel`, `best_k` and `AdaptiveK` are the older per-row policy with a
-linear cost model; the engine uses them until it plans k per batch.
+`CostModel` is a linear cost table (a fixed cost per pass plus one per extra
+verified token), for tests and back-of-the-envelope estimates; a served model
+plans with the table measured at start-up.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Sequence
-
-import torch
 
 from handler.cost_table import CostTable
 
@@ -34,7 +32,7 @@ PROBE_INTERVAL = 32
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """Seconds per forward pass: the draft on one token, the target on 1 + k tokens."""
+    """A linear cost table: the draft on one token, the target on 1 + k tokens, any batch size."""
 
     draft_step: float
     target_step: float
@@ -102,12 +100,6 @@ def plan_step_k(
     return best
 
 
-def best_k(acceptance: float, max_k: int, cost: CostModel) -> int:
-    """The k in 0..max_k with the most expected tokens per second."""
-    rates = [expected_tokens(acceptance, k) / cost.step_cost(k) for k in range(max_k + 1)]
-    return max(range(max_k + 1), key=rates.__getitem__)
-
-
 class AcceptanceTracker:
     """A decayed estimate of one request's per-token acceptance rate.
 
@@ -131,47 +123,3 @@ class AcceptanceTracker:
     @property
     def acceptance(self) -> float:
         return (self.successes + 1.0) / (self.successes + self.failures + 2.0)
-
-
-class AdaptiveK:
-    """Chooses each step's k for a request, up to the request's own maximum."""
-
-    def __init__(self, cost: CostModel) -> None:
-        self.cost = cost
-
-    def choose(self, tracker: AcceptanceTracker, max_k: int) -> int:
-        k = best_k(tracker.acceptance, max_k, self.cost)
-        if k == 0 and tracker.num_steps < MIN_STEPS_BEFORE_FALLBACK:
-            return min(1, max_k)
-        return k
-
-
-@torch.inference_mode()
-def measure_cost_model(target, draft, max_k: int, repeats: int = 3) -> CostModel:
-    """Times the draft and the target on a short cached context, at start-up."""
-    from transformers import DynamicCache
-
-    device = next(target.parameters()).device
-
-    def seconds(model, width: int) -> float:
-        prefix = torch.zeros((1, 32), dtype=torch.long, device=device)
-        step = torch.zeros((1, width), dtype=torch.long, device=device)
-        times = []
-        for _ in range(repeats + 1):
-            cache = DynamicCache(config=model.config)
-            model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=width)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        return sorted(times[1:])[len(times[1:]) // 2]  # median, after one warm-up
-
-    draft_step = seconds(draft, 1) if draft is not None else 0.0
-    target_step = seconds(target, 1)
-    wide = max(max_k, 1) + 1
-    target_wide = seconds(target, wide)
-    per_extra = max(0.0, (target_wide - target_step) / (wide - 1))
-    return CostModel(draft_step=draft_step, target_step=target_step, target_per_extra_token=per_extra)

@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from handler.adaptive import (
-    MIN_STEPS_BEFORE_FALLBACK,
-    AcceptanceTracker,
-    AdaptiveK,
-    CostModel,
-    best_k,
-    expected_tokens,
-)
+from handler.adaptive import AcceptanceTracker, CostModel, expected_tokens
 
 # Draft costs 0.2 of a target pass; verifying extra tokens is free (the GPU-like case).
 CHEAP_DRAFT = CostModel(draft_step=0.2, target_step=1.0, target_per_extra_token=0.0)
@@ -24,13 +17,10 @@ def test_expected_tokens_matches_the_geometric_series():
     assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8**5) / 0.2)
 
 
-def test_best_k_grows_with_acceptance_and_drops_to_zero_when_speculation_cannot_pay():
-    assert best_k(0.95, 8, CHEAP_DRAFT) == 8
-    assert 1 <= best_k(0.6, 8, CHEAP_DRAFT) < best_k(0.9, 8, CHEAP_DRAFT)
-    # Speedup of k=1 is (1 + a) / 1.2: below 1 for a < 0.2.
-    assert best_k(0.1, 8, CHEAP_DRAFT) == 0
-    expensive = CostModel(draft_step=1.0, target_step=1.0, target_per_extra_token=0.0)
-    assert best_k(0.7, 8, expensive) == 0
+def test_linear_cost_model_as_a_cost_table():
+    assert CHEAP_DRAFT.step_cost(3) == pytest.approx(1.6)
+    assert CHEAP_DRAFT.target_seconds(4, 5) == CHEAP_DRAFT.target_seconds(1, 1) == 1.0
+    assert CHEAP_DRAFT.draft_seconds(2) == 0.2
     assert CHEAP_DRAFT.draft_target_ratio == pytest.approx(0.2)
 
 
@@ -46,12 +36,3 @@ def test_tracker_estimates_acceptance_from_runs():
     steps = tracker.num_steps
     tracker.update(0, 0)  # a step without drafts says nothing
     assert tracker.num_steps == steps
-
-
-def test_fallback_waits_for_evidence():
-    policy = AdaptiveK(CHEAP_DRAFT)
-    tracker = AcceptanceTracker()
-    for _ in range(MIN_STEPS_BEFORE_FALLBACK):
-        assert policy.choose(tracker, 4) >= 1
-        tracker.update(0, policy.choose(tracker, 4))
-    assert policy.choose(tracker, 4) == 0
