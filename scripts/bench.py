@@ -779,7 +779,11 @@ def main(argv=None) -> int:
     draft_note = "int8" if config.draft_quantization == "int8" else str(models.dtype).replace("torch.", "")
     # Measured afresh (never read from a cache), as the handler measures it at start-up.
     cost_table = measure_cost_table(
-        models.target, models.draft, max_width=args.max_k + 1, max_batch_size=args.cost_max_batch_size
+        models.target,
+        models.draft,
+        # Look-ups may verify more drafts than the draft model's cap: the table must reach their width.
+        max_width=max(args.max_k, config.prompt_lookup_num_tokens) + 1,
+        max_batch_size=args.cost_max_batch_size,
     )
     cost = describe_cost_table(cost_table)
     print("Cost table, measured at start:\n" + cost_table.format(), flush=True)
