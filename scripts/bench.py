@@ -487,6 +487,14 @@ def _same_output(row: dict, num_prompts: int) -> str:
     return " / ".join(parts)
 
 
+def _shown(path: str) -> str:
+    """A model path as the report shows it: relative to the repository when inside it."""
+    try:
+        return str(pathlib.Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return path
+
+
 def _budgets(per_set: dict[str, int]) -> str:
     return ", ".join(f"{tokens} ({name})" for name, tokens in per_set.items())
 
@@ -497,7 +505,7 @@ def markdown(report: dict) -> str:
         f"Date: {report['date']}. Machine: {report['machine']['description']}.",
         f"Load average (1 min) at start {report['load_average']['start']:.2f}, at end "
         f"{report['load_average']['end']:.2f}; wall time {report['wall_seconds'] / 60:.1f} min.",
-        f"Target {settings['target']}, draft {settings['draft']}; dtype {settings['dtype']}, draft "
+        f"Target {_shown(settings['target'])}, draft {_shown(settings['draft'])}; dtype {settings['dtype']}, draft "
         f"{settings['draft_note']}; every row runs the same target object (linear layers packed for oneDNN: "
         f"{'yes' if settings['cpu_packed_weights'] else 'no'}) and the same draft object. This engine's n-gram "
         f"look-up matches suffixes of {settings['prompt_lookup_min']} to {settings['prompt_lookup_max']} tokens; "
