@@ -72,8 +72,8 @@ def plan_step_k(
 
     A row drafts min(k, its max_k) useful tokens; the batch pays for
     min(k, model_max_k) draft-model steps (none when only look-ups draft: they
-    are free) and one verification of width k + 1. Ties go to the smaller k, so k = 0 wins unless speculation is
-    strictly faster.
+    are free) and one verification of width k + 1. Ties go to the smaller k,
+    so k = 0 wins unless speculation is strictly faster.
 
     Args:
         acceptances: each row's estimated per-token acceptance rate, in [0, 1].

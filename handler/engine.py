@@ -202,14 +202,16 @@ class _Row:
 
     def cap(self) -> int:
         """The most drafts this row may verify now: its k, and never past max_new_tokens."""
-        # The verify pass must stay inside the context.
-        return max(0, min(self.request.num_speculative_tokens, self.remaining - 1))
+        return self._within_max_new_tokens(self.request.num_speculative_tokens)
 
     def lookup_cap(self, lookup_num_tokens: int) -> int:
         """The most look-up drafts this row may verify now: `lookup_num_tokens` (0: its k), none when its k is 0."""
-        if self.request.num_speculative_tokens == 0 or lookup_num_tokens == 0:
-            return self.cap()
-        return max(0, min(lookup_num_tokens, self.remaining - 1))
+        k = self.request.num_speculative_tokens
+        return self._within_max_new_tokens(lookup_num_tokens if k and lookup_num_tokens else k)
+
+    def _within_max_new_tokens(self, num_drafts: int) -> int:
+        # The verify pass emits up to num_drafts + 1 tokens and must stay inside max_new_tokens.
+        return max(0, min(num_drafts, self.remaining - 1))
 
     def extend(self, new_token_ids: Sequence[int]) -> list[int]:
         """Appends tokens one by one until a stop condition; returns those kept."""
@@ -425,16 +427,11 @@ class SpeculativeEngine:
         else:
             self.target_cache.extend(new_cache)
         self.rows.extend(new_rows)
-        self.ngram_drafter.add({r.request_id: r.request.prompt_ids for r in new_rows if r.drafter != DRAFTER_MODEL})
+        # A row whose k is 0 never drafts: no drafter needs to read its prompt.
+        drafting = [r for r in new_rows if r.request.num_speculative_tokens > 0]
+        self.ngram_drafter.add({r.request_id: r.request.prompt_ids for r in drafting if r.drafter != DRAFTER_MODEL})
         if self.model_drafter is not None:
-            # A row whose k is 0 never drafts: the draft model need not read its prompt.
-            self.model_drafter.add(
-                {
-                    r.request_id: r.request.prompt_ids
-                    for r in new_rows
-                    if r.drafter != DRAFTER_NGRAM and r.request.num_speculative_tokens > 0
-                }
-            )
+            self.model_drafter.add({r.request_id: r.request.prompt_ids for r in drafting if r.drafter != DRAFTER_NGRAM})
 
     def _drop(self, rows: list[_Row]) -> None:
         """Removes rows from the batch and from every drafter."""
@@ -467,15 +464,14 @@ class SpeculativeEngine:
         planned = [slot for slot, row in enumerate(rows) if row.follows_batch_plan]
         if not planned:
             return list(max_ks)
-        acceptances = [rows[s].trackers[DRAFTER_MODEL if uses_model[s] else DRAFTER_NGRAM].acceptance for s in planned]
+        trackers = [rows[s].trackers[DRAFTER_MODEL if uses_model[s] else DRAFTER_NGRAM] for s in planned]
         k = plan_step_k(
-            acceptances,
+            [tracker.acceptance for tracker in trackers],
             [max_ks[s] for s in planned],
             self.cost_table,
             model_max_k=max((max_ks[s] for s in planned if uses_model[s]), default=0),
             batch_size=len(rows),
         )
-        trackers = [rows[s].trackers[DRAFTER_MODEL if uses_model[s] else DRAFTER_NGRAM] for s in planned]
         warming_up = any(tracker.num_steps < MIN_STEPS_BEFORE_FALLBACK for tracker in trackers)
         probing = any(rows[s].steps_without_drafts >= PROBE_INTERVAL for s in planned if max_ks[s] > 0)
         if k == 0 and (warming_up or probing):

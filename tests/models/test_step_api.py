@@ -140,8 +140,10 @@ def test_look_ups_propose_up_to_their_own_cap_and_stay_exact(tiny_pair, drafter,
         done = len(next(row for row in engine.rows if row.request_id == request_id).token_ids)
         return list(expected[done : done + cap])
 
-    propose, add = engine.model_drafter.propose, engine.model_drafter.add
+    propose, add, index = engine.model_drafter.propose, engine.model_drafter.add, engine.ngram_drafter.add
+    indexed_rows = []
     monkeypatch.setattr(engine.ngram_drafter, "lookup", oracle)
+    monkeypatch.setattr(engine.ngram_drafter, "add", lambda prompts: indexed_rows.extend(prompts) or index(prompts))
     monkeypatch.setattr(engine.model_drafter, "propose", lambda k, rows: model_ks.append(k) or propose(k, rows))
     monkeypatch.setattr(engine.model_drafter, "add", lambda prompts: fed_rows.extend(prompts) or add(prompts))
     result = engine.generate([GenerationRequest(prompt_ids, 24, GREEDY, 2, drafter=drafter)])[0]
@@ -152,11 +154,11 @@ def test_look_ups_propose_up_to_their_own_cap_and_stay_exact(tiny_pair, drafter,
     assert result.stats.accepted_per_position == [4, 4, 3, 3, 3, 3]
     assert model_ks == []  # the look-up always matched, so hybrid never ran the draft model
     assert bool(fed_rows) == (drafter == "hybrid")  # but hybrid kept it ready
-    # k = 0 turns every drafter off, the look-up included, and the draft model never reads the prompt.
-    caps.clear(), fed_rows.clear()
+    # k = 0 turns every drafter off, the look-up included, and no drafter reads the prompt.
+    caps.clear(), fed_rows.clear(), indexed_rows.clear()
     plain = engine.generate([GenerationRequest(prompt_ids, 24, GREEDY, 0, drafter=drafter)])[0]
     assert plain.token_ids == expected and plain.stats.draft_tokens == 0
-    assert fed_rows == [] and set(caps) <= {0}
+    assert fed_rows == [] and indexed_rows == [] and set(caps) <= {0}
 
 
 def test_logprobs_equal_a_direct_forward_of_the_target(tiny_pair, engine):
