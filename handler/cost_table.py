@@ -160,8 +160,8 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _cpu_description() -> str:
-    """The CPU's model name and instruction-set flags: the things that decide its GEMM kernels."""
+def cpu_model_and_flags() -> tuple[str | None, list[str]] | None:
+    """The CPU's model name (None if not given) and flags, from /proc/cpuinfo; None where it cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             fields = {}
@@ -170,10 +170,19 @@ def _cpu_description() -> str:
                 fields.setdefault(name.strip(), value.strip())
                 if "model name" in fields and "flags" in fields:
                     break
-        flags = sorted(flag for flag in fields.get("flags", "").split() if flag.startswith(("avx", "amx", "fma")))
-        return f"{fields.get('model name', platform.processor())} [{' '.join(flags)}]"
     except OSError:
+        return None
+    return fields.get("model name"), fields.get("flags", "").split()
+
+
+def _cpu_description() -> str:
+    """The CPU's model name and instruction-set flags: the things that decide its GEMM kernels."""
+    cpu = cpu_model_and_flags()
+    if cpu is None:
         return f"{platform.machine()} {platform.processor()}"
+    model, flags = cpu
+    kernel_flags = sorted(flag for flag in flags if flag.startswith(("avx", "amx", "fma")))
+    return f"{model or platform.processor()} [{' '.join(kernel_flags)}]"
 
 
 def machine_key(device: torch.device) -> dict[str, Any]:

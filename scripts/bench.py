@@ -52,7 +52,7 @@ import torch
 import yaml
 
 from handler.config import HandlerConfig, SamplingParams, handler_config_from_yaml_config
-from handler.cost_table import CostTable, measure_cost_table
+from handler.cost_table import CostTable, cpu_model_and_flags, measure_cost_table
 from handler.engine import DRAFTER_HYBRID, DRAFTER_MODEL, DRAFTER_NGRAM, GenerationRequest, SpeculativeEngine
 from handler.loading import load_models
 from scripts import torchserve
@@ -409,13 +409,11 @@ def machine_info() -> dict:
     import transformers
 
     cpu, flags, mem_gib = platform.processor() or platform.machine(), [], None
+    read = cpu_model_and_flags()
+    if read is not None:
+        cpu = read[0] or cpu
+        flags = [flag for flag in CPU_FLAGS if flag in read[1]]
     try:
-        with open("/proc/cpuinfo") as f:
-            cpuinfo = f.read().splitlines()
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-        present = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-        flags = [flag for flag in CPU_FLAGS if flag in present]
         with open("/proc/meminfo") as f:
             mem_gib = int(f.readline().split()[1]) / 2**20  # MemTotal, in kB
     except (OSError, ValueError, IndexError):
@@ -619,20 +617,23 @@ def measure_rest(args, prompts: list[dict]) -> dict:
         answer = torchserve.generate(args.rest_url, args.model, body, headers, key_file, args.rest_timeout)
         return answer.final, answer.elapsed_s
 
+    def completion_tokens(answers) -> int:
+        return sum(answer["usage"]["completion_tokens"] for answer, _ in answers)
+
     target_only = {"num_speculative_tokens": 0}
-    post(prompts[0]), post(prompts[0], target_only)  # warm-up
+    post(prompts[0])  # warm-up, both modes
+    post(prompts[0], target_only)
     runs: dict[str, list[float]] = {"shipped": [], "target_only": []}
     answers: list = []
     for index in range(args.runs):
         order = ["shipped", "target_only"] if index % 2 == 0 else ["target_only", "shipped"]
         for mode in order:
             done = [post(p, None if mode == "shipped" else target_only) for p in prompts]
-            tokens = sum(a["usage"]["completion_tokens"] for a, _ in done)
-            runs[mode].append(tokens / sum(t for _, t in done))
+            runs[mode].append(completion_tokens(done) / sum(t for _, t in done))
             if mode == "shipped":
                 answers += done
             logger.info("REST run %d/%d %s: %.2f tokens/s", index + 1, args.runs, mode, runs[mode][-1])
-    tokens = sum(a["usage"]["completion_tokens"] for a, _ in answers)
+    tokens = completion_tokens(answers)
     sequential = {
         "tokens_per_second": statistics.median(runs["shipped"]),
         "target_only_tokens_per_second": statistics.median(runs["target_only"]),
@@ -651,9 +652,8 @@ def measure_rest(args, prompts: list[dict]) -> dict:
         together = list(pool.map(post, four))
         concurrent_seconds = time.perf_counter() - start
     batch = {
-        "sequential_tokens_per_second": sum(a["usage"]["completion_tokens"] for a, _ in one_by_one)
-        / sequential_seconds,
-        "concurrent_tokens_per_second": sum(a["usage"]["completion_tokens"] for a, _ in together) / concurrent_seconds,
+        "sequential_tokens_per_second": completion_tokens(one_by_one) / sequential_seconds,
+        "concurrent_tokens_per_second": completion_tokens(together) / concurrent_seconds,
     }
     batch["ratio"] = batch["concurrent_tokens_per_second"] / batch["sequential_tokens_per_second"]
     return {"num_prompts": len(prompts), "sequential": sequential, "batch_of_4": batch}
