@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -68,6 +69,20 @@ class Server:
             f"request {body!r} -> HTTP {response.status_code}: {response.text}\n{self.log_tail()}"
         )
         return response.json()
+
+
+def metric_samples(server) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample on the server's Prometheus endpoint: its name, its labels and its value."""
+    text = server.get(f"{server.metrics_url}/metrics").text
+    return [
+        (name, dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value))
+        for name, labels, value in re.findall(r"^(\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+)$", text, re.MULTILINE)
+    ]
+
+
+def counter(server, name: str) -> float:
+    """A Prometheus series summed over its labels."""
+    return sum(value for sample_name, _, value in metric_samples(server) if sample_name == name)
 
 
 def free_ports(count: int) -> list[int]:

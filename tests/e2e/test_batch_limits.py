@@ -18,7 +18,6 @@ queue of jobs not yet sent to the worker).
 from __future__ import annotations
 
 import dataclasses
-import re
 import shutil
 import threading
 
@@ -28,7 +27,7 @@ import yaml
 
 from scripts import package_mar, torchserve
 
-from .conftest import HTTP_TIMEOUT_S, REGISTER_TIMEOUT_S, write_model_config
+from .conftest import HTTP_TIMEOUT_S, REGISTER_TIMEOUT_S, metric_samples, write_model_config
 from .test_continuous_batching import in_thread, send
 
 MODEL_NAME = "tiny-spec-limits"
@@ -71,15 +70,12 @@ def limited(server, tiny_models_dir, tmp_path_factory):
 
 def model_series(server, name: str) -> dict[str, float]:
     """This model's series of a metric, by the name they carry (e.g. `_count`, `_bucket` with its `le`)."""
-    text = server.get(f"{server.metrics_url}/metrics").text
     series = {}
-    pattern = rf"^({re.escape(name)}\w*)\{{([^}}]*)\}} ([0-9.eE+-]+)$"
-    for full_name, labels, value in re.findall(pattern, text, re.MULTILINE):
-        if f'ModelName="{server.model_name}"' not in labels:
+    for full_name, labels, value in metric_samples(server):
+        if not full_name.startswith(name) or labels.get("ModelName") != server.model_name:
             continue
-        bound = re.search(r'le="([^"]*)"', labels)
-        key = full_name + (f"[{bound.group(1)}]" if bound else "")
-        series[key] = series.get(key, 0.0) + float(value)
+        key = full_name + (f"[{labels['le']}]" if "le" in labels else "")
+        series[key] = series.get(key, 0.0) + value
     return series
 
 

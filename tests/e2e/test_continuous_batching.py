@@ -14,14 +14,13 @@ the same (continuous) mode.
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import threading
 import time
 
 import requests
 
-from .conftest import HTTP_TIMEOUT_S
+from .conftest import HTTP_TIMEOUT_S, counter
 
 # The tiny pair decodes this greedily to the length limit, without an EOS: a long request.
 LONG_BODY = {"prompt": "import json", "max_new_tokens": 400, "temperature": 0.0, "stream": True}
@@ -78,13 +77,6 @@ def in_thread(server, body: dict, results: dict, key, first_chunk: threading.Eve
     thread = threading.Thread(target=lambda: results.__setitem__(key, send(server, body, first_chunk)), daemon=True)
     thread.start()
     return thread
-
-
-def counter(server, name: str) -> float:
-    """A Prometheus series summed over its labels."""
-    text = server.get(f"{server.metrics_url}/metrics").text
-    pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$"
-    return sum(float(value) for value in re.findall(pattern, text, re.MULTILINE))
 
 
 def test_staggered_arrivals_join_the_running_batch_with_outputs_equal_to_solo(server):

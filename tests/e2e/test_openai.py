@@ -16,8 +16,7 @@ import requests
 
 from handler.openai_api import choice_seed
 
-from .conftest import HTTP_TIMEOUT_S
-from .test_continuous_batching import counter
+from .conftest import HTTP_TIMEOUT_S, counter
 
 MODEL_VERSION = "1.0"  # scripts/package_mar.py
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]

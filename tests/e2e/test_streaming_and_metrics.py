@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
 from handler.schema import STREAM_CHUNK_KEYS
 
-from .conftest import HTTP_TIMEOUT_S
+from .conftest import HTTP_TIMEOUT_S, metric_samples
 
 STREAMED = [
     {"prompt": "def fibonacci(n):", "max_new_tokens": 20},
@@ -70,10 +69,10 @@ def test_stop_strings_do_not_leak_into_the_stream(server):
 
 def read_metrics(server) -> dict[str, float]:
     """Sums each Spec* series over its labels (TorchServe adds ModelName, Level, Hostname)."""
-    text = server.get(f"{server.metrics_url}/metrics").text
     totals: dict[str, float] = {}
-    for match in re.finditer(r"^(Spec\w+?)(?:\{[^}]*\})? ([0-9.eE+-]+)$", text, re.MULTILINE):
-        totals[match.group(1)] = totals.get(match.group(1), 0.0) + float(match.group(2))
+    for name, _, value in metric_samples(server):
+        if name.startswith("Spec"):
+            totals[name] = totals.get(name, 0.0) + value
     return totals
 
 
