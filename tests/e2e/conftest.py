@@ -14,10 +14,13 @@ The server is always stopped in teardown, whatever happened.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shutil
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -83,6 +86,57 @@ def metric_samples(server) -> list[tuple[str, dict[str, str], float]]:
 def counter(server, name: str) -> float:
     """A Prometheus series summed over its labels."""
     return sum(value for sample_name, _, value in metric_samples(server) if sample_name == name)
+
+
+class Outcome:
+    """What one request through `send` got back, with its timings."""
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.error = ""
+        self.started = self.first_chunk = self.finished = 0.0
+
+
+def send(server, body: dict, first_chunk: threading.Event | None = None) -> Outcome:
+    """One request; a streamed answer is read line by line and joined."""
+    outcome = Outcome()
+    outcome.started = time.perf_counter()
+    try:
+        response = requests.post(
+            f"{server.inference_url}/predictions/{server.model_name}", json=body, stream=True, timeout=HTTP_TIMEOUT_S
+        )
+        outcome.status = response.status_code
+        if response.status_code != 200 or not body.get("stream"):
+            answer = response.json()
+            outcome.error = answer.get("error", "")
+            outcome.token_ids, outcome.text = answer.get("token_ids", []), answer.get("text", "")
+            outcome.finish_reason = answer.get("finish_reason")
+        else:
+            for line in response.iter_lines():
+                if not line.strip():
+                    continue
+                chunk = json.loads(line)
+                if not outcome.first_chunk:
+                    outcome.first_chunk = time.perf_counter()
+                    if first_chunk is not None:
+                        first_chunk.set()
+                outcome.token_ids += chunk["token_ids"]
+                outcome.text += chunk["text_delta"]
+                outcome.finish_reason = chunk.get("finish_reason", outcome.finish_reason)
+    except requests.RequestException as error:
+        outcome.error = f"{type(error).__name__}: {error}"
+    outcome.finished = time.perf_counter()
+    return outcome
+
+
+def in_thread(server, body: dict, results: dict, key, first_chunk: threading.Event | None = None) -> threading.Thread:
+    """`send` in a daemon thread; its Outcome lands in results[key]."""
+    thread = threading.Thread(target=lambda: results.__setitem__(key, send(server, body, first_chunk)), daemon=True)
+    thread.start()
+    return thread
 
 
 def free_ports(count: int) -> list[int]:

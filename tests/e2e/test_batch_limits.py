@@ -27,8 +27,7 @@ import yaml
 
 from scripts import package_mar, torchserve
 
-from .conftest import HTTP_TIMEOUT_S, REGISTER_TIMEOUT_S, metric_samples, write_model_config
-from .test_continuous_batching import in_thread, send
+from .conftest import HTTP_TIMEOUT_S, REGISTER_TIMEOUT_S, in_thread, metric_samples, send, write_model_config
 
 MODEL_NAME = "tiny-spec-limits"
 MAX_BATCH_TOKENS = 64

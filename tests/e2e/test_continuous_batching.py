@@ -20,7 +20,7 @@ import time
 
 import requests
 
-from .conftest import HTTP_TIMEOUT_S, counter
+from .conftest import HTTP_TIMEOUT_S, counter, in_thread, send
 
 # The tiny pair decodes this greedily to the length limit, without an EOS: a long request.
 LONG_BODY = {"prompt": "import json", "max_new_tokens": 400, "temperature": 0.0, "stream": True}
@@ -29,54 +29,6 @@ SHORT_BODIES = [
     {"prompt": "Hello!", "max_new_tokens": 8, "temperature": 0.0, "stream": True},
     {"prompt": "The weather today is", "max_new_tokens": 8, "temperature": 0.8, "seed": 77},
 ]
-
-
-class Outcome:
-    def __init__(self) -> None:
-        self.status: int | None = None
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.error = ""
-        self.started = self.first_chunk = self.finished = 0.0
-
-
-def send(server, body: dict, first_chunk: threading.Event | None = None) -> Outcome:
-    """One request; a streamed answer is read line by line and joined."""
-    outcome = Outcome()
-    outcome.started = time.perf_counter()
-    try:
-        response = requests.post(
-            f"{server.inference_url}/predictions/{server.model_name}", json=body, stream=True, timeout=HTTP_TIMEOUT_S
-        )
-        outcome.status = response.status_code
-        if response.status_code != 200 or not body.get("stream"):
-            answer = response.json()
-            outcome.error = answer.get("error", "")
-            outcome.token_ids, outcome.text = answer.get("token_ids", []), answer.get("text", "")
-            outcome.finish_reason = answer.get("finish_reason")
-        else:
-            for line in response.iter_lines():
-                if not line.strip():
-                    continue
-                chunk = json.loads(line)
-                if not outcome.first_chunk:
-                    outcome.first_chunk = time.perf_counter()
-                    if first_chunk is not None:
-                        first_chunk.set()
-                outcome.token_ids += chunk["token_ids"]
-                outcome.text += chunk["text_delta"]
-                outcome.finish_reason = chunk.get("finish_reason", outcome.finish_reason)
-    except requests.RequestException as error:
-        outcome.error = f"{type(error).__name__}: {error}"
-    outcome.finished = time.perf_counter()
-    return outcome
-
-
-def in_thread(server, body: dict, results: dict, key, first_chunk: threading.Event | None = None) -> threading.Thread:
-    thread = threading.Thread(target=lambda: results.__setitem__(key, send(server, body, first_chunk)), daemon=True)
-    thread.start()
-    return thread
 
 
 def test_staggered_arrivals_join_the_running_batch_with_outputs_equal_to_solo(server):
