@@ -108,11 +108,14 @@ def _load_causal_lm(path: str, key: str, dtype: torch.dtype, device: torch.devic
 
 
 def quantize_draft_int8(draft):
-    """Int8 weight-only quantization of the draft's linear layers, on the CPU.
+    """Dynamic int8 quantization of the draft's linear layers, on the CPU.
 
-    Only the draft changes: the target's distribution, and so the output, stays
-    exactly the same; a cheaper draft costs some acceptance, which the
-    benchmark measures.
+    Weights are int8; activations are quantized at each forward pass with one
+    scale for the whole input, so over the whole batch. Only the draft
+    changes: greedy output stays the target's and sampled output keeps the
+    target's distribution; a cheaper draft costs some acceptance, which the
+    benchmark measures. Because the scale is shared, a row's proposals, and
+    so a seeded sampled row's output, depend on the rows beside it.
     """
     from torch.ao.quantization import quantize_dynamic
 
@@ -188,6 +191,10 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
             if device.type != "cpu":
                 raise ValueError("handler.draft_quantization: int8 runs on the CPU only; use none on a GPU")
             draft = quantize_draft_int8(draft)
+            logger.warning(
+                "draft_quantization int8: a seeded sampled request's output may change with the requests "
+                "batched beside it (greedy output does not); use none where seeds must reproduce in any batch"
+            )
         check_cache_support(draft)
     if device.type == "cpu" and config.cpu_packed_weights:
         from handler.cpu_speed import pack_linear_layers
