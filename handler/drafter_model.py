@@ -10,7 +10,7 @@ of the next proposal, so the cache never has to recompute a prefix.
 
 from __future__ import annotations
 
-from typing import Hashable, Mapping, Sequence
+from typing import Collection, Hashable, Mapping, Sequence
 
 import torch
 
@@ -30,13 +30,10 @@ def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [batch,
     return logits
 
 
-class ModelDrafter:
-    """Proposes draft tokens sampled from a draft model, with their draft distributions."""
-
-    name = "model"
+class _DraftRows:
+    """One draft KV cache and the rows it drafts for, all in one forward pass per draft token."""
 
     def __init__(self, model, vocab_size: int, pad_token_id: int) -> None:
-        """`vocab_size` is the target's: draft distributions are put on it."""
         self.model = model
         self.vocab_size = vocab_size
         self.draft_vocab_size = model.config.get_text_config().vocab_size
@@ -81,22 +78,20 @@ class ModelDrafter:
             self.cache.select_rows(keep)
 
     def propose(
-        self,
-        k: int,
-        sampling: Mapping[Hashable, tuple[float, int, float, torch.Tensor]],
+        self, sampling: Mapping[Hashable, tuple[float, int, float, torch.Tensor]]
     ) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor]]:
-        """Samples k draft tokens for every row of the cache.
+        """Samples k draft tokens for every row of the cache, k the most any row in `sampling` wants.
 
         Args:
-            k: drafts per row, >= 1.
-            sampling: request id -> (temperature, top_k, top_p, uniforms [k] float64) for the
-                rows whose drafts will be verified; other rows draft greedily and their drafts
-                are only fed to keep the batch rectangular.
+            sampling: request id -> (temperature, top_k, top_p, uniforms [n] float64) for the
+                rows whose drafts will be verified, n >= 1 being the drafts the row needs; other
+                rows draft greedily and their drafts are only fed to keep the batch rectangular.
 
         Returns:
             request id -> (draft token ids [k], draft probs [k, vocab]) for the rows in `sampling`.
         """
-        assert k >= 1 and self.cache is not None
+        assert sampling and self.cache is not None
+        k = max(len(setting[3]) for setting in sampling.values())
         num_rows = len(self.order)
         settings = [sampling.get(request_id, (0.0, 0, 1.0, None)) for request_id in self.order]
         temperature = torch.tensor([s[0] for s in settings], device=self.device)
@@ -105,7 +100,7 @@ class ModelDrafter:
         uniforms = torch.zeros((num_rows, k), dtype=torch.float64)  # [rows, k]
         for slot, setting in enumerate(settings):
             if setting[3] is not None:
-                uniforms[slot, : len(setting[3])] = setting[3][:k]
+                uniforms[slot, : len(setting[3])] = setting[3]
         uniforms = uniforms.to(self.device)
 
         input_ids, chunk_mask = left_pad([self.pending[request_id] for request_id in self.order], self.pad_token_id)
@@ -164,3 +159,79 @@ class ModelDrafter:
         if isinstance(token_ids, torch.Tensor):
             return token_ids.masked_fill(token_ids >= self.draft_vocab_size, self.pad_token_id)
         return [t if t < self.draft_vocab_size else self.pad_token_id for t in token_ids]
+
+
+class ModelDrafter:
+    """Proposes draft tokens sampled from a draft model, with their draft distributions.
+
+    Rows share one draft pass per draft token, except the batch-invariant rows of
+    a quantized draft beside a float32 target: each of those drafts in passes of
+    its own. A dynamically quantized layer scales its activations over the whole
+    batch, and its rounding turns the smallest difference in a row's input
+    (another batch shape, another padding) into visibly different draft
+    distributions. A seeded sampled request's output follows the drafts it was
+    offered, so it would change with the rows beside it. In passes of its own,
+    its drafts are computed exactly as when it runs alone. A float draft's
+    batch differences stay at rounding level, like a float32 target's, so its
+    rows always share. A bf16 or fp16 target's rounding already changes with
+    the batch, and seeded output with it, so there the rows share too: the
+    extra passes would buy nothing.
+    """
+
+    name = "model"
+
+    def __init__(self, model, vocab_size: int, pad_token_id: int, target_dtype: torch.dtype = torch.float32) -> None:
+        """`vocab_size` is the target's: draft distributions are put on it."""
+        self.model = model
+        self._new_rows = lambda: _DraftRows(model, vocab_size, pad_token_id)
+        self.isolates_invariant_rows = target_dtype == torch.float32 and is_dynamically_quantized(model)
+        self.shared = self._new_rows()
+        self.solo: dict[Hashable, _DraftRows] = {}  # request id -> its own rows, in add order
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.shared.order) + len(self.solo)
+
+    def add(self, prompts: Mapping[Hashable, Sequence[int]], batch_invariant: Collection[Hashable] = ()) -> None:
+        """Prefills the new requests' prompts, all but the last token, and appends their rows.
+
+        `batch_invariant` names the rows whose drafts must never depend on the
+        batch (seeded sampled requests).
+        """
+        isolated = set(batch_invariant) if self.isolates_invariant_rows else set()
+        self.shared.add({request_id: prompt for request_id, prompt in prompts.items() if request_id not in isolated})
+        for request_id, prompt in prompts.items():
+            if request_id in isolated:
+                self.solo[request_id] = self._new_rows()
+                self.solo[request_id].add({request_id: prompt})
+
+    def remove(self, request_ids: Sequence[Hashable]) -> None:
+        self.shared.remove(request_ids)
+        for request_id in request_ids:
+            self.solo.pop(request_id, None)
+
+    def propose(
+        self, sampling: Mapping[Hashable, tuple[float, int, float, torch.Tensor]]
+    ) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor]]:
+        """Samples drafts for the rows in `sampling`; see `_DraftRows.propose`.
+
+        Returns:
+            request id -> (draft token ids [n'], draft probs [n', vocab]), n' >= n.
+        """
+        shared = {request_id: setting for request_id, setting in sampling.items() if request_id not in self.solo}
+        proposals = self.shared.propose(shared) if shared else {}
+        for request_id, rows in self.solo.items():
+            if request_id in sampling:
+                proposals.update(rows.propose({request_id: sampling[request_id]}))
+        return proposals
+
+    def observe(self, committed: Mapping[Hashable, Sequence[int]]) -> None:
+        """Takes each row's newly committed tokens; see `_DraftRows.observe`."""
+        self.shared.observe(committed)
+        for rows in self.solo.values():
+            rows.observe(committed)
+
+
+def is_dynamically_quantized(model) -> bool:
+    """Whether any layer of the model is a torch dynamically quantized one."""
+    return any(type(module).__module__.startswith("torch.ao.nn.quantized") for module in model.modules())

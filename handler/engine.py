@@ -288,7 +288,10 @@ class SpeculativeEngine:
         self.device = next(target.parameters()).device
         self.vocab_size = target.config.get_text_config().vocab_size
         self.cost_table = cost_table
-        self.model_drafter = ModelDrafter(draft, self.vocab_size, pad_token_id) if draft is not None else None
+        self.model_drafter = None
+        if draft is not None:
+            target_dtype = next(target.parameters()).dtype
+            self.model_drafter = ModelDrafter(draft, self.vocab_size, pad_token_id, target_dtype)
         self.ngram_drafter = NgramDrafter(prompt_lookup_min, prompt_lookup_max)
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.drafters = DRAFTERS if draft is not None else (DRAFTER_NGRAM,)
@@ -431,7 +434,10 @@ class SpeculativeEngine:
         drafting = [r for r in new_rows if r.request.num_speculative_tokens > 0]
         self.ngram_drafter.add({r.request_id: r.request.prompt_ids for r in drafting if r.drafter != DRAFTER_MODEL})
         if self.model_drafter is not None:
-            self.model_drafter.add({r.request_id: r.request.prompt_ids for r in drafting if r.drafter != DRAFTER_NGRAM})
+            self.model_drafter.add(
+                {r.request_id: r.request.prompt_ids for r in drafting if r.drafter != DRAFTER_NGRAM},
+                batch_invariant=[r.request_id for r in drafting if not r.follows_batch_plan],
+            )
 
     def _drop(self, rows: list[_Row]) -> None:
         """Removes rows from the batch and from every drafter."""
@@ -505,21 +511,19 @@ class SpeculativeEngine:
         draft_probs = torch.zeros((batch_size, k, self.vocab_size), device=self.device)  # [batch, k, vocab]
         model_slots = [slot for slot in range(batch_size) if uses_model[slot] and step_ks[slot] > 0]
         if model_slots:
-            model_k = max(step_ks[slot] for slot in model_slots)
             proposals = self.model_drafter.propose(
-                model_k,
                 {
                     rows[slot].request_id: (
                         sampling[slot].temperature,
                         sampling[slot].top_k,
                         sampling[slot].top_p,
-                        draft_uniforms[slot, :model_k],
+                        draft_uniforms[slot, : step_ks[slot]],
                     )
                     for slot in model_slots
                 },
             )
             for slot in model_slots:
-                token_ids, probs = proposals[rows[slot].request_id]  # [model_k], [model_k, vocab]
+                token_ids, probs = proposals[rows[slot].request_id]  # [>= num], [>= num, vocab]
                 num = step_ks[slot]
                 draft_token_ids[slot, :num] = token_ids[:num].cpu()
                 draft_probs[slot, :num] = probs[:num]

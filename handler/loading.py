@@ -114,8 +114,9 @@ def quantize_draft_int8(draft):
     scale for the whole input, so over the whole batch. Only the draft
     changes: greedy output stays the target's and sampled output keeps the
     target's distribution; a cheaper draft costs some acceptance, which the
-    benchmark measures. Because the scale is shared, a row's proposals, and
-    so a seeded sampled row's output, depend on the rows beside it.
+    benchmark measures. Because the scale is shared, a row's proposals depend
+    on the rows beside it: the model drafter gives each seeded sampled row
+    passes of its own (`handler.drafter_model.ModelDrafter`).
     """
     from torch.ao.quantization import quantize_dynamic
 
@@ -191,10 +192,6 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
             if device.type != "cpu":
                 raise ValueError("handler.draft_quantization: int8 runs on the CPU only; use none on a GPU")
             draft = quantize_draft_int8(draft)
-            logger.warning(
-                "draft_quantization int8: a seeded sampled request's output may change with the requests "
-                "batched beside it (greedy output does not); use none where seeds must reproduce in any batch"
-            )
         check_cache_support(draft)
     if device.type == "cpu" and config.cpu_packed_weights:
         from handler.cpu_speed import pack_linear_layers

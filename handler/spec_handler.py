@@ -48,7 +48,8 @@ class SpeculativeHandler(BaseHandler):
             cost_table = measure_cost_table(
                 self.models.target,
                 self.models.draft,
-                max_width=self.config.max_num_speculative_tokens + 1,
+                # Wide enough for the longest look-up as well as the largest k.
+                max_width=max(self.config.max_num_speculative_tokens, self.config.prompt_lookup_num_tokens) + 1,
                 max_batch_size=int((context.model_yaml_config or {}).get("batchSize", 1)),
                 cache_dir=properties.get("model_dir"),
                 model_identity=f"{context.model_name}/{(self.manifest or {}).get('model', {}).get('modelVersion', '')}",

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from handler.config import SamplingParams
+from handler.drafter_model import ModelDrafter
 from handler.engine import GenerationRequest
 from handler.kv_cache import COMPACT_SLACK, RaggedCache, left_pad
 
@@ -151,6 +152,32 @@ def test_seeded_sampling_is_deterministic_and_independent_of_the_batch(tiny_pair
     assert solo == again == batched == reversed_batch
     other_seed = engine.generate([dataclasses.replace(requests[0], seed=999)])[0].token_ids
     assert other_seed != solo[0]
+
+
+def test_an_int8_draft_leaves_seeded_requests_independent_of_the_batch(tiny_pair, engine, monkeypatch):
+    import copy
+
+    from handler.loading import quantize_draft_int8
+
+    target, draft, tokenizer = tiny_pair
+    int8_engine = make_engine(target, quantize_draft_int8(copy.deepcopy(draft)), tokenizer)
+    assert int8_engine.model_drafter.isolates_invariant_rows and not engine.model_drafter.isolates_invariant_rows
+    # Beside a bf16 target, whose rounding follows the batch anyway, the rows share the draft's passes.
+    bf16_target = ModelDrafter(int8_engine.draft, 64, 0, torch.bfloat16)
+    assert not bf16_target.isolates_invariant_rows
+    seeded = [GenerationRequest(encode(tokenizer, p), 24, SAMPLED, k, seed=7 + i) for i, (p, k) in enumerate(zip(PROMPTS, [4, 3, 6]))]
+    others = [
+        GenerationRequest(encode(tokenizer, PROMPTS[3]), 24, GREEDY, 4),
+        GenerationRequest(encode(tokenizer, PROMPTS[4]), 24, SAMPLED, 4),  # unseeded
+    ]
+    solo = [int8_engine.generate([r])[0].token_ids for r in seeded]
+    batched = [r.token_ids for r in int8_engine.generate(others + seeded)][2:]
+    reversed_batch = [r.token_ids for r in int8_engine.generate(seeded[::-1] + others)][:3][::-1]
+    assert solo == batched == reversed_batch
+    # Each seeded row drafted in a pass of its own: sharing the int8 draft's passes changes outputs.
+    monkeypatch.setattr(int8_engine.model_drafter, "isolates_invariant_rows", False)
+    shared = [r.token_ids for r in int8_engine.generate(others + seeded)][2:]
+    assert shared != solo
 
 
 def test_greedy_and_sampled_requests_share_a_batch(tiny_pair, engine):

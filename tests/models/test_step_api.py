@@ -69,7 +69,7 @@ def test_abort_frees_the_row_and_leaves_the_others_untouched(engine, tiny_pair):
     assert set(results) == {"keep"}
     assert results["keep"].token_ids == solo.token_ids
     assert not engine.has_unfinished_requests()
-    assert engine.target_cache is None and engine.model_drafter.cache is None
+    assert engine.target_cache is None and engine.model_drafter.num_rows == 0
 
 
 def test_duplicate_request_ids_and_unknown_drafters_are_refused(engine, tiny_pair):
@@ -144,8 +144,8 @@ def test_look_ups_propose_up_to_their_own_cap_and_stay_exact(tiny_pair, drafter,
     indexed_rows = []
     monkeypatch.setattr(engine.ngram_drafter, "lookup", oracle)
     monkeypatch.setattr(engine.ngram_drafter, "add", lambda prompts: indexed_rows.extend(prompts) or index(prompts))
-    monkeypatch.setattr(engine.model_drafter, "propose", lambda k, rows: model_ks.append(k) or propose(k, rows))
-    monkeypatch.setattr(engine.model_drafter, "add", lambda prompts: fed_rows.extend(prompts) or add(prompts))
+    monkeypatch.setattr(engine.model_drafter, "propose", lambda rows: model_ks.append(rows) or propose(rows))
+    monkeypatch.setattr(engine.model_drafter, "add", lambda prompts, **kw: fed_rows.extend(prompts) or add(prompts, **kw))
     result = engine.generate([GenerationRequest(prompt_ids, 24, GREEDY, 2, drafter=drafter)])[0]
     assert result.token_ids == expected
     # 6 drafts per pass although the request's k is 2; the cap shrinks as max_new_tokens nears.
