@@ -2,8 +2,11 @@
 
 For each row it takes the longest suffix of prompt + completion, from
 `max_n` down to `min_n` tokens, that occurred earlier in the row, and
-proposes up to k tokens that followed its most recent earlier occurrence.
-Rows without a match draft nothing that step.
+proposes up to k tokens that followed its earliest occurrence. An edit copies
+its source from the prompt, where the earliest occurrence lies; a later one is
+more often a repeat inside the completion (6 code edits, hybrid: 169 target
+passes against 173 with the most recent occurrence). Rows without a match
+draft nothing that step.
 
 A look-up is deterministic: its draft distribution is one-hot on the proposed
 token, so the rejection sampler accepts it with probability target_probs[x]
@@ -18,15 +21,16 @@ from typing import Hashable, Mapping, Sequence
 
 
 class NgramIndex:
-    """One row's tokens and, per n-gram, the end of its most recent occurrence before the last token."""
+    """One row's tokens and, per n-gram, the end of its earliest occurrence."""
 
     def __init__(self, token_ids: Sequence[int], min_n: int, max_n: int) -> None:
         assert 1 <= min_n <= max_n, (min_n, max_n)
         self.min_n = min_n
         self.max_n = max_n
         self.tokens: list[int] = []
-        # n-gram -> end index (exclusive) of its latest occurrence that is not the current suffix.
-        self.latest_end: dict[tuple[int, ...], int] = {}
+        # n-gram -> end index (exclusive) of its earliest occurrence; the current suffix enters
+        # only once a token follows it.
+        self.first_end: dict[tuple[int, ...], int] = {}
         self.extend(token_ids)
 
     def extend(self, token_ids: Sequence[int]) -> None:
@@ -34,14 +38,14 @@ class NgramIndex:
             # The suffix that ends at the current end becomes an earlier occurrence.
             end = len(self.tokens)
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.latest_end[tuple(self.tokens[end - n : end])] = end
+                self.first_end.setdefault(tuple(self.tokens[end - n : end]), end)
             self.tokens.append(token_id)
 
     def lookup(self, k: int) -> list[int]:
-        """Up to k tokens that followed the longest matching suffix's latest earlier occurrence."""
+        """Up to k tokens that followed the longest matching suffix's earliest occurrence."""
         end = len(self.tokens)
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
-            start = self.latest_end.get(tuple(self.tokens[end - n : end]))
+            start = self.first_end.get(tuple(self.tokens[end - n : end]))
             if start is not None:
                 return self.tokens[start : start + k]
         return []

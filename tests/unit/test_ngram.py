@@ -1,4 +1,4 @@
-"""The n-gram look-up: longest suffix first, most recent earlier occurrence, incremental index."""
+"""The n-gram look-up: longest suffix first, earliest occurrence, incremental index."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ def test_proposes_what_followed_the_longest_matching_suffix():
     assert index.lookup(2) == [7, 5]
 
 
-def test_takes_the_most_recent_earlier_occurrence():
+def test_takes_the_earliest_occurrence():
     index = NgramIndex([1, 2, 3, 1, 2, 4, 1, 2], 2, 2)
-    assert index.lookup(1) == [4]
+    assert index.lookup(1) == [3]
+    # The suffix itself never counts, even as the first occurrence.
+    assert NgramIndex([5, 1, 2], 2, 2).lookup(1) == []
 
 
 def test_never_matches_the_suffix_itself_and_stops_at_the_end_of_the_row():
@@ -35,14 +37,14 @@ def test_incremental_extension_equals_building_from_scratch():
     for start in range(5, len(tokens), 3):
         grown.extend(tokens[start : start + 3])
         scratch = NgramIndex(tokens[: start + 3], 1, 4)
-        assert grown.latest_end == scratch.latest_end
+        assert grown.first_end == scratch.first_end
         assert grown.lookup(5) == scratch.lookup(5)
 
 
 def test_index_work_per_token_is_bounded_by_max_n():
     index = NgramIndex(list(range(10_000)), 1, 4)
     # One entry per n-gram end and length: linear in the tokens, never quadratic.
-    assert len(index.latest_end) <= 4 * 10_000
+    assert len(index.first_end) <= 4 * 10_000
 
 
 def test_drafter_tracks_rows_by_request_id():
