@@ -2,7 +2,8 @@
 
 With a per-token acceptance rate a, a step with k drafts emits on average
 E(k) = (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al. 2023, eq. 1) and costs
-k draft passes plus one verification over k + 1 tokens. `plan_step_k` picks
+k draft passes plus one verification over k + 1 tokens. A request's tracker
+refines E(k) with an acceptance per draft position (`AcceptanceTracker`). `plan_step_k` picks
 the k that maximises a whole batch's expected tokens per second, with costs
 read from a measured `handler.cost_table.CostTable`; k = 0 (plain decoding,
 still exact) wins whenever no k > 0 beats it. Adaptation never touches the
@@ -28,6 +29,10 @@ MIN_STEPS_BEFORE_FALLBACK = 4
 # estimate can recover; an estimate that is never updated would keep it at k = 0 for good.
 # One width-2 pass in this many costs a few percent at worst.
 PROBE_INTERVAL = 32
+# Draft positions with their own acceptance estimate (max_num_speculative_tokens is at most 32).
+MAX_POSITIONS = 32
+# Weight, in steps, of the overall rate in each position's estimate.
+POSITION_PRIOR = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +66,15 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
+def _expected_curve(estimate: float | AcceptanceTracker, max_k: int) -> list[float]:
+    """E(0..max_k) for a row: from its tracker's per-position estimate, or the geometric model of a rate."""
+    if isinstance(estimate, AcceptanceTracker):
+        return estimate.expected_curve(max_k)
+    return [expected_tokens(estimate, k) for k in range(max_k + 1)]
+
+
 def plan_step_k(
-    acceptances: Sequence[float],
+    acceptances: Sequence[float | AcceptanceTracker],
     max_ks: Sequence[int],
     table: CostTable,
     model_max_k: int,
@@ -76,7 +88,7 @@ def plan_step_k(
     so k = 0 wins unless speculation is strictly faster.
 
     Args:
-        acceptances: each row's estimated per-token acceptance rate, in [0, 1].
+        acceptances: each row's acceptance: its tracker, or a per-token rate in [0, 1].
         max_ks: each row's largest useful k (its request's k, capped by what remains).
         table: measured seconds per target forward and per draft step.
         model_max_k: the largest max_k among the rows the draft model drafts for (0: none does).
@@ -86,13 +98,15 @@ def plan_step_k(
         k, the number of drafts every row of the step gets.
     """
     assert len(acceptances) == len(max_ks) and len(max_ks) > 0, (acceptances, max_ks)
-    assert all(0.0 <= a <= 1.0 for a in acceptances) and min(max_ks) >= 0, (acceptances, max_ks)
+    assert min(max_ks) >= 0, max_ks
+    assert all(isinstance(a, AcceptanceTracker) or 0.0 <= a <= 1.0 for a in acceptances), acceptances
     batch_size = batch_size or len(max_ks)
     draft_step = table.draft_seconds(batch_size) if model_max_k > 0 else 0.0
+    curves = [_expected_curve(a, max_k) for a, max_k in zip(acceptances, max_ks)]
     # k = 0: one token per planned row.
     best, best_rate = 0, len(max_ks) / table.target_seconds(batch_size, 1)
     for k in range(1, max(max_ks) + 1):
-        tokens = sum(expected_tokens(a, min(k, max_k)) for a, max_k in zip(acceptances, max_ks))
+        tokens = sum(curve[min(k, max_k)] for curve, max_k in zip(curves, max_ks))
         rate = tokens / (table.target_seconds(batch_size, k + 1) + min(k, model_max_k) * draft_step)
         # A relative margin, so that rounding never breaks a tie in favour of drafting.
         if rate > best_rate * (1.0 + 1e-9):
@@ -101,17 +115,27 @@ def plan_step_k(
 
 
 class AcceptanceTracker:
-    """A decayed estimate of one request's per-token acceptance rate.
+    """A decayed estimate of one request's acceptance, overall and per draft position.
 
-    A step that accepts n of k drafts is n successes and, when n < k, one
-    failure: the maximum-likelihood view of a geometric run. A uniform prior
-    (one success, one failure) keeps the first steps from swinging to 0 or 1.
+    Overall: a step that accepts n of k drafts is n successes and, when n < k,
+    one failure: the maximum-likelihood view of a geometric run. A uniform
+    prior (one success, one failure) keeps the first steps from swinging to 0
+    or 1.
+
+    Per position: the chance that draft j is accepted once drafts 1..j-1 were.
+    Acceptance is not independent per token. A look-up is often wrong at its
+    first token but, once right, right for a long copied run, and the geometric
+    model then undervalues a long look-up. Each position's estimate starts at
+    the overall rate with weight `POSITION_PRIOR` steps, so positions rarely
+    reached fall back to the geometric model.
     """
 
     def __init__(self) -> None:
         self.successes = 0.0
         self.failures = 0.0
         self.num_steps = 0
+        self.reached = [0.0] * MAX_POSITIONS  # decayed steps that verified draft j (j - 1 accepted)
+        self.passed = [0.0] * MAX_POSITIONS  # ... and accepted it
 
     def update(self, num_accepted: int, k: int) -> None:
         if k == 0:
@@ -119,7 +143,22 @@ class AcceptanceTracker:
         self.successes = DECAY * self.successes + num_accepted
         self.failures = DECAY * self.failures + (1.0 if num_accepted < k else 0.0)
         self.num_steps += 1
+        for j in range(MAX_POSITIONS):
+            self.reached[j] = DECAY * self.reached[j] + (1.0 if j <= num_accepted and j < k else 0.0)
+            self.passed[j] = DECAY * self.passed[j] + (1.0 if j < num_accepted else 0.0)
 
     @property
     def acceptance(self) -> float:
         return (self.successes + 1.0) / (self.successes + self.failures + 2.0)
+
+    def expected_curve(self, max_k: int) -> list[float]:
+        """E(0..max_k): expected tokens from a step with k drafts, bonus token included."""
+        overall = self.acceptance
+        curve, survive = [1.0], 1.0
+        for j in range(max_k):
+            if j < MAX_POSITIONS:
+                survive *= (self.passed[j] + POSITION_PRIOR * overall) / (self.reached[j] + POSITION_PRIOR)
+            else:
+                survive *= overall
+            curve.append(curve[-1] + survive)
+        return curve

@@ -472,7 +472,7 @@ class SpeculativeEngine:
             return list(max_ks)
         trackers = [rows[s].trackers[DRAFTER_MODEL if uses_model[s] else DRAFTER_NGRAM] for s in planned]
         k = plan_step_k(
-            [tracker.acceptance for tracker in trackers],
+            trackers,
             [max_ks[s] for s in planned],
             self.cost_table,
             model_max_k=max((max_ks[s] for s in planned if uses_model[s]), default=0),

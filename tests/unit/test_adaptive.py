@@ -36,3 +36,24 @@ def test_tracker_estimates_acceptance_from_runs():
     steps = tracker.num_steps
     tracker.update(0, 0)  # a step without drafts says nothing
     assert tracker.num_steps == steps
+
+
+def test_a_fresh_tracker_plans_like_the_geometric_model():
+    tracker = AcceptanceTracker()
+    curve = tracker.expected_curve(6)
+    assert curve == pytest.approx([expected_tokens(0.5, k) for k in range(7)])
+
+
+def test_per_position_acceptance_values_long_copied_runs():
+    # A look-up that is wrong at once half the time and otherwise right for all 16 drafts.
+    tracker = AcceptanceTracker()
+    for step in range(40):
+        tracker.update(16 if step % 2 else 0, 16)
+    geometric = expected_tokens(tracker.acceptance, 16)
+    curve = tracker.expected_curve(16)
+    # The truth is 1 + 16 / 2 = 9 tokens per step: the per-position estimate comes close;
+    # the geometric model, with the same overall rate (0.94), overshoots.
+    assert curve[16] == pytest.approx(9.0, rel=0.1)
+    assert abs(geometric - 9.0) > 2 * abs(curve[16] - 9.0)
+    assert curve[1] == pytest.approx(1.5, rel=0.1)
+    assert all(later >= earlier for earlier, later in zip(curve, curve[1:]))
