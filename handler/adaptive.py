@@ -3,10 +3,10 @@
 With a per-token acceptance rate a, a step with k drafts emits on average
 E(k) = (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al. 2023, eq. 1) and costs
 k draft passes plus one verification over k + 1 tokens. A request's tracker
-refines E(k) with an acceptance per draft position (`AcceptanceTracker`). `plan_step_k` picks
-the k that maximises a whole batch's expected tokens per second, with costs
-read from a measured `handler.cost_table.CostTable`; k = 0 (plain decoding,
-still exact) wins whenever no k > 0 beats it. Adaptation never touches the
+refines E(k) with an acceptance per draft position (`AcceptanceTracker`).
+`plan_step_k` picks the k that maximises a whole batch's expected tokens per
+second, with costs read from a measured `handler.cost_table.CostTable`; k = 0
+(plain decoding, still exact) wins whenever no k > 0 beats it. Adaptation never touches the
 sampler, so output stays lossless.
 
 `CostModel` is a linear cost table (a fixed cost per pass plus one per extra
@@ -124,10 +124,10 @@ class AcceptanceTracker:
 
     Per position: the chance that draft j is accepted once drafts 1..j-1 were.
     Acceptance is not independent per token. A look-up is often wrong at its
-    first token but, once right, right for a long copied run, and the geometric
-    model then undervalues a long look-up. Each position's estimate starts at
-    the overall rate with weight `POSITION_PRIOR` steps, so positions rarely
-    reached fall back to the geometric model.
+    first token but, once right, right for a long copied run, and one rate for
+    every position misjudges what a longer look-up adds. Each position's
+    estimate starts at the overall rate with weight `POSITION_PRIOR` steps, so
+    positions rarely reached fall back to the geometric model.
     """
 
     def __init__(self) -> None:
