@@ -10,7 +10,7 @@ of the next proposal, so the cache never has to recompute a prefix.
 
 from __future__ import annotations
 
-from typing import Collection, Hashable, Mapping, Sequence
+from typing import Hashable, Mapping, Sequence
 
 import torch
 
@@ -30,10 +30,17 @@ def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [batch,
     return logits
 
 
-class _DraftRows:
-    """One draft KV cache and the rows it drafts for, all in one forward pass per draft token."""
+class ModelDrafter:
+    """Proposes draft tokens sampled from a draft model, with their draft distributions.
+
+    One draft KV cache holds every row it drafts for, all in one forward pass per
+    draft token.
+    """
+
+    name = "model"
 
     def __init__(self, model, vocab_size: int, pad_token_id: int) -> None:
+        """`vocab_size` is the target's: draft distributions are put on it."""
         self.model = model
         self.vocab_size = vocab_size
         self.draft_vocab_size = model.config.get_text_config().vocab_size
@@ -63,6 +70,10 @@ class _DraftRows:
             self.pending[request_id] = list(prompts[request_id][-1:])
             self.fed[request_id] = []
             self.fed_pending[request_id] = []
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.order)
 
     def remove(self, request_ids: Sequence[Hashable]) -> None:
         gone = set(request_ids) & set(self.order)
@@ -159,79 +170,3 @@ class _DraftRows:
         if isinstance(token_ids, torch.Tensor):
             return token_ids.masked_fill(token_ids >= self.draft_vocab_size, self.pad_token_id)
         return [t if t < self.draft_vocab_size else self.pad_token_id for t in token_ids]
-
-
-class ModelDrafter:
-    """Proposes draft tokens sampled from a draft model, with their draft distributions.
-
-    Rows share one draft pass per draft token, except the batch-invariant rows of
-    a quantized draft beside a float32 target: each of those drafts in passes of
-    its own. A dynamically quantized layer scales its activations over the whole
-    batch, and its rounding turns the smallest difference in a row's input
-    (another batch shape, another padding) into visibly different draft
-    distributions. A seeded sampled request's output follows the drafts it was
-    offered, so it would change with the rows beside it. In passes of its own,
-    its drafts are computed exactly as when it runs alone. A float draft's
-    batch differences stay at rounding level, like a float32 target's, so its
-    rows always share. A bf16 or fp16 target's rounding already changes with
-    the batch, and seeded output with it, so there the rows share too: the
-    extra passes would buy nothing.
-    """
-
-    name = "model"
-
-    def __init__(self, model, vocab_size: int, pad_token_id: int, target_dtype: torch.dtype = torch.float32) -> None:
-        """`vocab_size` is the target's: draft distributions are put on it."""
-        self.model = model
-        self._new_rows = lambda: _DraftRows(model, vocab_size, pad_token_id)
-        self.isolates_invariant_rows = target_dtype == torch.float32 and is_dynamically_quantized(model)
-        self.shared = self._new_rows()
-        self.solo: dict[Hashable, _DraftRows] = {}  # request id -> its own rows, in add order
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.shared.order) + len(self.solo)
-
-    def add(self, prompts: Mapping[Hashable, Sequence[int]], batch_invariant: Collection[Hashable] = ()) -> None:
-        """Prefills the new requests' prompts, all but the last token, and appends their rows.
-
-        `batch_invariant` names the rows whose drafts must never depend on the
-        batch (seeded sampled requests).
-        """
-        isolated = set(batch_invariant) if self.isolates_invariant_rows else set()
-        self.shared.add({request_id: prompt for request_id, prompt in prompts.items() if request_id not in isolated})
-        for request_id, prompt in prompts.items():
-            if request_id in isolated:
-                self.solo[request_id] = self._new_rows()
-                self.solo[request_id].add({request_id: prompt})
-
-    def remove(self, request_ids: Sequence[Hashable]) -> None:
-        self.shared.remove(request_ids)
-        for request_id in request_ids:
-            self.solo.pop(request_id, None)
-
-    def propose(
-        self, sampling: Mapping[Hashable, tuple[float, int, float, torch.Tensor]]
-    ) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor]]:
-        """Samples drafts for the rows in `sampling`; see `_DraftRows.propose`.
-
-        Returns:
-            request id -> (draft token ids [n'], draft probs [n', vocab]), n' >= n.
-        """
-        shared = {request_id: setting for request_id, setting in sampling.items() if request_id not in self.solo}
-        proposals = self.shared.propose(shared) if shared else {}
-        for request_id, rows in self.solo.items():
-            if request_id in sampling:
-                proposals.update(rows.propose({request_id: sampling[request_id]}))
-        return proposals
-
-    def observe(self, committed: Mapping[Hashable, Sequence[int]]) -> None:
-        """Takes each row's newly committed tokens; see `_DraftRows.observe`."""
-        self.shared.observe(committed)
-        for rows in self.solo.values():
-            rows.observe(committed)
-
-
-def is_dynamically_quantized(model) -> bool:
-    """Whether any layer of the model is a torch dynamically quantized one."""
-    return any(type(module).__module__.startswith("torch.ao.nn.quantized") for module in model.modules())

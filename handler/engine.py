@@ -9,8 +9,8 @@ Vocabulary (draft, target, accepted, recovered, bonus) is defined in
 - `step` runs one speculative step over every row in flight: each row's
   drafter proposes (a draft model, an n-gram look-up, or the look-up with the
   model as fallback), the target verifies all drafts in one forward pass over
-  the new tokens only, the rejection sampler decides, and both caches roll
-  back to the committed length. A finished row leaves at once.
+  the new tokens only, the rejection sampler (for a seeded request, the
+  coupling) decides, and both caches roll back to the committed length. A finished row leaves at once.
 - After its prefill a row always has exactly one pending target token: the
   last committed one, which the target has not processed yet. The draft model
   has its own pending tokens (see `handler.drafter_model`).
@@ -18,10 +18,11 @@ Vocabulary (draft, target, accepted, recovered, bonus) is defined in
 
 How many drafts a step verifies: each row has a cap (its request's k, the
 tokens it may still emit, what its look-up found). With a measured cost table,
-greedy and unseeded rows follow the k that maximises the batch's expected
-tokens per second, which can be 0 (plain decoding) when nothing wins. A seeded
-sampled request always drafts its cap: its random draws, and so its output,
-then depend only on its own seed and tokens, never on the batch it shares.
+every row follows the k that maximises the batch's expected tokens per second,
+which can be 0 (plain decoding) when nothing wins. A seeded sampled request is
+verified by coupling (`handler.sampler.coupled_verify`): its output depends on
+its seed and the target alone, so neither the plan nor the rows beside it can
+change it.
 
 Nothing here imports TorchServe.
 """
@@ -40,7 +41,13 @@ from handler.drafter_model import ModelDrafter
 from handler.drafter_ngram import NgramDrafter
 from handler.kv_cache import RaggedCache, prefill
 from handler.rollback import target_lengths_after_verify
-from handler.sampler import draw_step_uniforms, rejection_sample, warp_logits_to_probs
+from handler.sampler import (
+    coupled_verify,
+    draw_step_uniforms,
+    position_uniforms,
+    rejection_sample,
+    warp_logits_to_probs,
+)
 from handler.schema import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from handler.stopping import StopChecker
 
@@ -166,6 +173,13 @@ class StepOutput:
     result: GenerationResult | None  # set when the request finished this step
 
 
+def unseeded_generator() -> torch.Generator:
+    """The generator of an unseeded sampled request: seeded from the operating system's entropy."""
+    generator = torch.Generator()
+    generator.seed()
+    return generator
+
+
 class _Row:
     """One request in flight: emitted tokens, stop conditions, counters, its random stream."""
 
@@ -183,22 +197,16 @@ class _Row:
         self.trackers = {DRAFTER_MODEL: AcceptanceTracker(), DRAFTER_NGRAM: AcceptanceTracker()}
         self.steps_without_drafts = 0
         self.stats = SpeculativeStats(num_speculative_tokens=request.num_speculative_tokens, drafter=drafter)
+        # A seeded sampled row is coupled: each output position has its own uniform, keyed by the
+        # seed (`position_uniforms`). An unseeded one draws a step's uniforms from its generator.
+        self.coupled = not request.sampling.is_greedy and request.seed is not None
         self.generator = None
-        if not request.sampling.is_greedy:
-            self.generator = torch.Generator()
-            if request.seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(request.seed)
+        if not request.sampling.is_greedy and request.seed is None:
+            self.generator = unseeded_generator()
 
     @property
     def remaining(self) -> int:
         return self.request.max_new_tokens - len(self.token_ids)
-
-    @property
-    def follows_batch_plan(self) -> bool:
-        """False for a seeded sampled request, whose k must not depend on the batch."""
-        return self.request.sampling.is_greedy or self.request.seed is None
 
     def cap(self) -> int:
         """The most drafts this row may verify now: its k, and never past max_new_tokens."""
@@ -290,8 +298,7 @@ class SpeculativeEngine:
         self.cost_table = cost_table
         self.model_drafter = None
         if draft is not None:
-            target_dtype = next(target.parameters()).dtype
-            self.model_drafter = ModelDrafter(draft, self.vocab_size, pad_token_id, target_dtype)
+            self.model_drafter = ModelDrafter(draft, self.vocab_size, pad_token_id)
         self.ngram_drafter = NgramDrafter(prompt_lookup_min, prompt_lookup_max)
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.drafters = DRAFTERS if draft is not None else (DRAFTER_NGRAM,)
@@ -434,10 +441,7 @@ class SpeculativeEngine:
         drafting = [r for r in new_rows if r.request.num_speculative_tokens > 0]
         self.ngram_drafter.add({r.request_id: r.request.prompt_ids for r in drafting if r.drafter != DRAFTER_MODEL})
         if self.model_drafter is not None:
-            self.model_drafter.add(
-                {r.request_id: r.request.prompt_ids for r in drafting if r.drafter != DRAFTER_NGRAM},
-                batch_invariant=[r.request_id for r in drafting if not r.follows_batch_plan],
-            )
+            self.model_drafter.add({r.request_id: r.request.prompt_ids for r in drafting if r.drafter != DRAFTER_NGRAM})
 
     def _drop(self, rows: list[_Row]) -> None:
         """Removes rows from the batch and from every drafter."""
@@ -467,26 +471,21 @@ class SpeculativeEngine:
         """Each row's number of drafts this step."""
         if self.cost_table is None:
             return list(max_ks)
-        planned = [slot for slot, row in enumerate(rows) if row.follows_batch_plan]
-        if not planned:
-            return list(max_ks)
-        trackers = [rows[s].trackers[DRAFTER_MODEL if uses_model[s] else DRAFTER_NGRAM] for s in planned]
+        trackers = [row.trackers[DRAFTER_MODEL if uses_model[s] else DRAFTER_NGRAM] for s, row in enumerate(rows)]
         k = plan_step_k(
             trackers,
-            [max_ks[s] for s in planned],
+            max_ks,
             self.cost_table,
-            model_max_k=max((max_ks[s] for s in planned if uses_model[s]), default=0),
-            batch_size=len(rows),
+            model_max_k=max((max_k for max_k, model in zip(max_ks, uses_model) if model), default=0),
         )
         warming_up = any(tracker.num_steps < MIN_STEPS_BEFORE_FALLBACK for tracker in trackers)
-        probing = any(rows[s].steps_without_drafts >= PROBE_INTERVAL for s in planned if max_ks[s] > 0)
+        probing = any(row.steps_without_drafts >= PROBE_INTERVAL for row, max_k in zip(rows, max_ks) if max_k > 0)
         if k == 0 and (warming_up or probing):
             k = 1  # too few steps observed to give up on drafting, or time to look again
-        step_ks = list(max_ks)
-        for slot in planned:
-            step_ks[slot] = min(k, max_ks[slot])
-            if step_ks[slot] == 0 and max_ks[slot] > 0:
-                rows[slot].stats.fell_back = True
+        step_ks = [min(k, max_k) for max_k in max_ks]
+        for row, step_k, max_k in zip(rows, step_ks, max_ks):
+            if step_k == 0 and max_k > 0:
+                row.stats.fell_back = True
         return step_ks
 
     def _verify(
@@ -499,9 +498,17 @@ class SpeculativeEngine:
             target's raw logits [batch, k + 1, vocab] at the verified positions.
         """
         batch_size, k = len(rows), max(step_ks)
-        # Each row draws for its own k only (`draw_step_uniforms`), so a seeded row's stream
-        # does not depend on the rows beside it.
+        # An unseeded row draws for its own k only (`draw_step_uniforms`). A coupled row takes
+        # each position's own uniform, for its draft there and for the target's token there.
         draft_uniforms, verify_uniforms = draw_step_uniforms([row.generator for row in rows], step_ks, k)
+        coupled = [slot for slot, row in enumerate(rows) if row.coupled]
+        position_u = torch.zeros(len(coupled), k + 1, dtype=torch.float64)  # [coupled rows, k + 1]
+        for index, slot in enumerate(coupled):
+            row = rows[slot]
+            position_u[index, : step_ks[slot] + 1] = position_uniforms(
+                row.request.seed, len(row.token_ids), step_ks[slot] + 1
+            )
+            draft_uniforms[slot] = position_u[index, :k]
         sampling = [row.request.sampling for row in rows]
         temperature = torch.tensor([s.temperature for s in sampling], device=self.device)
         top_k = torch.tensor([s.top_k for s in sampling], device=self.device)
@@ -542,13 +549,15 @@ class SpeculativeEngine:
         logits = logits[..., : self.vocab_size]
         target_probs = warp_logits_to_probs(logits, temperature, top_k, top_p)
 
+        num_draft_tokens = torch.tensor(step_ks, device=self.device)
         num_accepted, output_token_ids = rejection_sample(
-            target_probs,
-            draft_probs,
-            draft_token_ids,
-            torch.tensor(step_ks, device=self.device),
-            verify_uniforms.to(self.device),
+            target_probs, draft_probs, draft_token_ids, num_draft_tokens, verify_uniforms.to(self.device)
         )
+        if coupled:
+            index = torch.tensor(coupled, device=self.device)
+            num_accepted[index], output_token_ids[index] = coupled_verify(
+                target_probs[index], draft_token_ids[index], num_draft_tokens[index], position_u.to(self.device)
+            )
         # The step's one synchronisation point: the bookkeeping after it is plain Python.
         return num_accepted.tolist(), output_token_ids.tolist(), logits
 

@@ -115,8 +115,9 @@ def quantize_draft_int8(draft):
     changes: greedy output stays the target's and sampled output keeps the
     target's distribution; a cheaper draft costs some acceptance, which the
     benchmark measures. Because the scale is shared, a row's proposals depend
-    on the rows beside it: the model drafter gives each seeded sampled row
-    passes of its own (`handler.drafter_model.ModelDrafter`).
+    on the rows beside it; outputs do not: greedy ones are the target's, and a
+    seeded sampled one depends on its seed and the target alone
+    (`handler.sampler.coupled_verify`).
     """
     from torch.ao.quantization import quantize_dynamic
 

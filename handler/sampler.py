@@ -19,8 +19,24 @@ The output follows the target's distribution exactly. Greedy decoding
 is accepted iff it is the target's argmax, and the recovered or bonus token is
 the target's argmax.
 
+Seeded requests are verified by coupling instead: every output position has
+its own uniform, keyed by the request's seed and the position alone
+(`position_uniforms`). The target's token at a position is its inverse-CDF
+sample of target_probs with that uniform; the draft token there is the
+inverse-CDF sample of draft_probs with the same uniform, and drafts are
+accepted while they equal the target's tokens (`coupled_verify`). Every
+emitted token is then the target's own sample for its position, whatever was
+drafted: the output follows the target's distribution exactly and depends on
+the seed and the target alone, not on k, the drafter or the batch (the idea of
+drafter-invariant speculative decoding: Daliri, Musco and Suresh, "Coupling
+without Communication and Drafter-Invariant Speculative Decoding", 2024). The
+price is a little acceptance: a draft matches less often than rejection
+sampling accepts it, since the two inverse CDFs need not line up token for
+token.
+
 This module imports only torch and holds no randomness of its own: callers
-pass uniforms drawn from per-request generators (see `draw_step_uniforms`).
+pass uniforms drawn from per-request generators (`draw_step_uniforms`) or
+derived from a seed (`position_uniforms`).
 """
 
 from __future__ import annotations
@@ -188,10 +204,10 @@ def draw_step_uniforms(
     """Draws one speculative step's uniforms, each request from its own generator.
 
     Request b takes exactly 2 * num_draft_tokens[b] + 1 draws, in a fixed order
-    (draft sampling, acceptance, recovered/bonus), so a seeded request gives the
-    same output whatever else shares its batch. Rows without a generator
-    (greedy) get zeros, which one-hot distributions make irrelevant. Uniforms
-    are float64 because float32 returns exactly 0.0 often enough to matter.
+    (draft sampling, acceptance, recovered/bonus), whatever else shares its
+    batch. Rows without a generator (greedy, and coupled rows, whose uniforms
+    come from `position_uniforms`) get zeros. Uniforms are float64 because
+    float32 returns exactly 0.0 often enough to matter.
 
     Returns:
         draft_uniforms: [batch, k] for sampling the drafts.
@@ -210,3 +226,65 @@ def draw_step_uniforms(
         verify_uniforms[row, :num_drafts] = draws[num_drafts : 2 * num_drafts]
         verify_uniforms[row, k] = draws[2 * num_drafts]
     return draft_uniforms, verify_uniforms
+
+
+_MASK_64 = (1 << 64) - 1
+
+
+def _position_seed(seed: int, position: int) -> int:
+    """A 64-bit generator seed for one (request seed, output position): splitmix64's finaliser.
+
+    Nearby seeds and positions must give unrelated streams, and a stream must
+    not depend on anything else (k, the step it falls in, the batch).
+    """
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK_64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return z ^ (z >> 31)
+
+
+def position_uniforms(seed: int, first_position: int, num_positions: int) -> torch.Tensor:
+    """The uniforms of output positions first_position .. first_position + num_positions - 1.
+
+    Returns:
+        uniforms: [num_positions] float64 in [0, 1); entry i depends only on
+            (seed, first_position + i).
+    """
+    generator = torch.Generator()
+    uniforms = torch.empty(num_positions, dtype=torch.float64)
+    for i in range(num_positions):
+        generator.manual_seed(_position_seed(seed, first_position + i))
+        uniforms[i] = torch.rand(1, generator=generator, dtype=torch.float64)[0]
+    return uniforms
+
+
+def coupled_verify(
+    target_probs: torch.Tensor,  # [batch, k + 1, vocab]
+    draft_token_ids: torch.Tensor,  # [batch, k]
+    num_draft_tokens: torch.Tensor,  # [batch] long, each <= k
+    uniforms: torch.Tensor,  # [batch, k + 1] float64: each position's own uniform
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verifies drafts by coupling; the same arguments and results as `rejection_sample`.
+
+    Position j's token is the target's inverse-CDF sample with uniforms[:, j].
+    A draft is accepted while it equals that token, and the first mismatch (or
+    the bonus position) emits the target's token. Drafts decide only how many
+    positions one step covers, never which tokens come out.
+
+    Returns:
+        num_accepted: [batch] long, accepted drafts per row.
+        output_token_ids: [batch, k + 1] long: the target's tokens up to and
+            including index num_accepted, then -1.
+    """
+    batch_size, k_plus_1, vocab_size = target_probs.shape
+    k = k_plus_1 - 1
+    assert draft_token_ids.shape == (batch_size, k), draft_token_ids.shape
+    assert num_draft_tokens.shape == (batch_size,), num_draft_tokens.shape
+    assert uniforms.shape == (batch_size, k_plus_1), uniforms.shape
+    target_token_ids = sample_from_probs(target_probs.reshape(-1, vocab_size), uniforms.reshape(-1))
+    target_token_ids = target_token_ids.reshape(batch_size, k_plus_1)  # [batch, k + 1]
+    positions = torch.arange(k_plus_1, device=target_probs.device)  # [k + 1]
+    matches = (draft_token_ids == target_token_ids[:, :k]) & (positions[None, :k] < num_draft_tokens[:, None])
+    num_accepted = matches.int().cumprod(dim=-1).sum(dim=-1)  # [batch]
+    output_token_ids = torch.where(positions[None, :] <= num_accepted[:, None], target_token_ids, -1)
+    return num_accepted, output_token_ids

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from handler.config import SamplingParams
-from handler.drafter_model import ModelDrafter
 from handler.engine import GenerationRequest
 from handler.kv_cache import COMPACT_SLACK, RaggedCache, left_pad
 
@@ -154,30 +153,48 @@ def test_seeded_sampling_is_deterministic_and_independent_of_the_batch(tiny_pair
     assert other_seed != solo[0]
 
 
-def test_an_int8_draft_leaves_seeded_requests_independent_of_the_batch(tiny_pair, engine, monkeypatch):
+def seeded_outputs(tiny_pair, engine) -> dict[str, list[int]]:
+    """One seeded request under every k, drafter, draft, plan and batch this engine offers."""
     import copy
 
+    from handler.adaptive import CostModel
     from handler.loading import quantize_draft_int8
 
     target, draft, tokenizer = tiny_pair
     int8_engine = make_engine(target, quantize_draft_int8(copy.deepcopy(draft)), tokenizer)
-    assert int8_engine.model_drafter.isolates_invariant_rows and not engine.model_drafter.isolates_invariant_rows
-    # Beside a bf16 target, whose rounding follows the batch anyway, the rows share the draft's passes.
-    bf16_target = ModelDrafter(int8_engine.draft, 64, 0, torch.bfloat16)
-    assert not bf16_target.isolates_invariant_rows
-    seeded = [GenerationRequest(encode(tokenizer, p), 24, SAMPLED, k, seed=7 + i) for i, (p, k) in enumerate(zip(PROMPTS, [4, 3, 6]))]
+    planned = make_engine(target, draft, tokenizer)
+    planned.cost_table = CostModel(draft_step=0.3, target_step=1.0, target_per_extra_token=0.3)
+    prompt_ids = encode(tokenizer, PROMPTS[0])
     others = [
         GenerationRequest(encode(tokenizer, PROMPTS[3]), 24, GREEDY, 4),
         GenerationRequest(encode(tokenizer, PROMPTS[4]), 24, SAMPLED, 4),  # unseeded
+        GenerationRequest(encode(tokenizer, PROMPTS[2]), 24, SAMPLED, 2, seed=8),
     ]
-    solo = [int8_engine.generate([r])[0].token_ids for r in seeded]
-    batched = [r.token_ids for r in int8_engine.generate(others + seeded)][2:]
-    reversed_batch = [r.token_ids for r in int8_engine.generate(seeded[::-1] + others)][:3][::-1]
-    assert solo == batched == reversed_batch
-    # Each seeded row drafted in a pass of its own: sharing the int8 draft's passes changes outputs.
-    monkeypatch.setattr(int8_engine.model_drafter, "isolates_invariant_rows", False)
-    shared = [r.token_ids for r in int8_engine.generate(others + seeded)][2:]
-    assert shared != solo
+    outputs = {"plain": engine.generate([GenerationRequest(prompt_ids, 24, SAMPLED, 0, seed=7)])[0].token_ids}
+    for name, each in (("float draft", engine), ("int8 draft", int8_engine), ("planned", planned)):
+        for k in (1, 3, 6):
+            for drafter in ("model", "ngram", "hybrid"):
+                request = GenerationRequest(prompt_ids, 24, SAMPLED, k, seed=7, drafter=drafter)
+                outputs[f"{name}, k={k}, {drafter}"] = each.generate([request])[0].token_ids
+            request = GenerationRequest(prompt_ids, 24, SAMPLED, k, seed=7)
+            outputs[f"{name}, k={k}, batched"] = each.generate([*others, request])[-1].token_ids
+    return outputs
+
+
+def test_a_seeded_request_depends_on_its_seed_and_the_target_alone(tiny_pair, engine):
+    """Coupled verification: the same tokens as plain decoding with the seed, however it was drafted."""
+    outputs = seeded_outputs(tiny_pair, engine)
+    assert all(tokens == outputs["plain"] for tokens in outputs.values()), outputs
+
+
+def test_the_seed_check_catches_uniforms_keyed_by_step_instead_of_position(tiny_pair, engine, monkeypatch):
+    import handler.engine as engine_module
+    from handler.sampler import position_uniforms
+
+    # The bug: each step restarts the positions at 0, so the tokens depend on where steps begin.
+    monkeypatch.setattr(engine_module, "position_uniforms", lambda seed, first, num: position_uniforms(seed, 0, num))
+    outputs = seeded_outputs(tiny_pair, engine)
+    assert any(tokens != outputs["plain"] for tokens in outputs.values())
 
 
 def test_greedy_and_sampled_requests_share_a_batch(tiny_pair, engine):

@@ -2,7 +2,9 @@
 
 This covers what the pure sampler test cannot: that the engine hands the sampler
 exactly the distribution each draft token was drawn from, on the target's
-vocabulary, after the same transforms.
+vocabulary, after the same transforms. Both verification paths are checked:
+rejection sampling (unseeded requests) and coupling (seeded ones). A broken
+coupling that reuses one uniform for every position must fail the same check.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from handler.config import SamplingParams
 from handler.engine import GenerationRequest
 from handler.sampler import warp_logits_to_probs
 
-from .test_distribution import PASS_P_VALUE, chi_square_p_value
+from .test_distribution import BUG_P_VALUE, PASS_P_VALUE, chi_square_p_value
 
 NUM_SAMPLES = 3000
 BATCH = 150
@@ -33,22 +35,49 @@ def pair(tiny_models_dir):
     return target, tokenizer, make_engine(target, draft, tokenizer, eos_token_ids=())
 
 
-@pytest.mark.parametrize(
-    "sampling", [SamplingParams(1.0, 0, 1.0), SamplingParams(0.8, 12, 0.9)], ids=["plain", "top_k_top_p"]
-)
-def test_engine_samples_follow_the_target(pair, sampling):
-    target, tokenizer, engine = pair
+def sample_two_tokens(pair, sampling, seeded: bool) -> torch.Tensor:
+    """The first two tokens of NUM_SAMPLES requests: [num_samples, 2]."""
+    _, tokenizer, engine = pair
     prompt_ids = tuple(tokenizer(PROMPT)["input_ids"])
     tokens = []
     accepted = 0
     for start in range(0, NUM_SAMPLES, BATCH):
         # max_new_tokens 3 with k 2: both tokens come out of one speculative step.
-        requests = [GenerationRequest(prompt_ids, 3, sampling, 2, seed=start + i) for i in range(BATCH)]
+        requests = [
+            GenerationRequest(prompt_ids, 3, sampling, 2, seed=start + i if seeded else None) for i in range(BATCH)
+        ]
         for result in engine.generate(requests):
             tokens.append(result.token_ids[:2])
             accepted += result.stats.accepted_tokens
-    tokens = torch.tensor(tokens)  # [num_samples, 2]
     assert 0 < accepted < 2 * NUM_SAMPLES, "both accept and reject paths must be exercised"
+    return torch.tensor(tokens)
+
+
+SETTINGS = [SamplingParams(1.0, 0, 1.0), SamplingParams(0.8, 12, 0.9)]
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection_sampling", "coupled"])
+@pytest.mark.parametrize("sampling", SETTINGS, ids=["plain", "top_k_top_p"])
+def test_engine_samples_follow_the_target(pair, sampling, seeded, reproducible_unseeded):
+    assert min(p_values(pair, sampling, sample_two_tokens(pair, sampling, seeded))) > PASS_P_VALUE
+
+
+def test_the_check_catches_a_coupling_that_reuses_one_uniform(pair, monkeypatch):
+    import handler.engine as engine_module
+    from handler.sampler import position_uniforms
+
+    # Every position gets the first position's uniform: each token alone is right, the pair is not.
+    monkeypatch.setattr(
+        engine_module, "position_uniforms", lambda seed, first, num: position_uniforms(seed, 0, 1).repeat(num)
+    )
+    sampling = SETTINGS[0]
+    assert min(p_values(pair, sampling, sample_two_tokens(pair, sampling, seeded=True))) < BUG_P_VALUE
+
+
+def p_values(pair, sampling, tokens: torch.Tensor) -> list[float]:
+    """Chi-square p-values of the first token, and of the second after the most frequent first token."""
+    target, tokenizer, _ = pair
+    prompt_ids = tuple(tokenizer(PROMPT)["input_ids"])
 
     vocab = target.config.vocab_size
     with torch.no_grad():
@@ -57,7 +86,7 @@ def test_engine_samples_follow_the_target(pair, sampling):
         logits, torch.tensor([sampling.temperature]), torch.tensor([sampling.top_k]), torch.tensor([sampling.top_p])
     )[0, 0]
     first_counts = torch.bincount(tokens[:, 0], minlength=vocab)
-    assert chi_square_p_value(first_counts, first_probs) > PASS_P_VALUE
+    first_p_value = chi_square_p_value(first_counts, first_probs)
 
     # Second token, conditioned on the most frequent first token.
     most_common = int(first_counts.argmax())
@@ -68,4 +97,4 @@ def test_engine_samples_follow_the_target(pair, sampling):
         logits, torch.tensor([sampling.temperature]), torch.tensor([sampling.top_k]), torch.tensor([sampling.top_p])
     )[0, 0]
     assert after.numel() >= 200
-    assert chi_square_p_value(torch.bincount(after, minlength=vocab), second_probs) > PASS_P_VALUE
+    return [first_p_value, chi_square_p_value(torch.bincount(after, minlength=vocab), second_probs)]

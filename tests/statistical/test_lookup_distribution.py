@@ -2,9 +2,11 @@
 
 An n-gram proposal is deterministic, so its draft distribution is one-hot: the
 draft token x is accepted with probability target_probs[x], and a rejection
-samples from target_probs with x removed. The same check run on a broken
-variant, which hands the sampler a uniform draft distribution instead of the
-one-hot, must fail, so the check is known to have power.
+samples from target_probs with x removed. Seeded requests are coupled instead
+(`handler.sampler.coupled_verify`) and must follow the same distribution. The
+same check run on a broken variant, which hands the rejection sampler a
+uniform draft distribution instead of the one-hot, must fail, so the check is
+known to have power.
 """
 
 from __future__ import annotations
@@ -47,25 +49,28 @@ def lookup_setup(tiny_models_dir):
     return engine, best
 
 
-def first_tokens(setup) -> torch.Tensor:
+def first_tokens(setup, seeded: bool) -> torch.Tensor:
     engine, (prompt_ids, _, _) = setup
     tokens = []
     for start in range(0, NUM_SAMPLES, BATCH):
-        requests = [GenerationRequest(prompt_ids, 2, SAMPLING, 1, seed=start + i) for i in range(BATCH)]
+        requests = [
+            GenerationRequest(prompt_ids, 2, SAMPLING, 1, seed=start + i if seeded else None) for i in range(BATCH)
+        ]
         tokens.extend(result.token_ids[0] for result in engine.generate(requests))
     return torch.tensor(tokens)
 
 
-def test_lookup_samples_follow_the_target(lookup_setup):
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection_sampling", "coupled"])
+def test_lookup_samples_follow_the_target(lookup_setup, seeded, reproducible_unseeded):
     _, (_, x, probs) = lookup_setup
     assert 0.05 < float(probs[x]) < 0.95, "the proposal must be accepted sometimes and rejected sometimes"
-    tokens = first_tokens(lookup_setup)
+    tokens = first_tokens(lookup_setup, seeded)
     counts = torch.bincount(tokens, minlength=probs.numel())
     assert 0 < counts[x] < NUM_SAMPLES
     assert chi_square_p_value(counts, probs) > PASS_P_VALUE
 
 
-def test_the_check_catches_a_non_one_hot_draft_distribution(lookup_setup, monkeypatch):
+def test_the_check_catches_a_non_one_hot_draft_distribution(lookup_setup, monkeypatch, reproducible_unseeded):
     _, (_, _, probs) = lookup_setup
 
     def uniform_draft(target_probs, draft_probs, draft_token_ids, num_draft_tokens, uniforms):
@@ -73,6 +78,6 @@ def test_the_check_catches_a_non_one_hot_draft_distribution(lookup_setup, monkey
         return rejection_sample(target_probs, uniform, draft_token_ids, num_draft_tokens, uniforms)
 
     monkeypatch.setattr(engine_module, "rejection_sample", uniform_draft)
-    tokens = first_tokens(lookup_setup)
+    tokens = first_tokens(lookup_setup, seeded=False)
     counts = torch.bincount(tokens, minlength=probs.numel())
     assert chi_square_p_value(counts, probs) < BUG_P_VALUE

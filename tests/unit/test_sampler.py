@@ -185,3 +185,46 @@ def test_uniforms_depend_only_on_each_requests_own_generator_and_k():
     assert torch.equal(batch_v[1, :2], alone_v[0, :2])
     assert batch_v[1, 4] == alone_v[0, 2]  # the recovered/bonus uniform sits in the last column
     assert (batch_d[2] == 0).all() and (batch_v[2] == 0).all()
+
+
+def test_position_uniforms_depend_on_the_seed_and_the_position_alone():
+    from handler.sampler import position_uniforms
+
+    run = position_uniforms(7, 3, 5)  # positions 3..7
+    assert run.dtype == torch.float64 and bool(((run >= 0) & (run < 1)).all())
+    pieces = torch.cat([position_uniforms(7, 3, 2), position_uniforms(7, 5, 3)])
+    assert torch.equal(run, pieces)
+    assert torch.equal(run, position_uniforms(7, 3, 5))
+    assert not torch.equal(run, position_uniforms(8, 3, 5))
+    assert len(set(position_uniforms(0, 0, 64).tolist())) == 64
+
+
+def test_coupled_verify_accepts_drafts_while_they_equal_the_target_samples():
+    from handler.sampler import coupled_verify
+
+    # One-hot targets: the target's token at each position is 1, 2, 3 whatever the uniform.
+    target = torch.stack([dist(0, 1, 0, 0), dist(0, 0, 1, 0), dist(0, 0, 0, 1)])[None].expand(3, -1, -1)
+    drafts = torch.tensor([[1, 2], [1, 0], [3, 2]])
+    uniforms = torch.full((3, 3), 0.5, dtype=torch.float64)
+    num_accepted, out = coupled_verify(target, drafts, torch.tensor([2, 2, 2]), uniforms)
+    assert num_accepted.tolist() == [2, 1, 0]
+    assert out.tolist() == [[1, 2, 3], [1, 2, -1], [1, -1, -1]]
+    # A row verifies only its own drafts: with one draft, the second one is never looked at.
+    num_accepted, out = coupled_verify(target[:1], drafts[:1], torch.tensor([1]), uniforms[:1])
+    assert num_accepted.tolist() == [1] and out.tolist() == [[1, 2, -1]]
+
+
+def test_coupled_verify_emits_the_targets_own_samples_whatever_was_drafted():
+    from handler.sampler import coupled_verify
+
+    generator = torch.Generator().manual_seed(3)
+    target = torch.softmax(torch.randn(64, 4, VOCAB, generator=generator), dim=-1)  # [batch, k + 1, vocab]
+    uniforms = torch.rand(64, 4, generator=generator, dtype=torch.float64)
+    own = sample_from_probs(target.reshape(-1, VOCAB), uniforms.reshape(-1)).reshape(64, 4)
+    drafts = torch.randint(0, VOCAB, (64, 3), generator=generator)
+    num_accepted, out = coupled_verify(target, drafts, torch.full((64,), 3), uniforms)
+    for row in range(64):
+        n = int(num_accepted[row])
+        assert out[row, : n + 1].tolist() == own[row, : n + 1].tolist()
+        assert drafts[row, :n].tolist() == own[row, :n].tolist()
+        assert n == 3 or int(drafts[row, n]) != int(own[row, n])

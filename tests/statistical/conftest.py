@@ -1,0 +1,21 @@
+"""Fixtures of the statistical tier."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def reproducible_unseeded(monkeypatch):
+    """Unseeded sampled requests draw from generators seeded 0, 1, 2, ... so the tests are repeatable.
+
+    Unseeded requests take the rejection sampler's path, seeded ones the coupling's
+    (`handler.sampler`): the statistical tests check both.
+    """
+    import handler.engine as engine_module
+
+    seeds = itertools.count()
+    monkeypatch.setattr(engine_module, "unseeded_generator", lambda: torch.Generator().manual_seed(next(seeds)))
