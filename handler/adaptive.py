@@ -43,20 +43,12 @@ class CostModel:
     target_step: float
     target_per_extra_token: float
 
-    def step_cost(self, k: int) -> float:
-        return k * self.draft_step + self.target_step + k * self.target_per_extra_token
-
     def target_seconds(self, batch_size: int, width: int) -> float:
         """The cost-table view of this linear model (it ignores the batch size)."""
         return self.target_step + (width - 1) * self.target_per_extra_token
 
     def draft_seconds(self, batch_size: int) -> float:
         return self.draft_step
-
-    @property
-    def draft_target_ratio(self) -> float:
-        """c in the speedup formula E / (k c + 1)."""
-        return self.draft_step / self.target_step
 
 
 def expected_tokens(acceptance: float, k: int) -> float:

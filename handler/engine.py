@@ -36,7 +36,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from handler.adaptive import MIN_STEPS_BEFORE_FALLBACK, PROBE_INTERVAL, AcceptanceTracker, plan_step_k
-from handler.config import SamplingParams
+from handler.config import HandlerConfig, SamplingParams
 from handler.drafter_model import ModelDrafter
 from handler.drafter_ngram import NgramDrafter
 from handler.kv_cache import RaggedCache, prefill
@@ -308,6 +308,22 @@ class SpeculativeEngine:
         self.rows: list[_Row] = []  # in target cache row order
         self.waiting: list[_Row] = []
         self.aborted: set[Hashable] = set()
+
+    @classmethod
+    def from_config(cls, models, config: HandlerConfig, cost_table=None) -> SpeculativeEngine:
+        """The engine that a handler config describes, on models loaded by `handler.loading.load_models`."""
+        return cls(
+            models.target,
+            models.draft,
+            models.tokenizer,
+            models.eos_token_ids,
+            models.pad_token_id,
+            default_drafter=config.drafter,
+            cost_table=cost_table,
+            prompt_lookup_min=config.prompt_lookup_min,
+            prompt_lookup_max=config.prompt_lookup_max,
+            prompt_lookup_num_tokens=config.prompt_lookup_num_tokens,
+        )
 
     @property
     def draft(self):

@@ -55,18 +55,7 @@ class SpeculativeHandler(BaseHandler):
                 model_identity=f"{context.model_name}/{(self.manifest or {}).get('model', {}).get('modelVersion', '')}",
             )
             logger.info("adaptive k: measured cost table\n%s", cost_table.format())
-        self.engine = SpeculativeEngine(
-            self.models.target,
-            self.models.draft,
-            self.models.tokenizer,
-            self.models.eos_token_ids,
-            self.models.pad_token_id,
-            default_drafter=self.config.drafter,
-            cost_table=cost_table,
-            prompt_lookup_min=self.config.prompt_lookup_min,
-            prompt_lookup_max=self.config.prompt_lookup_max,
-            prompt_lookup_num_tokens=self.config.prompt_lookup_num_tokens,
-        )
+        self.engine = SpeculativeEngine.from_config(self.models, self.config, cost_table)
         # The OpenAI routes: `model` must name the model as TorchServe serves it.
         self.model_name = context.model_name
         self.created = int(time.time())

@@ -18,10 +18,9 @@ def test_expected_tokens_matches_the_geometric_series():
 
 
 def test_linear_cost_model_as_a_cost_table():
-    assert CHEAP_DRAFT.step_cost(3) == pytest.approx(1.6)
     assert CHEAP_DRAFT.target_seconds(4, 5) == CHEAP_DRAFT.target_seconds(1, 1) == 1.0
     assert CHEAP_DRAFT.draft_seconds(2) == 0.2
-    assert CHEAP_DRAFT.draft_target_ratio == pytest.approx(0.2)
+    assert CostModel(0.1, 1.0, 0.25).target_seconds(1, 3) == pytest.approx(1.5)
 
 
 def test_tracker_estimates_acceptance_from_runs():
