@@ -231,11 +231,11 @@ def draw_step_uniforms(
 _MASK_64 = (1 << 64) - 1
 
 
-def _position_seed(seed: int, position: int) -> int:
-    """A 64-bit generator seed for one (request seed, output position): splitmix64's finaliser.
+def _position_hash(seed: int, position: int) -> int:
+    """A 64-bit hash of (request seed, output position): splitmix64's finaliser.
 
-    Nearby seeds and positions must give unrelated streams, and a stream must
-    not depend on anything else (k, the step it falls in, the batch).
+    Nearby seeds and positions give unrelated values, and a value depends on
+    nothing else (k, the step it falls in, the batch).
     """
     z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK_64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
@@ -246,16 +246,15 @@ def _position_seed(seed: int, position: int) -> int:
 def position_uniforms(seed: int, first_position: int, num_positions: int) -> torch.Tensor:
     """The uniforms of output positions first_position .. first_position + num_positions - 1.
 
+    Counter-based: each uniform is the top 53 bits of its position's hash, so
+    no generator state is carried from step to step.
+
     Returns:
         uniforms: [num_positions] float64 in [0, 1); entry i depends only on
             (seed, first_position + i).
     """
-    generator = torch.Generator()
-    uniforms = torch.empty(num_positions, dtype=torch.float64)
-    for i in range(num_positions):
-        generator.manual_seed(_position_seed(seed, first_position + i))
-        uniforms[i] = torch.rand(1, generator=generator, dtype=torch.float64)[0]
-    return uniforms
+    hashes = [_position_hash(seed, first_position + i) for i in range(num_positions)]
+    return torch.tensor([(h >> 11) * 2.0**-53 for h in hashes], dtype=torch.float64)
 
 
 def coupled_verify(
