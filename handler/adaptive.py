@@ -70,7 +70,6 @@ def plan_step_k(
     max_ks: Sequence[int],
     table: CostTable,
     model_max_k: int,
-    batch_size: int | None = None,
 ) -> int:
     """The step's k, in 0..max(max_ks), with the most expected tokens per second for the batch.
 
@@ -84,7 +83,6 @@ def plan_step_k(
         max_ks: each row's largest useful k (its request's k, capped by what remains).
         table: measured seconds per target forward and per draft step.
         model_max_k: the largest max_k among the rows the draft model drafts for (0: none does).
-        batch_size: the rows in the forward passes, planned or not (default: the planned rows).
 
     Returns:
         k, the number of drafts every row of the step gets.
@@ -92,10 +90,10 @@ def plan_step_k(
     assert len(acceptances) == len(max_ks) and len(max_ks) > 0, (acceptances, max_ks)
     assert min(max_ks) >= 0, max_ks
     assert all(isinstance(a, AcceptanceTracker) or 0.0 <= a <= 1.0 for a in acceptances), acceptances
-    batch_size = batch_size or len(max_ks)
+    batch_size = len(max_ks)
     draft_step = table.draft_seconds(batch_size) if model_max_k > 0 else 0.0
     curves = [_expected_curve(a, max_k) for a, max_k in zip(acceptances, max_ks)]
-    # k = 0: one token per planned row.
+    # k = 0: one token per row.
     best, best_rate = 0, len(max_ks) / table.target_seconds(batch_size, 1)
     for k in range(1, max(max_ks) + 1):
         tokens = sum(curve[min(k, max_k)] for curve, max_k in zip(curves, max_ks))

@@ -10,7 +10,8 @@ Vocabulary (draft, target, accepted, recovered, bonus) is defined in
   drafter proposes (a draft model, an n-gram look-up, or the look-up with the
   model as fallback), the target verifies all drafts in one forward pass over
   the new tokens only, the rejection sampler (for a seeded request, the
-  coupling) decides, and both caches roll back to the committed length. A finished row leaves at once.
+  coupling) decides, and both caches roll back to the committed length. A
+  finished row leaves at once.
 - After its prefill a row always has exactly one pending target token: the
   last committed one, which the target has not processed yet. The draft model
   has its own pending tokens (see `handler.drafter_model`).
