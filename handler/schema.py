@@ -1,13 +1,13 @@
 """The REST contract of `POST /predictions/{model}`, in one place, with no torch.
 
-The handler (through `handler.protocol`), the scripts (client, load test, demo)
+The handler (through `handler.api.native`), the scripts (client, load test, demo)
 and the tests import these names; nothing else restates them. Adding a request
 field, a finish reason or a `speculative` key is one line here, plus the code
 that fills it.
 
 Request: a JSON object whose keys are `REQUEST_FIELDS` (a plain-text body is
 the prompt). The rules that need no tokenizer and no model config live here
-too; `handler.protocol` applies the rest (defaults and limits from the config,
+too; `handler.api.native` applies the rest (defaults and limits from the config,
 prompt encoding, context length).
 
 Answer: `answer(...)`, or for a stream, NDJSON lines built by `stream_chunk`

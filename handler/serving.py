@@ -21,12 +21,8 @@ Every call must answer every job it holds. The frontend reads the
   after its headers. A job answered so may be sent once more, and then gets
   an empty last chunk, which the frontend discards.
 
-A request runs as one engine *row* (the native contract) or several (an
-OpenAI request: one per choice). Its answer format, `NativeAnswer` here or
-`handler.openai_answers.OpenAIAnswer`, turns its rows' steps and results into
-the response; the schedules only ask it for text, so both serve both doors.
-A request answered without the engine (the OpenAI model list, a refused
-request) is a ready `Reply`, or a native `RequestError`.
+What a request is and how its answer is built (native or OpenAI) is
+`handler.api.entry`; the schedules only ask its `Answer` for text.
 
 Vocabulary: a request is *waiting* in the handler until its tokens fit in
 `max_batch_tokens` (prompt + max_new_tokens, summed over the running rows),
@@ -38,132 +34,43 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import time
-from typing import Any, Callable, Hashable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from handler import openai_api
-from handler.config import HandlerConfig
-from handler.engine import GenerationRequest, GenerationResult
+from handler.api.entry import (
+    Answer,
+    Entry,
+    Reply,
+    answer_for,
+    engine_rows,
+    error_reply,
+    is_for_engine,
+    parse_entry,
+    request_tokens,
+)
+from handler.api.native import NativeAnswer
+from handler.engine import GenerationResult
 from handler.metrics import MetricsRecorder
-from handler.openai_answers import OpenAIAnswer
-from handler.openai_api import OpenAIRequest, Route
-from handler.protocol import ParsedRequest, RequestError, decode_body, error_to_json, parse_request, result_to_json
-from handler.schema import JSON_CONTENT_TYPE
+from handler.schema import JSON_CONTENT_TYPE, RequestError
 from handler.schema import STREAM_CONTENT_TYPE as NDJSON_CONTENT_TYPE
-from handler.streaming import DeltaTracker
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "JSON_CONTENT_TYPE",
+    "Answer",
     "NDJSON_CONTENT_TYPE",
     "ContinuousBatcher",
     "NativeAnswer",
     "Reply",
     "SpeculationTally",
     "StaticBatch",
+    "engine_rows",
     "parse_entry",
 ]
-
-
-@dataclasses.dataclass
-class Reply:
-    """One request's answer in one handler call."""
-
-    body: Any  # a dict (sent as JSON), or str
-    status: int = 200
-    content_type: str | None = None
-    more: bool | None = None  # the `ts_stream_next` decision; None: a complete response
-
-
-# What serves a request entry: the engine (a native or an OpenAI request), a ready Reply, or a native error.
-Entry = ParsedRequest | OpenAIRequest | Reply | RequestError
-
-
-def parse_entry(
-    row: Any,
-    content_type: str | None,
-    config: HandlerConfig,
-    tokenizer,
-    max_context: int,
-    route: Route | None = None,
-    model_name: str = "",
-    created: int = 0,
-) -> Entry:
-    """One TorchServe request entry -> what serves it (never raises).
-
-    Args:
-        row: the entry as TorchServe passes it ({"body": ...} or {"data": ...}).
-        content_type: its Content-Type header.
-        config, tokenizer, max_context: the request rules (`handler.protocol.parse_request`).
-        route: its route, from the `url_path` header; None for the native contract.
-        model_name, created: the served model's name and load time (OpenAI routes).
-    Returns:
-        A ParsedRequest or OpenAIRequest for the engine; on an OpenAI route, a
-        ready Reply for the model list or an error (OpenAI's body); on the native
-        route, the RequestError that rejects the request.
-    """
-    openai = route is not None and route.is_openai
-    try:
-        body = row.get("body", row.get("data")) if isinstance(row, dict) else row
-        if openai:
-            parsed = openai_api.parse_openai_entry(
-                route, body, content_type, config, tokenizer, max_context, model_name, created
-            )
-            if isinstance(parsed, dict):
-                return Reply(parsed, content_type=JSON_CONTENT_TYPE)
-        else:
-            if body is None:
-                # curl -d without a Content-Type sends form data, which TorchServe splits into fields.
-                raise RequestError(
-                    "body: the request has no body; send JSON with 'Content-Type: application/json' "
-                    "or a plain-text prompt with 'Content-Type: text/plain'"
-                )
-            parsed = parse_request(decode_body(body, content_type), config, tokenizer, max_context)
-        _check_fits(engine_rows(parsed), config.max_batch_tokens)
-        return parsed
-    except RequestError as error:
-        rejected = error
-    except Exception as error:  # a parsing failure must cost only this request
-        logger.exception("a request could not be parsed")
-        rejected = RequestError(f"server: could not process the request ({type(error).__name__})", 500)
-    if not openai:
-        return rejected
-    status, body = openai_api.error_answer(rejected)
-    return Reply(body, status=status, content_type=JSON_CONTENT_TYPE)
-
-
-def _check_fits(generations: Sequence[GenerationRequest], max_batch_tokens: int) -> None:
-    """A request larger than max_batch_tokens could never run: a 413 now, rather than a wait forever."""
-    num_tokens = request_tokens(generations)
-    if not max_batch_tokens or num_tokens <= max_batch_tokens:
-        return
-    if len(generations) == 1:
-        [generation] = generations
-        raise RequestError(
-            f"prompt: {len(generation.prompt_ids)} prompt tokens + max_new_tokens {generation.max_new_tokens} "
-            f"exceed this server's max_batch_tokens of {max_batch_tokens}; shorten the prompt or lower max_new_tokens",
-            status=413,
-        )
-    raise RequestError(
-        f"n: {len(generations)} choices of prompt + max tokens hold {num_tokens} tokens, more than this "
-        f"server's max_batch_tokens of {max_batch_tokens}; lower n or max_tokens, or shorten the prompt",
-        status=413,
-    )
-
-
-def engine_rows(parsed: ParsedRequest | OpenAIRequest) -> tuple[GenerationRequest, ...]:
-    """The engine rows of a request: its generation, or one per choice of an OpenAI request."""
-    return parsed.generations if isinstance(parsed, OpenAIRequest) else (parsed.generation,)
-
-
-def request_tokens(generations: Sequence[GenerationRequest]) -> int:
-    """What a request may hold in the caches: its rows' prompts plus every token they may generate."""
-    return sum(len(generation.prompt_ids) + generation.max_new_tokens for generation in generations)
 
 
 def failure_error(error: BaseException) -> RequestError:
@@ -171,87 +78,6 @@ def failure_error(error: BaseException) -> RequestError:
     if isinstance(error, torch.cuda.OutOfMemoryError):
         return RequestError("server: out of memory for this request; try fewer tokens", status=507)
     return RequestError(f"server: generation failed ({type(error).__name__})", status=500)
-
-
-def error_reply(error: RequestError) -> Reply:
-    """A native request's error, answered completely."""
-    status, body = NativeAnswer.error(error)
-    return Reply(body, status=status, content_type=JSON_CONTENT_TYPE)
-
-
-class Answer(Protocol):
-    """How a request's rows become its response; `NativeAnswer` and `OpenAIAnswer` are the two."""
-
-    generations: Sequence[GenerationRequest]  # its engine rows
-    stream: bool
-    content_type: str
-
-    def on_tokens(self, row: int, output) -> str:
-        """After a step that emitted tokens without finishing `row`: the text to send now ("" for none)."""
-
-    def on_row_finished(self, row: int, result: GenerationResult) -> str:
-        """`row` finished (others may run on): the text to send now ("" for none)."""
-
-    def final(self, results: Sequence[GenerationResult]) -> Any:
-        """Every row is done (results in row order): the last body (a dict for JSON, or text)."""
-
-    def error(self, error: RequestError) -> tuple[int, Any]:
-        """Nothing was sent yet: the status and body of the error response."""
-
-    def error_after_start(self, error: RequestError) -> str:
-        """The 200 went out with a first chunk: the text that ends the body with the error."""
-
-
-class NativeAnswer:
-    """The native contract's response: the JSON answer, or NDJSON lines when streamed."""
-
-    def __init__(self, parsed: ParsedRequest, tokenizer) -> None:
-        self.generations = (parsed.generation,)
-        self.stream = parsed.stream
-        self.content_type = NDJSON_CONTENT_TYPE if parsed.stream else JSON_CONTENT_TYPE
-        self.deltas = DeltaTracker(tokenizer, parsed.generation.stop) if parsed.stream else None
-        self.num_sent_tokens = 0
-
-    def on_tokens(self, row: int, output) -> str:
-        if self.deltas is None or not output.new_token_ids:
-            return ""
-        self.num_sent_tokens += len(output.new_token_ids)
-        line = {"text_delta": self.deltas.next_delta(output.token_ids), "token_ids": list(output.new_token_ids)}
-        return json.dumps(line) + "\n"
-
-    def on_row_finished(self, row: int, result: GenerationResult) -> str:
-        return ""  # one row: the final answer carries the rest
-
-    def final(self, results: Sequence[GenerationResult]) -> Any:
-        [result] = results
-        answer = result_to_json(result)
-        if self.deltas is None:
-            return answer
-        # The last line: the rest of the text and ids, then the request's totals.
-        del answer["text"]
-        answer = {
-            "text_delta": self.deltas.final_delta(result.text),
-            **answer,
-            "token_ids": result.token_ids[self.num_sent_tokens :],
-        }
-        return json.dumps(answer) + "\n"
-
-    @staticmethod
-    def error(error: RequestError) -> tuple[int, Any]:
-        return error.status, error_to_json(str(error))
-
-    def error_after_start(self, error: RequestError) -> str:
-        return json.dumps(error_to_json(str(error))) + ("\n" if self.stream else "")
-
-
-def answer_for(parsed: ParsedRequest | OpenAIRequest, tokenizer) -> Answer:
-    if isinstance(parsed, OpenAIRequest):
-        return OpenAIAnswer(parsed, tokenizer)
-    return NativeAnswer(parsed, tokenizer)
-
-
-def _is_for_engine(entry: Entry) -> bool:
-    return isinstance(entry, (ParsedRequest, OpenAIRequest))
 
 
 class SpeculationTally:
@@ -340,7 +166,7 @@ class StaticBatch:
         self.tracked = {
             i: _Tracked(answer_for(entry, self.tokenizer), started_at)
             for i, entry in enumerate(entries)
-            if _is_for_engine(entry)
+            if is_for_engine(entry)
         }
         for group in self._groups(list(self.tracked)):
             waited = self.clock() - started_at

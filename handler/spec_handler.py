@@ -9,7 +9,7 @@ With `continuousBatching: true` in model-config.yaml, each call is one engine
 step over every request in flight (`handler.serving.ContinuousBatcher`);
 otherwise each call runs its batch from start to finish (`StaticBatch`).
 Both serve the native contract and the OpenAI routes, which TorchServe names
-in each request's `url_path` header (`handler.openai_api`).
+in each request's `url_path` header (`handler.api.openai.requests`).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import time
 from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.torch_handler.base_handler import BaseHandler
 
+from handler.api.openai.requests import Route, route_from_url_path
 from handler.config import handler_config_from_yaml_config
 from handler.cost_table import measure_cost_table
 from handler.engine import SpeculativeEngine
 from handler.loading import load_models
 from handler.metrics import MetricsRecorder
-from handler.openai_api import Route, route_from_url_path
 from handler.serving import ContinuousBatcher, Reply, StaticBatch, parse_entry
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import openai
 import pytest
 import requests
 
-from handler.openai_api import choice_seed
+from handler.api.openai.requests import choice_seed
 
 from .conftest import HTTP_TIMEOUT_S, counter
 

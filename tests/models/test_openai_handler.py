@@ -12,7 +12,7 @@ import pytest
 from ts.context import Context, RequestProcessor
 
 import handler.spec_handler as spec_handler_module
-from handler.openai_api import choice_seed
+from handler.api.openai.requests import choice_seed
 from handler.spec_handler import SpeculativeHandler
 from tests.models.conftest import fail_batches_holding
 from tests.models.test_handler import HANDLER_SECTION

@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from handler.openai_answers import TokenTexts
-from handler.openai_api import choice_seed
+from handler.api.openai.answers import TokenTexts
+from handler.api.openai.requests import choice_seed
 
 from .test_openai_handler import CHAT, COMPLETIONS, call, native_answer, sse_events
 
@@ -47,7 +47,7 @@ def reference_logprobs(target, prompt_ids: list[int], token_ids: list[int]) -> t
 
 
 def prompt_ids_of(handler, body: dict) -> list[int]:
-    from handler.protocol import parse_request
+    from handler.api.native import parse_request
 
     parsed = parse_request(body, handler.config, handler.models.tokenizer, handler.models.max_context)
     return list(parsed.generation.prompt_ids)

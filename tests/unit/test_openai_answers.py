@@ -13,8 +13,8 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from handler.engine import GenerationRequest, SpeculativeStats
-from handler.openai_answers import (
+from handler.api.native import RequestError
+from handler.api.openai.answers import (
     MIN_LOGPROB,
     OpenAIStream,
     TokenTexts,
@@ -25,8 +25,8 @@ from handler.openai_answers import (
     speculative_totals,
     usage,
 )
-from handler.openai_api import ROUTE_CHAT, ROUTE_COMPLETIONS, OpenAIRequest
-from handler.protocol import RequestError
+from handler.api.openai.requests import ROUTE_CHAT, ROUTE_COMPLETIONS, OpenAIRequest
+from handler.engine import GenerationRequest, SpeculativeStats
 
 PIECES = {0: "<eos>", 1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!", 6: " END", 7: "\ufffd"}
 SPECIAL = {0}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from handler.config import HandlerConfig, SamplingParams
-from handler.openai_api import (
+from handler.api.native import RequestError, parse_request
+from handler.api.openai.requests import (
     MAX_CHOICES,
     ROUTE_CHAT,
     ROUTE_COMPLETIONS,
@@ -21,7 +21,7 @@ from handler.openai_api import (
     route_from_url_path,
     unknown_route_error,
 )
-from handler.protocol import RequestError, parse_request
+from handler.config import HandlerConfig, SamplingParams
 
 CONFIG = HandlerConfig(
     num_speculative_tokens=4, max_num_speculative_tokens=8, max_new_tokens=32, max_new_tokens_limit=64

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from handler.api.native import RequestError, decode_body, parse_request
 from handler.config import HandlerConfig, SamplingParams
-from handler.protocol import RequestError, decode_body, parse_request
 
 CONFIG = HandlerConfig(
     num_speculative_tokens=4, max_num_speculative_tokens=8, max_new_tokens=32, max_new_tokens_limit=64

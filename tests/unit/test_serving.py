@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from handler.api.native import ParsedRequest, RequestError
+from handler.api.openai.requests import route_from_url_path
 from handler.config import HandlerConfig
 from handler.metrics import MetricsRecorder
-from handler.openai_api import route_from_url_path
-from handler.protocol import ParsedRequest, RequestError
 from handler.serving import (
     JSON_CONTENT_TYPE,
     NDJSON_CONTENT_TYPE,

@@ -16,9 +16,9 @@ import codecs
 import json
 from typing import Sequence
 
+from handler.api.openai.requests import ROUTE_CHAT, OpenAIRequest, error_answer
 from handler.detokenizer import REPLACEMENT_CHARACTER
 from handler.engine import GenerationResult
-from handler.openai_api import ROUTE_CHAT, OpenAIRequest, error_answer
 from handler.schema import JSON_CONTENT_TYPE, RequestError
 from handler.streaming import DeltaTracker
 

@@ -5,7 +5,7 @@ to the handler in the `url_path` request header ("" on the native route), so a
 client uses `base_url = http://HOST:8080/predictions/{model}/{version}/v1`.
 
 An OpenAI body is translated into one native body per prompt and parsed by
-`handler.protocol.parse_request`, so both doors share every validation rule,
+`handler.api.native.parse_request`, so both doors share every validation rule,
 default and limit. One OpenAI request becomes one engine row per choice
 (`n` choices per prompt, prompt-major: choice i belongs to prompt i // n), each
 with its own seed derived from the request's.
@@ -15,7 +15,7 @@ neutral value (`presence_penalty: 0`, `logit_bias: {}`, ...) and refused with a
 400 naming them otherwise; unknown fields are refused as on the native route.
 A JSON `null` counts as a field left out, as in the OpenAI API.
 
-Answers and SSE chunks are built in `handler.openai_answers`.
+Answers and SSE chunks are built in `handler.api.openai.answers`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import time
 import uuid
 from typing import Any, Callable, Mapping
 
+from handler.api.native import parse_request
 from handler.config import HandlerConfig
 from handler.engine import GenerationRequest
-from handler.protocol import parse_request
 from handler.schema import SEED_RANGE, RequestError, integer_field
 
 ROUTE_NATIVE = "native"
@@ -199,7 +199,7 @@ def parse_openai_entry(
         route: the route, from `route_from_url_path`; not the native one.
         body: the request's body as TorchServe passed it (empty on v1/models).
         content_type: its Content-Type header.
-        config, tokenizer, max_context: as for `handler.protocol.parse_request`.
+        config, tokenizer, max_context: as for `handler.api.native.parse_request`.
         model_name: the name this model is served under.
         created: when it was loaded (Unix seconds), for the model list.
     Returns:
@@ -254,7 +254,7 @@ def parse_openai_request(
     Args:
         kind: ROUTE_COMPLETIONS or ROUTE_CHAT.
         body: the decoded JSON object.
-        config, tokenizer, max_context: as for `handler.protocol.parse_request`.
+        config, tokenizer, max_context: as for `handler.api.native.parse_request`.
         model_name: the name this model is served under; `model` must be it.
     Returns:
         The request, with one GenerationRequest per choice.

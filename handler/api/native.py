@@ -13,15 +13,25 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
+from typing import Any, Sequence
 
 from handler import schema
 from handler.config import HandlerConfig, SamplingParams, sampling_problem
 from handler.engine import GenerationRequest, GenerationResult
 
 # Re-exported: the handler entry point imports them from here.
-from handler.schema import RequestError, decode_body
+from handler.schema import JSON_CONTENT_TYPE, STREAM_CONTENT_TYPE, RequestError, decode_body
+from handler.streaming import DeltaTracker
 
-__all__ = ["ParsedRequest", "RequestError", "decode_body", "error_to_json", "parse_request", "result_to_json"]
+__all__ = [
+    "NativeAnswer",
+    "ParsedRequest",
+    "RequestError",
+    "decode_body",
+    "error_to_json",
+    "parse_request",
+    "result_to_json",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,3 +134,45 @@ def result_to_json(result: GenerationResult) -> dict:
 
 def error_to_json(message: str) -> dict:
     return schema.error_answer(message)
+
+
+class NativeAnswer:
+    """The native contract's response: the JSON answer, or NDJSON lines when streamed."""
+
+    def __init__(self, parsed: ParsedRequest, tokenizer) -> None:
+        self.generations = (parsed.generation,)
+        self.stream = parsed.stream
+        self.content_type = STREAM_CONTENT_TYPE if parsed.stream else JSON_CONTENT_TYPE
+        self.deltas = DeltaTracker(tokenizer, parsed.generation.stop) if parsed.stream else None
+        self.num_sent_tokens = 0
+
+    def on_tokens(self, row: int, output) -> str:
+        if self.deltas is None or not output.new_token_ids:
+            return ""
+        self.num_sent_tokens += len(output.new_token_ids)
+        line = {"text_delta": self.deltas.next_delta(output.token_ids), "token_ids": list(output.new_token_ids)}
+        return json.dumps(line) + "\n"
+
+    def on_row_finished(self, row: int, result: GenerationResult) -> str:
+        return ""  # one row: the final answer carries the rest
+
+    def final(self, results: Sequence[GenerationResult]) -> Any:
+        [result] = results
+        answer = result_to_json(result)
+        if self.deltas is None:
+            return answer
+        # The last line: the rest of the text and ids, then the request's totals.
+        del answer["text"]
+        answer = {
+            "text_delta": self.deltas.final_delta(result.text),
+            **answer,
+            "token_ids": result.token_ids[self.num_sent_tokens :],
+        }
+        return json.dumps(answer) + "\n"
+
+    @staticmethod
+    def error(error: RequestError) -> tuple[int, Any]:
+        return error.status, error_to_json(str(error))
+
+    def error_after_start(self, error: RequestError) -> str:
+        return json.dumps(error_to_json(str(error))) + ("\n" if self.stream else "")
