@@ -38,6 +38,7 @@ import torch
 
 from handler.adaptive import MIN_STEPS_BEFORE_FALLBACK, PROBE_INTERVAL, AcceptanceTracker, plan_step_k
 from handler.config import HandlerConfig, SamplingParams
+from handler.constraints import Constraint
 from handler.drafter_model import ModelDrafter
 from handler.drafter_ngram import NgramDrafter
 from handler.kv_cache import RaggedCache, prefill
@@ -72,6 +73,8 @@ class GenerationRequest:
     drafter: str | None = None
     # None: no log-probabilities; N >= 0: each emitted token's, plus the top N.
     logprobs: int | None = None
+    # What the output must match (handler.constraints); None: free text.
+    constraint: Constraint | None = None
 
 
 @dataclasses.dataclass(frozen=True)
