@@ -125,6 +125,9 @@ class HandlerConfig:
     # decoding together. 0 = no bound beyond TorchServe's batchSize.
     max_batch_tokens: int = 0
     cpu_packed_weights: bool = True
+    # The most seconds one structured-output constraint may take to compile; a request
+    # over it gets a 400 (compiling runs while the batch waits).
+    grammar_compile_timeout_s: float = 2.0
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
     @property
@@ -205,6 +208,12 @@ class HandlerConfig:
         values["max_batch_tokens"] = _int(
             "handler.max_batch_tokens", raw.get("max_batch_tokens", default.max_batch_tokens), 0
         )
+        timeout = _float(
+            "handler.grammar_compile_timeout_s", raw.get("grammar_compile_timeout_s", default.grammar_compile_timeout_s)
+        )
+        if not 0 < timeout <= 60:
+            raise ValueError(f"model-config.yaml: handler.grammar_compile_timeout_s must be in (0, 60], got {timeout}")
+        values["grammar_compile_timeout_s"] = timeout
         quantization = raw.get("draft_quantization", default.draft_quantization)
         if quantization not in DRAFT_QUANTIZATIONS:
             raise ValueError(

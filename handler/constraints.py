@@ -34,7 +34,6 @@ Nothing here imports TorchServe.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -67,8 +66,8 @@ DEFAULT_COMPILE_TIMEOUT_S = 2.0
 class Constraint:
     """What a request's output must match.
 
-    `source` is canonical text: a JSON schema serialised with sorted keys (so
-    that equal schemas share one cache entry), the regex, or the Lark grammar.
+    `source` is text: a JSON schema serialised as given (its property order is
+    the order the output follows), the regex, or the Lark grammar.
     `field` names the request field it came from, for error messages.
     """
 
@@ -81,4 +80,241 @@ class Constraint:
 
     @classmethod
     def json_schema(cls, schema: dict | bool, field: str = "json_schema") -> Constraint:
-        return cls(KIND_JSON_SCHEMA, json.dumps(schema, sort_keys=True), field)
+        return cls(KIND_JSON_SCHEMA, json.dumps(schema), field)
+
+    @classmethod
+    def regex(cls, pattern: str, field: str = "regex") -> Constraint:
+        return cls(KIND_REGEX, pattern, field)
+
+    @classmethod
+    def grammar(cls, lark: str, field: str = "grammar") -> Constraint:
+        return cls(KIND_GRAMMAR, lark, field)
+
+    @property
+    def label(self) -> str:
+        """The field to name in an error message."""
+        return self.field or self.kind
+
+
+def _grammar_text(constraint: Constraint) -> str:
+    """llguidance's grammar for a constraint (not checked yet)."""
+    import llguidance
+
+    if constraint.kind == KIND_JSON_SCHEMA:
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            constraint.source,
+            overrides={
+                "whitespace_flexible": False,
+                "item_separator": JSON_ITEM_SEPARATOR,
+                "key_separator": JSON_KEY_SEPARATOR,
+            },
+        )
+    if constraint.kind == KIND_REGEX:
+        return llguidance.LLMatcher.grammar_from_regex(constraint.source)
+    return llguidance.LLMatcher.grammar_from_lark(constraint.source)
+
+
+def check_json_schema(schema: object, field: str) -> None:
+    """Raises RequestError (400, naming `field`) unless `schema` is a valid JSON Schema."""
+    import jsonschema
+
+    if not isinstance(schema, (dict, bool)):
+        raise RequestError(f"{field}: must be a JSON Schema object, got {json.dumps(schema)[:80]}")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as error:
+        where = "/".join(str(part) for part in error.absolute_path)
+        raise RequestError(
+            f"{field}: not a valid JSON Schema{f' at /{where}' if where else ''}: {error.message}"
+        ) from None
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer, with an LRU cache and a time bound.
+
+    Compiling happens while the request is parsed, inside a handler call that
+    the running batch waits for. So it runs in a thread of its own and is
+    abandoned after `timeout_s` (the request gets a 400); llguidance's own
+    limits (`LLParserLimits`: lexer fuel, Earley items per step) bound the work
+    that thread can still do, and the work of every later mask.
+    """
+
+    def __init__(self, tokenizer, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, cache_size: int = GRAMMAR_CACHE_SIZE):
+        import llguidance
+        import llguidance.hf
+
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+        self.vocab_size = self.ll_tokenizer.vocab_size  # the tokenizer's; the model's may be padded past it
+        self.timeout_s = timeout_s
+        self.cache_size = cache_size
+        self.cache: collections.OrderedDict[Constraint, object] = collections.OrderedDict()
+        self.lock = threading.Lock()
+        self.num_compiled = 0  # cache misses, for tests and metrics
+
+    def compile(self, constraint: Constraint):
+        """The compiled matcher of `constraint` in its start state (shared: deep-copy it before use).
+
+        Raises:
+            RequestError: 400 naming the constraint's field, for a grammar that does not
+                compile, uses something llguidance cannot enforce, or takes too long.
+        """
+        with self.lock:
+            if constraint in self.cache:
+                self.cache.move_to_end(constraint)
+                return self.cache[constraint]
+        matcher = self._compile_bounded(constraint)
+        with self.lock:
+            self.num_compiled += 1
+            self.cache[constraint] = matcher
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+        return matcher
+
+    def row(self, constraint: Constraint, model_vocab_size: int, eos_token_ids: Sequence[int]) -> RowGrammar:
+        """A fresh matcher for one engine row."""
+        return RowGrammar(self.compile(constraint).deep_copy(), self.vocab_size, model_vocab_size, eos_token_ids)
+
+    def _compile_bounded(self, constraint: Constraint):
+        import llguidance
+
+        outcome: list = []
+
+        def build() -> None:
+            try:
+                matcher = llguidance.LLMatcher(self.ll_tokenizer, _grammar_text(constraint), log_level=0)
+                if not matcher.is_error():
+                    # The first mask builds the lexer's start state: a grammar too costly for it
+                    # fails here, at parse time, rather than in the running batch.
+                    matcher.compute_bitmask()
+                outcome.append(matcher)
+            except Exception as error:  # ValueError for JSON that is not an object, and the like
+                outcome.append(error)
+
+        thread = threading.Thread(target=build, name="grammar-compile", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if not outcome:
+            logger.warning("%s: compiling took over %.1f s; refused", constraint.label, self.timeout_s)
+            raise RequestError(f"{constraint.label}: took longer than {self.timeout_s:g} s to compile; simplify it")
+        [result] = outcome
+        if isinstance(result, Exception):
+            raise RequestError(f"{constraint.label}: could not be compiled ({result})") from None
+        if result.is_error():
+            message = result.get_error().strip().splitlines()[0] if result.get_error().strip() else "unknown error"
+            raise RequestError(f"{constraint.label}: cannot be enforced: {message}")
+        return result
+
+
+_COMPILERS: dict[int, tuple[object, GrammarCompiler]] = {}
+_COMPILERS_LOCK = threading.Lock()
+
+
+def compiler_for(tokenizer, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> GrammarCompiler:
+    """The one compiler of a tokenizer, shared by request parsing and the engine (built on first use, ~1 s)."""
+    with _COMPILERS_LOCK:
+        entry = _COMPILERS.get(id(tokenizer))
+        if entry is None or entry[0] is not tokenizer:
+            entry = (tokenizer, GrammarCompiler(tokenizer, timeout_s))
+            _COMPILERS[id(tokenizer)] = entry
+        entry[1].timeout_s = timeout_s
+        return entry[1]
+
+
+def _unpack_bitmask(bitmask: torch.Tensor, num_tokens: int) -> torch.Tensor:  # [words] int32
+    """llguidance's bitmask (bit i of word w allows token 32 w + i) as bools [num_tokens]."""
+    bits = (bitmask[:, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [words, 32]
+    return bits.reshape(-1)[:num_tokens].bool()
+
+
+class RowGrammar:
+    """One row's matcher: forced tokens, draft validity and the masks of a verify pass.
+
+    The matcher always rests at the row's committed tokens between calls;
+    `masks` and drafting move it forward and roll it back by a count.
+    End of sequence is the engine's to decide: the row's EOS tokens are allowed
+    exactly where the grammar accepts, whatever EOS token the tokenizer names.
+    """
+
+    def __init__(self, matcher, tokenizer_vocab_size: int, model_vocab_size: int, eos_token_ids: Sequence[int]):
+        self.matcher = matcher
+        self.tokenizer_vocab_size = tokenizer_vocab_size
+        self.vocab_size = model_vocab_size
+        self.eos_set = frozenset(t for t in eos_token_ids if t < model_vocab_size)
+        self.eos_token_ids = torch.tensor(sorted(self.eos_set), dtype=torch.long)
+        self.bitmask = torch.zeros((tokenizer_vocab_size + 31) // 32, dtype=torch.int32)
+        self.num_drafted = 0  # tokens consumed beyond the committed ones while drafting
+        self.drafted_eos = False  # the draft model drafted an end of sequence: nothing follows it
+
+    def mask(self) -> torch.Tensor:
+        """The tokens allowed next, from the matcher's current state: bools [model vocab]."""
+        self.matcher.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.bitmask.numel() * 4)
+        allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
+        num_tokens = min(self.tokenizer_vocab_size, self.vocab_size)
+        allowed[:num_tokens] = _unpack_bitmask(self.bitmask, num_tokens)
+        allowed[self.eos_token_ids] = self.matcher.is_accepting()
+        return allowed
+
+    def forced_tokens(self, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` tokens the grammar forces next (its fast-forward tokens)."""
+        if max_tokens <= 0:
+            return []
+        return list(self.matcher.compute_ff_tokens()[:max_tokens])
+
+    def num_valid(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids`, in order, the grammar allows from the committed state."""
+        token_ids = [int(t) for t in token_ids]
+        num = self.matcher.validate_tokens(token_ids) if token_ids else 0
+        # An EOS token is never a draft worth verifying inside a constrained row's chain.
+        for index in range(num):
+            if token_ids[index] in self.eos_set:
+                return index
+        return num
+
+    def masks(self, draft_token_ids: Sequence[int]) -> torch.Tensor:
+        """The masks of a verify pass: bools [len(drafts) + 1, model vocab].
+
+        Row j allows what may follow the committed tokens and drafts 0..j-1.
+        Every draft must be allowed (cut the chain with `num_valid` first).
+        """
+        assert self.num_drafted == 0
+        # Positions after a drafted EOS are never emitted (the row ends there): any mask will do.
+        masks = torch.ones((len(draft_token_ids) + 1, self.vocab_size), dtype=torch.bool)
+        num_consumed = 0
+        for j, token_id in enumerate(draft_token_ids):
+            masks[j] = self.mask()
+            if int(token_id) in self.eos_set:
+                break
+            assert self.matcher.consume_token(int(token_id)), self.matcher.get_error()
+            num_consumed += 1
+        else:
+            masks[len(draft_token_ids)] = self.mask()
+        if num_consumed:
+            self.matcher.rollback(num_consumed)
+        return masks
+
+    def draft_mask(self, previous_draft: int | None) -> torch.Tensor:
+        """While the draft model drafts: the mask after the drafts so far (consume the last one first)."""
+        if previous_draft is not None and not self.drafted_eos:
+            if previous_draft in self.eos_set:
+                self.drafted_eos = True
+            else:
+                assert self.matcher.consume_token(int(previous_draft)), self.matcher.get_error()
+                self.num_drafted += 1
+        if self.drafted_eos:
+            return torch.ones(self.vocab_size, dtype=torch.bool)
+        return self.mask()
+
+    def end_drafting(self) -> None:
+        if self.num_drafted:
+            self.matcher.rollback(self.num_drafted)
+        self.num_drafted = 0
+        self.drafted_eos = False
+
+    def commit(self, token_ids: Sequence[int]) -> None:
+        """Moves the committed state past the row's newly emitted tokens (an EOS ends the row instead)."""
+        assert self.num_drafted == 0
+        for token_id in token_ids:
+            if token_id in self.eos_set:
+                return
+            if not self.matcher.consume_token(int(token_id)):
+                raise RuntimeError(f"grammar refused emitted token {token_id}: {self.matcher.get_error()}")

@@ -10,7 +10,7 @@ of the next proposal, so the cache never has to recompute a prefix.
 
 from __future__ import annotations
 
-from typing import Hashable, Mapping, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -89,7 +89,9 @@ class ModelDrafter:
             self.cache.select_rows(keep)
 
     def propose(
-        self, sampling: Mapping[Hashable, tuple[float, int, float, torch.Tensor]]
+        self,
+        sampling: Mapping[Hashable, tuple[float, int, float, torch.Tensor]],
+        shapers: Mapping[Hashable, Callable[[torch.Tensor, int | None], torch.Tensor]] | None = None,
     ) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor]]:
         """Samples k draft tokens for every row of the cache, k the most any row in `sampling` wants.
 
@@ -97,6 +99,9 @@ class ModelDrafter:
             sampling: request id -> (temperature, top_k, top_p, uniforms [n] float64) for the
                 rows whose drafts will be verified, n >= 1 being the drafts the row needs; other
                 rows draft greedily and their drafts are only fed to keep the batch rectangular.
+            shapers: request id -> f(logits [vocab], previous draft or None) -> logits, for rows
+                whose logits are shaped before sampling (a grammar mask); called once per draft,
+                in order, so that it can follow the drafts.
 
         Returns:
             request id -> (draft token ids [k], draft probs [k, vocab]) for the rows in `sampling`.
@@ -117,8 +122,14 @@ class ModelDrafter:
         input_ids, chunk_mask = left_pad([self.pending[request_id] for request_id in self.order], self.pad_token_id)
         logits = self.cache.forward(self._draft_ids(input_ids), chunk_mask, logits_to_keep=1)  # [rows, 1, vocab']
         sampled, probs_per_step = [], []
+        shaped_slots = [(slot, shapers[r]) for slot, r in enumerate(self.order) if shapers and r in shapers]
         for j in range(k):
-            probs = warp_logits_to_probs(fit_vocab(logits, self.vocab_size), temperature, top_k, top_p)[:, 0]
+            logits = fit_vocab(logits, self.vocab_size)  # [rows, 1, vocab]
+            if shaped_slots:
+                logits = logits.clone()
+                for slot, shape in shaped_slots:
+                    logits[slot, 0] = shape(logits[slot, 0], int(sampled[-1][slot]) if j else None)
+            probs = warp_logits_to_probs(logits, temperature, top_k, top_p)[:, 0]
             token_ids = sample_from_probs(probs, uniforms[:, j])  # [rows]
             sampled.append(token_ids)
             probs_per_step.append(probs)

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Callable, Hashable, Sequence
 
 import torch
 
 from handler.adaptive import MIN_STEPS_BEFORE_FALLBACK, PROBE_INTERVAL, AcceptanceTracker, plan_step_k
 from handler.config import HandlerConfig, SamplingParams
-from handler.constraints import Constraint
+from handler.constraints import Constraint, RowGrammar, compiler_for
 from handler.drafter_model import ModelDrafter
 from handler.drafter_ngram import NgramDrafter
 from handler.kv_cache import RaggedCache, prefill
@@ -59,6 +60,8 @@ DRAFTER_MODEL = "model"
 DRAFTER_NGRAM = "ngram"
 DRAFTER_HYBRID = "hybrid"
 DRAFTERS = (DRAFTER_MODEL, DRAFTER_NGRAM, DRAFTER_HYBRID)
+# Not a drafter a request picks: the tokens a constraint's grammar forces, proposed as drafts.
+PROPOSER_GRAMMAR = "grammar"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +111,9 @@ class SpeculativeStats:
     accepted_tokens_by_drafter: dict[str, int] = dataclasses.field(default_factory=dict)
     # accepted_per_position[j]: steps whose draft j was accepted.
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    # Structured output: whether a constraint applied, and the seconds spent on its masks.
+    constrained: bool = False
+    mask_seconds: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -198,9 +204,12 @@ class _Row:
         self.stop_checker = StopChecker(tokenizer, request.stop) if request.stop else None
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
-        self.trackers = {DRAFTER_MODEL: AcceptanceTracker(), DRAFTER_NGRAM: AcceptanceTracker()}
+        self.trackers = {name: AcceptanceTracker() for name in (DRAFTER_MODEL, DRAFTER_NGRAM, PROPOSER_GRAMMAR)}
+        self.grammar: RowGrammar | None = None  # set by the engine for a constrained request
         self.steps_without_drafts = 0
-        self.stats = SpeculativeStats(num_speculative_tokens=request.num_speculative_tokens, drafter=drafter)
+        self.stats = SpeculativeStats(
+            num_speculative_tokens=request.num_speculative_tokens, drafter=drafter, constrained=bool(request.constraint)
+        )
         # A seeded sampled row is coupled: each output position has its own uniform, keyed by the
         # seed (`position_uniforms`). An unseeded one draws a step's uniforms from its generator.
         self.coupled = not request.sampling.is_greedy and request.seed is not None
@@ -241,6 +250,19 @@ class _Row:
                 break
         self.stats.completion_tokens = len(self.token_ids)
         return kept
+
+    def shape_draft_logits(self, logits: torch.Tensor, previous_draft: int | None) -> torch.Tensor:  # [vocab]
+        """The draft model's logits for this row's next draft, masked like the target's will be."""
+        mask = self.grammar_call("draft_mask", previous_draft)  # [vocab]
+        return logits.masked_fill(~mask.to(logits.device), float("-inf"))
+
+    def grammar_call(self, method: str, *args):
+        """Calls the row's grammar, counting the time in its masks."""
+        started = time.perf_counter()
+        try:
+            return getattr(self.grammar, method)(*args)
+        finally:
+            self.stats.mask_seconds += time.perf_counter() - started
 
     def _hit_stop_string(self) -> bool:
         match = self.stop_checker.add_token(self.token_ids[-1])
@@ -312,6 +334,9 @@ class SpeculativeEngine:
         self.rows: list[_Row] = []  # in target cache row order
         self.waiting: list[_Row] = []
         self.aborted: set[Hashable] = set()
+        # The last step's duration and the part of it spent on grammar masks (structured output).
+        self.last_step_seconds = 0.0
+        self.last_step_mask_seconds = 0.0
 
     @classmethod
     def from_config(cls, models, config: HandlerConfig, cost_table=None) -> SpeculativeEngine:
@@ -343,8 +368,12 @@ class SpeculativeEngine:
         if drafter not in self.drafters:
             raise ValueError(f"drafter: {drafter!r} is not available here; choose one of {', '.join(self.drafters)}")
         assert request.prompt_ids, "a request needs at least one prompt token"
+        row = _Row(request_id, request, drafter, self.tokenizer, self.eos_token_ids)
+        if request.constraint is not None:
+            # Compiled (and cached) when the request was parsed: this is a copy of the start state.
+            row.grammar = compiler_for(self.tokenizer).row(request.constraint, self.vocab_size, self.eos_token_ids)
         self.aborted.discard(request_id)
-        self.waiting.append(_Row(request_id, request, drafter, self.tokenizer, self.eos_token_ids))
+        self.waiting.append(row)
 
     def abort_request(self, request_id: Hashable) -> None:
         """Frees the request's row at the next `step`; it produces no more output."""
@@ -373,24 +402,25 @@ class SpeculativeEngine:
         if not self.rows:
             return []
         rows = self.rows
-        lookups = self._lookups(rows)
-        uses_model = [
-            row.drafter == DRAFTER_MODEL or (row.drafter == DRAFTER_HYBRID and not lookups[i])
-            for i, row in enumerate(rows)
-        ]
+        started = time.perf_counter()
+        mask_seconds_before = sum(row.stats.mask_seconds for row in rows)
+        lookups, proposers = self._proposals(rows)
+        uses_model = [proposer == DRAFTER_MODEL for proposer in proposers]
         max_ks = [row.cap() if uses_model[i] else len(lookups[i]) for i, row in enumerate(rows)]
-        step_ks = self._plan(rows, max_ks, uses_model)
+        step_ks = self._plan(rows, max_ks, proposers)
         num_accepted, emitted, logits = self._verify(rows, step_ks, lookups, uses_model)
 
         outputs, finished, committed = [], [], {}
         for slot, row in enumerate(rows):
             accepted = num_accepted[slot]
             new_tokens = emitted[slot][: accepted + 1]
-            proposer = DRAFTER_MODEL if uses_model[slot] else DRAFTER_NGRAM
+            proposer = proposers[slot]
             row.stats.record(proposer, step_ks[slot], accepted)
             row.steps_without_drafts = 0 if step_ks[slot] else row.steps_without_drafts + 1
             row.trackers[proposer].update(accepted, step_ks[slot])
             kept = row.extend(new_tokens)
+            if row.grammar is not None and row.finish_reason is None:
+                row.grammar_call("commit", kept)
             if row.logprobs is not None and kept:
                 row.logprobs.extend(self._logprobs(logits[slot, : len(kept)], kept, row.request.logprobs))
             committed[row.request_id] = kept
@@ -405,6 +435,8 @@ class SpeculativeEngine:
         if self.model_drafter is not None:
             self.model_drafter.observe(committed)
         self._drop(finished)
+        self.last_step_seconds = time.perf_counter() - started
+        self.last_step_mask_seconds = sum(row.stats.mask_seconds for row in rows) - mask_seconds_before
         return outputs
 
     def generate(
@@ -478,25 +510,41 @@ class SpeculativeEngine:
         if self.model_drafter is not None:
             self.model_drafter.remove(list(gone))
 
-    def _lookups(self, rows: list[_Row]) -> list[list[int]]:
-        """The n-gram drafter's proposal for each row that uses it ([] for the others)."""
-        return [
-            self.ngram_drafter.lookup(row.request_id, row.lookup_cap(self.prompt_lookup_num_tokens))
-            if row.drafter != DRAFTER_MODEL
-            else []
-            for row in rows
-        ]
+    def _proposals(self, rows: list[_Row]) -> tuple[list[list[int]], list[str]]:
+        """Each row's look-up drafts ([] where the draft model drafts) and who proposes them.
 
-    def _plan(self, rows: list[_Row], max_ks: list[int], uses_model: list[bool]) -> list[int]:
+        A constrained row first takes the tokens its grammar forces (free one-hot drafts);
+        otherwise its look-up is cut at the first token the grammar refuses, and a
+        hybrid row whose look-up is left empty drafts with the model.
+        """
+        lookups, proposers = [], []
+        for row in rows:
+            cap = row.lookup_cap(self.prompt_lookup_num_tokens)
+            forced = row.grammar_call("forced_tokens", cap) if row.grammar is not None and cap else []
+            if forced:
+                lookups.append(forced)
+                proposers.append(PROPOSER_GRAMMAR)
+                continue
+            lookup = self.ngram_drafter.lookup(row.request_id, cap) if row.drafter != DRAFTER_MODEL else []
+            if lookup and row.grammar is not None:
+                lookup = lookup[: row.grammar_call("num_valid", lookup)]
+            lookups.append(lookup)
+            model = row.drafter == DRAFTER_MODEL or (row.drafter == DRAFTER_HYBRID and not lookup)
+            proposers.append(DRAFTER_MODEL if model else DRAFTER_NGRAM)
+        return lookups, proposers
+
+    def _plan(self, rows: list[_Row], max_ks: list[int], proposers: list[str]) -> list[int]:
         """Each row's number of drafts this step."""
         if self.cost_table is None:
             return list(max_ks)
-        trackers = [row.trackers[DRAFTER_MODEL if uses_model[s] else DRAFTER_NGRAM] for s, row in enumerate(rows)]
+        trackers = [row.trackers[proposer] for row, proposer in zip(rows, proposers)]
         k = plan_step_k(
             trackers,
             max_ks,
             self.cost_table,
-            model_max_k=max((max_k for max_k, model in zip(max_ks, uses_model) if model), default=0),
+            model_max_k=max(
+                (max_k for max_k, proposer in zip(max_ks, proposers) if proposer == DRAFTER_MODEL), default=0
+            ),
         )
         warming_up = any(tracker.num_steps < MIN_STEPS_BEFORE_FALLBACK for tracker in trackers)
         probing = any(row.steps_without_drafts >= PROBE_INTERVAL for row, max_k in zip(rows, max_ks) if max_k > 0)
@@ -548,8 +596,13 @@ class SpeculativeEngine:
                     )
                     for slot in model_slots
                 },
+                shapers={
+                    rows[slot].request_id: rows[slot].shape_draft_logits for slot in model_slots if rows[slot].grammar
+                },
             )
             for slot in model_slots:
+                if rows[slot].grammar is not None:
+                    rows[slot].grammar_call("end_drafting")
                 token_ids, probs = proposals[rows[slot].request_id]  # [>= num], [>= num, vocab]
                 num = step_ks[slot]
                 draft_token_ids[slot, :num] = token_ids[:num].cpu()
@@ -560,6 +613,7 @@ class SpeculativeEngine:
                 proposal = torch.tensor(lookups[slot][: step_ks[slot]], dtype=torch.long)
                 draft_token_ids[slot, : len(proposal)] = proposal
                 draft_probs[slot, torch.arange(len(proposal)), proposal.to(self.device)] = 1.0
+        draft_lists = draft_token_ids.tolist()
         draft_token_ids = draft_token_ids.to(self.device)
 
         pending = torch.tensor([[row.token_ids[-1] if row.token_ids else row.request.prompt_ids[-1]] for row in rows])
@@ -567,7 +621,8 @@ class SpeculativeEngine:
         chunk_mask = torch.ones((batch_size, 1 + k), dtype=torch.long)
         logits = self.target_cache.forward(input_ids, chunk_mask, logits_to_keep=k + 1)  # [batch, k + 1, vocab']
         logits = logits[..., : self.vocab_size]
-        target_probs = warp_logits_to_probs(logits, temperature, top_k, top_p)
+        shaped = self._shape_target_logits(rows, logits, draft_lists, step_ks)
+        target_probs = warp_logits_to_probs(shaped, temperature, top_k, top_p)
 
         num_draft_tokens = torch.tensor(step_ks, device=self.device)
         num_accepted, output_token_ids = rejection_sample(
@@ -580,6 +635,26 @@ class SpeculativeEngine:
             )
         # The step's one synchronisation point: the bookkeeping after it is plain Python.
         return num_accepted.tolist(), output_token_ids.tolist(), logits
+
+    def _shape_target_logits(
+        self,
+        rows: list[_Row],
+        logits: torch.Tensor,  # [batch, k + 1, vocab]
+        draft_lists: list[list[int]],
+        step_ks: list[int],
+    ) -> torch.Tensor:
+        """The logits the rows' rules leave: a constrained row's position j is masked to what its
+        grammar allows after its committed tokens and drafts 0..j-1. Raw logits stay untouched
+        (log-probabilities are reported from them)."""
+        constrained = [slot for slot, row in enumerate(rows) if row.grammar is not None]
+        if not constrained:
+            return logits
+        shaped = logits.clone()
+        for slot in constrained:
+            num = step_ks[slot]
+            masks = rows[slot].grammar_call("masks", draft_lists[slot][:num])  # [num + 1, vocab]
+            shaped[slot, : num + 1].masked_fill_(~masks.to(self.device), float("-inf"))
+        return shaped
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:  # [n, vocab]

@@ -36,7 +36,14 @@ REQUEST_FIELDS = (
     "stop",
     "stream",
     "drafter",
+    # Structured output, at most one of them (handler.constraints).
+    "json_schema",
+    "regex",
+    "grammar",
 )
+CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar")
+# The most characters a constraint may have, serialised: enough for dozens of tool schemas.
+MAX_CONSTRAINT_CHARS = 256 * 1024
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 SEED_RANGE = (0, 2**63 - 1)
@@ -134,6 +141,34 @@ def stop_field(body: Mapping) -> tuple[str, ...]:
     if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stop):
         raise RequestError(f"stop: each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
     return tuple(stop)
+
+
+def constraint_field(body: Mapping) -> tuple[str, Any] | None:
+    """The request's structured-output field and value, (name, value), or None when it has none.
+
+    `json_schema` is a JSON Schema object (`true` or `{}`: any JSON value); `regex`
+    and `grammar` (a Lark grammar in llguidance's dialect) are non-empty strings.
+    """
+    given = [key for key in CONSTRAINT_FIELDS if body.get(key) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise RequestError(f"{given[1]}: give at most one of {', '.join(CONSTRAINT_FIELDS)}, got {', '.join(given)}")
+    [key] = given
+    value = body[key]
+    if key == "json_schema":
+        if not isinstance(value, (Mapping, bool)) or value is False:
+            raise RequestError(
+                f"json_schema: must be a JSON Schema object (or true for any JSON), got {json.dumps(value)[:80]}"
+            )
+        size = len(json.dumps(value))
+    else:
+        if not isinstance(value, str) or not value:
+            raise RequestError(f"{key}: must be a non-empty string")
+        size = len(value)
+    if size > MAX_CONSTRAINT_CHARS:
+        raise RequestError(f"{key}: {size} characters; at most {MAX_CONSTRAINT_CHARS}")
+    return key, value
 
 
 def decode_body(value: Any, content_type: str | None = None) -> dict:

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from handler import schema
 from handler.config import HandlerConfig, SamplingParams, sampling_problem
+from handler.constraints import Constraint, check_json_schema, compiler_for
 from handler.engine import GenerationRequest, GenerationResult
 
 # Re-exported: the handler entry point imports them from here.
@@ -101,6 +102,7 @@ def parse_request(body: Mapping, config: HandlerConfig, tokenizer, max_context: 
             f"drafter: {json.dumps(drafter)} is not available in this model archive; choose one of "
             f"{', '.join(config.drafters)}"
         )
+    constraint = _constraint(body, tokenizer, config)
     prompt_ids = _prompt_ids(body, tokenizer)
     if not prompt_ids:
         raise RequestError("prompt: encodes to no tokens")
@@ -118,8 +120,26 @@ def parse_request(body: Mapping, config: HandlerConfig, tokenizer, max_context: 
         seed=seed,
         stop=stop,
         drafter=drafter,
+        constraint=constraint,
     )
     return ParsedRequest(generation=generation, stream=stream)
+
+
+def _constraint(body: Mapping, tokenizer, config: HandlerConfig) -> Constraint | None:
+    """The request's structured-output constraint, compiled now so that a bad one is this request's 400."""
+    given = schema.constraint_field(body)
+    if given is None:
+        return None
+    key, value = given
+    if key == "json_schema":
+        check_json_schema(value, key)
+        constraint = Constraint.json_schema(value, field=key)
+    elif key == "regex":
+        constraint = Constraint.regex(value)
+    else:
+        constraint = Constraint.grammar(value)
+    compiler_for(tokenizer, config.grammar_compile_timeout_s).compile(constraint)
+    return constraint
 
 
 def result_to_json(result: GenerationResult) -> dict:
