@@ -80,6 +80,8 @@ class Constraint:
 
     @classmethod
     def json_schema(cls, schema: dict | bool, field: str = "json_schema") -> Constraint:
+        if schema is True:
+            schema = {}  # any JSON value; llguidance takes the object form only
         return cls(KIND_JSON_SCHEMA, json.dumps(schema), field)
 
     @classmethod
