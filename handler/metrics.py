@@ -37,6 +37,7 @@ COUNTERS = {
     "spec_decode_num_accepted_tokens_per_pos": "draft tokens accepted at each draft position (label position)",
     "SpecDrafterDraftTokens": "draft tokens proposed, by the drafter that proposed them (label drafter)",
     "SpecDrafterAcceptedTokens": "draft tokens accepted, by the drafter that proposed them (label drafter)",
+    "SpecConstrainedRequests": "requests whose output followed a constraint (json_schema, regex, grammar, tools)",
 }
 GAUGES = {
     "SpecBatchOccupancy": "rows in the engine's running batch at the last step (a request, or an OpenAI choice)",
@@ -46,6 +47,7 @@ HISTOGRAMS = {
     "SpecTimePerOutputTokenSeconds": "request latency divided by completion tokens",
     "SpecTimeToFirstTokenSeconds": "streamed requests: arrival in the handler to the first chunk",
     "SpecQueueWaitSeconds": "time a request waited in the handler for room in the batch (max_batch_tokens)",
+    "SpecGrammarMaskSecondsPerStep": "constrained requests: time in grammar masks per target pass, on average",
 }
 POSITION_DIMENSION = "position"
 DRAFTER_DIMENSION = "drafter"
@@ -95,6 +97,12 @@ class MetricsRecorder:
             )
         if first_token_seconds is not None:
             self._add("SpecTimeToFirstTokenSeconds", first_token_seconds, SECONDS_UNIT, histogram)
+        if getattr(stats, "constrained", False):
+            # Forced-token drafts are SpecDrafterDraftTokens{drafter="grammar"}.
+            self._add("SpecConstrainedRequests", 1, COUNT_UNIT, counter)
+            if stats.target_forward_passes:
+                per_step = stats.mask_seconds / stats.target_forward_passes
+                self._add("SpecGrammarMaskSecondsPerStep", per_step, SECONDS_UNIT, histogram)
 
     def record_rejected(self) -> None:
         self._add("SpecRejectedRequests", 1, COUNT_UNIT, MetricTypes.COUNTER)

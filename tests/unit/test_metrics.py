@@ -34,3 +34,23 @@ def test_hybrid_request_counts_each_proposer_under_its_label():
     assert totals["SpecDraftTokens"] == 9 and totals["SpecAcceptedTokens"] == 5
     assert stats.accepted_per_position == [2, 1, 1, 1]
     assert stats.num_drafts == 3 and stats.rejections == 2
+
+
+def test_a_constrained_request_counts_once_with_its_mask_time_per_step():
+    stats = SpeculativeStats(num_speculative_tokens=4, drafter="model", constrained=True, mask_seconds=0.004)
+    stats.record("grammar", 6, 6)
+    stats.record("model", 4, 2)
+    cache = RecordingCache()
+    MetricsRecorder(cache).record_result(stats, latency_seconds=1.0)
+    values = {(name, dims[0][1] if dims else None): value for name, value, dims in cache.calls}
+    assert values[("SpecConstrainedRequests", None)] == 1
+    assert values[("SpecGrammarMaskSecondsPerStep", None)] == 0.002
+    assert values[("SpecDrafterDraftTokens", "grammar")] == 6
+
+
+def test_an_unconstrained_request_records_no_grammar_metrics():
+    stats = SpeculativeStats(num_speculative_tokens=4)
+    stats.record("model", 4, 2)
+    cache = RecordingCache()
+    MetricsRecorder(cache).record_result(stats, latency_seconds=1.0)
+    assert not {"SpecConstrainedRequests", "SpecGrammarMaskSecondsPerStep"} & {name for name, _, _ in cache.calls}
