@@ -301,6 +301,7 @@ class SpeculativeEngine:
         prompt_lookup_min: int = 1,
         prompt_lookup_max: int = 4,
         prompt_lookup_num_tokens: int = 0,
+        grammar_drafts: bool = True,
     ) -> None:
         """
         Args:
@@ -314,6 +315,8 @@ class SpeculativeEngine:
             prompt_lookup_min, prompt_lookup_max: the n-gram drafter's suffix lengths.
             prompt_lookup_num_tokens: the most drafts one look-up proposes; 0 = the request's k.
                 A look-up costs no draft pass, only verify width, so it may exceed k.
+            grammar_drafts: propose the tokens a constraint forces as drafts (off only to
+                measure what they bring).
         """
         self.target = target
         self.tokenizer = tokenizer
@@ -327,6 +330,7 @@ class SpeculativeEngine:
             self.model_drafter = ModelDrafter(draft, self.vocab_size, pad_token_id)
         self.ngram_drafter = NgramDrafter(prompt_lookup_min, prompt_lookup_max)
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
+        self.grammar_drafts = grammar_drafts
         self.drafters = DRAFTERS if draft is not None else (DRAFTER_NGRAM,)
         self.default_drafter = default_drafter or (DRAFTER_MODEL if draft is not None else DRAFTER_NGRAM)
         assert self.default_drafter in self.drafters, (self.default_drafter, self.drafters)
@@ -520,7 +524,9 @@ class SpeculativeEngine:
         lookups, proposers = [], []
         for row in rows:
             cap = row.lookup_cap(self.prompt_lookup_num_tokens)
-            forced = row.grammar_call("forced_tokens", cap) if row.grammar is not None and cap else []
+            forced = []
+            if row.grammar is not None and cap and self.grammar_drafts:
+                forced = row.grammar_call("forced_tokens", cap)
             if forced:
                 lookups.append(forced)
                 proposers.append(PROPOSER_GRAMMAR)
