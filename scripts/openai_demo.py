@@ -1,4 +1,9 @@
-"""One streamed chat request through the official OpenAI client, against the served model.
+"""Chat through the official OpenAI client, against the served model: a streamed answer, a tool call, JSON.
+
+`run` streams one chat answer; `run_structured` sends one tool call
+(`tools` with `tool_choice: "required"`: the output is constrained to a call
+whose arguments validate against the function's parameters) and one
+`response_format: json_schema` request, and prints what came back.
 
 The OpenAI-compatible routes live under
 `{inference_url}/predictions/{model}/{version}/v1`; with token authorization
@@ -23,6 +28,34 @@ MESSAGES = [
     {"role": "system", "content": "You are a concise coding assistant."},
     {"role": "user", "content": "Write a Python function that reverses the order of the words in a sentence."},
 ]
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CONTACT_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "contact",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "email": {"type": "string"}, "company": {"type": "string"}},
+            "required": ["name", "email", "company"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def base_url(inference_url: str, model_name: str, version: str = package_mar.MODEL_VERSION) -> str:
@@ -52,12 +85,7 @@ def run(
     """
     import openai  # only this demo needs the client
 
-    client = openai.OpenAI(
-        base_url=base_url(inference_url, model_name),
-        api_key=api_key or "no-key",  # the client insists on one; a server without token auth ignores it
-        max_retries=0,
-        timeout=torchserve.DEFAULT_TIMEOUT_S,
-    )
+    client = _client(inference_url, model_name, api_key)
     out.write(f">>> {MESSAGES[-1]['content']}\n\n")
     parts, usage, speculative = [], None, None
     try:
@@ -90,6 +118,61 @@ def run(
     return "".join(parts)
 
 
+def _client(inference_url: str, model_name: str, api_key: str | None):
+    import openai
+
+    return openai.OpenAI(
+        base_url=base_url(inference_url, model_name),
+        api_key=api_key or "no-key",  # the client insists on one; a server without token auth ignores it
+        max_retries=0,
+        timeout=torchserve.DEFAULT_TIMEOUT_S,
+    )
+
+
+def run_structured(inference_url: str, model_name: str, api_key: str | None, out: TextIO = sys.stdout) -> tuple:
+    """One tool call and one JSON-schema answer through the openai client; returns (tool_calls, parsed JSON).
+
+    Raises:
+        torchserve.ClientError: the server refused a request or could not be reached.
+    """
+    import json
+
+    import openai
+
+    client = _client(inference_url, model_name, api_key)
+    try:
+        question = "What's the weather in Lisbon right now, in celsius?"
+        out.write(f">>> {question}  [tools: get_weather, tool_choice: required]\n")
+        answer = client.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": question}],
+            tools=[WEATHER_TOOL],
+            tool_choice="required",
+            max_completion_tokens=96,
+        )
+        calls = answer.choices[0].message.tool_calls or []
+        for call in calls:
+            out.write(f"tool call: {call.function.name}({call.function.arguments})\n")
+        out.write(f"[finish_reason {answer.choices[0].finish_reason}]\n\n")
+        text = "Hi, I'm Maria Gonzalez from Northwind Traders; write to maria.g@northwind.example."
+        out.write(f">>> {text}  [response_format: json_schema contact]\n")
+        answer = client.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "system", "content": "Extract the contact as JSON."}, {"role": "user", "content": text}],
+            response_format=CONTACT_FORMAT,
+            max_completion_tokens=96,
+        )
+        record = json.loads(answer.choices[0].message.content)
+        out.write(f"{json.dumps(record)}\n")
+    except openai.APIStatusError as error:
+        raise torchserve.ClientError(
+            f"{client.base_url}: HTTP {error.status_code}: {error.message}", error.status_code
+        ) from None
+    except openai.APIError as error:
+        raise torchserve.ClientError(f"no answer from {client.base_url}: {error}") from None
+    return calls, record
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default=torchserve.DEFAULT_INFERENCE_URL, help="TorchServe inference address")
@@ -103,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args(argv)
     try:
-        run(args.url, args.model, torchserve.read_key(args.key_file), args.max_tokens)
+        key = torchserve.read_key(args.key_file)
+        run(args.url, args.model, key, args.max_tokens)
+        print()
+        run_structured(args.url, args.model, key)
     except torchserve.ClientError as error:
         print(f"openai demo failed: {error}", file=sys.stderr)
         return 1
