@@ -22,6 +22,7 @@ from ts.torch_handler.base_handler import BaseHandler
 
 from handler.api.openai.requests import Route, route_from_url_path
 from handler.config import handler_config_from_yaml_config
+from handler.constraints import compiler_for
 from handler.cost_table import measure_cost_table
 from handler.engine import SpeculativeEngine
 from handler.loading import load_models
@@ -56,6 +57,9 @@ class SpeculativeHandler(BaseHandler):
             )
             logger.info("adaptive k: measured cost table\n%s", cost_table.format())
         self.engine = SpeculativeEngine.from_config(self.models, self.config, cost_table)
+        # The grammar engine's view of the vocabulary (about 1 s for 150k tokens), built now
+        # rather than inside the first structured request while the batch waits.
+        compiler_for(self.models.tokenizer, self.config.grammar_compile_timeout_s)
         # The OpenAI routes: `model` must name the model as TorchServe serves it.
         self.model_name = context.model_name
         self.created = int(time.time())
