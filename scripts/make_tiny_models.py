@@ -81,10 +81,38 @@ PRETOKENIZE_REGEX = (
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
-# ChatML, as in Qwen2 chat checkpoints.
+# ChatML, as in Qwen2 chat checkpoints, with Qwen2.5's rendering of tools: the
+# function signatures in the system turn, an assistant's calls as <tool_call>
+# blocks and tool results as <tool_response> blocks in a user turn. Without
+# tools, tool calls or tool messages it renders plain ChatML.
 CHAT_TEMPLATE = (
+    "{%- set skip_first = tools and messages[0]['role'] == 'system' %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if skip_first %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions. Signatures:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nCall a function with:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}'
+    "\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if loop.first and skip_first %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set call = call['function'] if call['function'] is defined else call %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' + (call['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
