@@ -147,6 +147,10 @@ class GrammarCompiler:
 
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer)
         self.vocab_size = self.ll_tokenizer.vocab_size  # the tokenizer's; the model's may be padded past it
+        # Tokens llguidance treats as special (Qwen's <tool_call> among them, though Hugging Face
+        # does not): a grammar may reach them only through a <token> reference, yet a mask for
+        # the same text spelled literally can allow them. Masks check these few one by one.
+        self.special_token_ids = tuple(t for t in range(self.vocab_size) if self.ll_tokenizer.is_special_token(t))
         self.timeout_s = timeout_s
         self.cache_size = cache_size
         self.cache: collections.OrderedDict[Constraint, object] = collections.OrderedDict()
@@ -174,7 +178,13 @@ class GrammarCompiler:
 
     def row(self, constraint: Constraint, model_vocab_size: int, eos_token_ids: Sequence[int]) -> RowGrammar:
         """A fresh matcher for one engine row."""
-        return RowGrammar(self.compile(constraint).deep_copy(), self.vocab_size, model_vocab_size, eos_token_ids)
+        return RowGrammar(
+            self.compile(constraint).deep_copy(),
+            self.vocab_size,
+            model_vocab_size,
+            eos_token_ids,
+            self.special_token_ids,
+        )
 
     def _compile_bounded(self, constraint: Constraint):
         import llguidance
@@ -237,12 +247,20 @@ class RowGrammar:
     exactly where the grammar accepts, whatever EOS token the tokenizer names.
     """
 
-    def __init__(self, matcher, tokenizer_vocab_size: int, model_vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(
+        self,
+        matcher,
+        tokenizer_vocab_size: int,
+        model_vocab_size: int,
+        eos_token_ids: Sequence[int],
+        special_token_ids: Sequence[int] = (),
+    ):
         self.matcher = matcher
         self.tokenizer_vocab_size = tokenizer_vocab_size
         self.vocab_size = model_vocab_size
         self.eos_set = frozenset(t for t in eos_token_ids if t < model_vocab_size)
         self.eos_token_ids = torch.tensor(sorted(self.eos_set), dtype=torch.long)
+        self.special_token_ids = [t for t in special_token_ids if t not in self.eos_set and t < model_vocab_size]
         self.bitmask = torch.zeros((tokenizer_vocab_size + 31) // 32, dtype=torch.int32)
         self.num_drafted = 0  # tokens consumed beyond the committed ones while drafting
         self.drafted_eos = False  # the draft model drafted an end of sequence: nothing follows it
@@ -253,6 +271,10 @@ class RowGrammar:
         allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
         num_tokens = min(self.tokenizer_vocab_size, self.vocab_size)
         allowed[:num_tokens] = _unpack_bitmask(self.bitmask, num_tokens)
+        for token_id in self.special_token_ids:
+            # A special token the mask allows but the matcher would refuse is not allowed.
+            if allowed[token_id] and not self.matcher.validate_tokens([token_id]):
+                allowed[token_id] = False
         allowed[self.eos_token_ids] = self.matcher.is_accepting()
         return allowed
 
@@ -260,7 +282,9 @@ class RowGrammar:
         """Up to `max_tokens` tokens the grammar forces next (its fast-forward tokens)."""
         if max_tokens <= 0:
             return []
-        return list(self.matcher.compute_ff_tokens()[:max_tokens])
+        forced = list(self.matcher.compute_ff_tokens()[:max_tokens])
+        # Cut where the matcher would refuse a token it proposes (a special token spelled literally).
+        return forced[: self.matcher.validate_tokens(forced)] if forced else []
 
     def num_valid(self, token_ids: Sequence[int]) -> int:
         """How many of `token_ids`, in order, the grammar allows from the committed state."""

@@ -184,3 +184,14 @@ def test_unpack_bitmask_reads_bits_in_order():
     bitmask = torch.tensor([0b101, -(2**31)], dtype=torch.int32)  # tokens 0, 2 and 63
     allowed = constraints._unpack_bitmask(bitmask, 64)
     assert allowed.nonzero().flatten().tolist() == [0, 2, 63]
+
+
+def test_a_special_token_spelled_literally_is_never_allowed_where_the_matcher_would_refuse_it(compiler, tiny_tokenizer):
+    # llguidance matches special tokens only through <token> references, yet its mask for the
+    # literal text can allow the special token itself; the row's mask must not.
+    im_start = tiny_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    row = row_for(compiler, Constraint.grammar('start: "<|im_start|>" "a"'), tiny_tokenizer)
+    assert not row.mask()[im_start]
+    forced = row.forced_tokens(16)
+    assert im_start not in forced and row.num_valid(forced) == len(forced)
+    row.commit(forced)
