@@ -43,6 +43,7 @@ from handler.constraints import Constraint, RowGrammar, compiler_for
 from handler.drafter_model import ModelDrafter
 from handler.drafter_ngram import NgramDrafter
 from handler.kv_cache import RaggedCache, prefill
+from handler.logits_processors import process_row_logits, token_counts, token_mask
 from handler.rollback import target_lengths_after_verify
 from handler.sampler import (
     coupled_verify,
@@ -206,6 +207,11 @@ class _Row:
         self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
         self.trackers = {name: AcceptanceTracker() for name in (DRAFTER_MODEL, DRAFTER_NGRAM, PROPOSER_GRAMMAR)}
         self.grammar: RowGrammar | None = None  # set by the engine for a constrained request
+        # Penalties' history (set by the engine when the request has penalties): counts of the
+        # generated tokens, and which tokens the prompt or the output holds.
+        self.output_counts: torch.Tensor | None = None  # [vocab] float
+        self.seen: torch.Tensor | None = None  # [vocab] bool
+        self.drafted: list[int] = []  # the draft model's drafts so far in this step (penalties)
         self.steps_without_drafts = 0
         self.stats = SpeculativeStats(
             num_speculative_tokens=request.num_speculative_tokens, drafter=drafter, constrained=bool(request.constraint)
@@ -251,10 +257,40 @@ class _Row:
         self.stats.completion_tokens = len(self.token_ids)
         return kept
 
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether a rule changes this row's logits: a grammar, a logit bias or a penalty."""
+        return self.grammar is not None or self.request.sampling.processes_logits
+
     def shape_draft_logits(self, logits: torch.Tensor, previous_draft: int | None) -> torch.Tensor:  # [vocab]
-        """The draft model's logits for this row's next draft, masked like the target's will be."""
-        mask = self.grammar_call("draft_mask", previous_draft)  # [vocab]
-        return logits.masked_fill(~mask.to(logits.device), float("-inf"))
+        """The draft model's logits for this row's next draft, shaped as the target's will be."""
+        if previous_draft is not None:
+            self.drafted.append(previous_draft)
+        if self.request.sampling.processes_logits:
+            counts, seen = self.output_counts, self.seen
+            if self.drafted and counts is not None:
+                counts = counts + token_counts(self.drafted, counts.shape[0], counts.device)
+            if self.drafted and seen is not None:
+                seen = seen | token_mask(self.drafted, seen.shape[0], seen.device)
+            logits = process_row_logits(logits[None], self.request.sampling, counts, seen, [])[0]
+        if self.grammar is not None:
+            mask = self.grammar_call("draft_mask", previous_draft)  # [vocab]
+            logits = logits.masked_fill(~mask.to(logits.device), float("-inf"))
+        return logits
+
+    def end_drafting(self) -> None:
+        self.drafted = []
+        if self.grammar is not None:
+            self.grammar_call("end_drafting")
+
+    def commit(self, kept: list[int]) -> None:
+        """Moves the rules' state past the tokens this step emitted."""
+        if self.grammar is not None and self.finish_reason is None:
+            self.grammar_call("commit", kept)
+        if self.output_counts is not None:
+            self.output_counts += token_counts(kept, self.output_counts.shape[0], self.output_counts.device)
+        if self.seen is not None:
+            self.seen |= token_mask(kept, self.seen.shape[0], self.seen.device)
 
     def grammar_call(self, method: str, *args):
         """Calls the row's grammar, counting the time in its masks."""
@@ -374,8 +410,13 @@ class SpeculativeEngine:
         assert request.prompt_ids, "a request needs at least one prompt token"
         row = _Row(request_id, request, drafter, self.tokenizer, self.eos_token_ids)
         if request.constraint is not None:
+            assert self.eos_token_ids, "a constrained request needs an end-of-sequence token to end where it is complete"
             # Compiled (and cached) when the request was parsed: this is a copy of the start state.
             row.grammar = compiler_for(self.tokenizer).row(request.constraint, self.vocab_size, self.eos_token_ids)
+        if request.sampling.needs_output_counts:
+            row.output_counts = token_counts([], self.vocab_size, self.device)
+        if request.sampling.needs_seen_tokens:
+            row.seen = token_mask(request.prompt_ids, self.vocab_size, self.device)
         self.aborted.discard(request_id)
         self.waiting.append(row)
 
@@ -423,8 +464,7 @@ class SpeculativeEngine:
             row.steps_without_drafts = 0 if step_ks[slot] else row.steps_without_drafts + 1
             row.trackers[proposer].update(accepted, step_ks[slot])
             kept = row.extend(new_tokens)
-            if row.grammar is not None and row.finish_reason is None:
-                row.grammar_call("commit", kept)
+            row.commit(kept)
             if row.logprobs is not None and kept:
                 row.logprobs.extend(self._logprobs(logits[slot, : len(kept)], kept, row.request.logprobs))
             committed[row.request_id] = kept
@@ -587,6 +627,7 @@ class SpeculativeEngine:
         temperature = torch.tensor([s.temperature for s in sampling], device=self.device)
         top_k = torch.tensor([s.top_k for s in sampling], device=self.device)
         top_p = torch.tensor([s.top_p for s in sampling], device=self.device)
+        min_p = torch.tensor([s.min_p for s in sampling], device=self.device)
 
         draft_token_ids = torch.full((batch_size, k), self.pad_token_id, dtype=torch.long)  # [batch, k]
         draft_probs = torch.zeros((batch_size, k, self.vocab_size), device=self.device)  # [batch, k, vocab]
@@ -628,7 +669,7 @@ class SpeculativeEngine:
         logits = self.target_cache.forward(input_ids, chunk_mask, logits_to_keep=k + 1)  # [batch, k + 1, vocab']
         logits = logits[..., : self.vocab_size]
         shaped = self._shape_target_logits(rows, logits, draft_lists, step_ks)
-        target_probs = warp_logits_to_probs(shaped, temperature, top_k, top_p)
+        target_probs = warp_logits_to_probs(shaped, temperature, top_k, top_p, min_p)
 
         num_draft_tokens = torch.tensor(step_ks, device=self.device)
         num_accepted, output_token_ids = rejection_sample(
@@ -648,18 +689,29 @@ class SpeculativeEngine:
         logits: torch.Tensor,  # [batch, k + 1, vocab]
         draft_lists: list[list[int]],
         step_ks: list[int],
-    ) -> torch.Tensor:
-        """The logits the rows' rules leave: a constrained row's position j is masked to what its
-        grammar allows after its committed tokens and drafts 0..j-1. Raw logits stay untouched
-        (log-probabilities are reported from them)."""
-        constrained = [slot for slot, row in enumerate(rows) if row.grammar is not None]
-        if not constrained:
+    ) -> torch.Tensor:  # [batch, k + 1, vocab]
+        """The logits the rows' rules leave, at each row's verify positions.
+
+        Position j of a row follows its committed tokens and drafts 0..j-1: its logit
+        bias and penalties count those drafts as generated (`process_row_logits`), and
+        its grammar masks what may follow them. The raw logits stay untouched
+        (log-probabilities are reported from them).
+        """
+        shaping = [slot for slot, row in enumerate(rows) if row.shapes_logits]
+        if not shaping:
             return logits
-        shaped = logits.clone()
-        for slot in constrained:
-            num = step_ks[slot]
-            masks = rows[slot].grammar_call("masks", draft_lists[slot][:num])  # [num + 1, vocab]
-            shaped[slot, : num + 1].masked_fill_(~masks.to(self.device), float("-inf"))
+        shaped = logits.float()  # a copy for bf16 logits; float32 keeps small penalties exact
+        if shaped is logits:
+            shaped = logits.clone()
+        for slot in shaping:
+            row, num = rows[slot], step_ks[slot]
+            if row.request.sampling.processes_logits:
+                shaped[slot, : num + 1] = process_row_logits(
+                    shaped[slot, : num + 1], row.request.sampling, row.output_counts, row.seen, draft_lists[slot][:num]
+                )
+            if row.grammar is not None:
+                masks = row.grammar_call("masks", draft_lists[slot][:num])  # [num + 1, vocab]
+                shaped[slot, : num + 1].masked_fill_(~masks.to(self.device), float("-inf"))
         return shaped
 
     @staticmethod

@@ -51,11 +51,13 @@ def warp_logits_to_probs(
     temperature: torch.Tensor,  # [batch] float, 0 means greedy
     top_k: torch.Tensor,  # [batch] long, 0 means off
     top_p: torch.Tensor,  # [batch] float, 1.0 means off
+    min_p: torch.Tensor | None = None,  # [batch] float, 0 means off
 ) -> torch.Tensor:
-    """Applies temperature, then top-k, then top-p, row by row, and returns probabilities.
+    """Applies temperature, then min-p, top-k and top-p, row by row, and returns probabilities.
 
     Greedy rows get the one-hot distribution of their argmax, so the same
-    rejection sampler serves greedy and sampled requests in one batch.
+    rejection sampler serves greedy and sampled requests in one batch; the
+    filters never change an argmax, so greedy rows skip them.
 
     Returns:
         probs: [batch, positions, vocab] float32, each row summing to 1.
@@ -75,10 +77,29 @@ def warp_logits_to_probs(
         # Shift by the max before dividing: a tiny temperature would overflow logits / t to inf, then NaN.
         sub = sub - sub.amax(dim=-1, keepdim=True)
         scaled = sub / temperature[sampled].to(logits.dtype)[:, None, None]
+        if min_p is not None:
+            scaled = _apply_min_p(scaled, min_p[sampled])
         scaled = _apply_top_k(scaled, top_k[sampled])
         scaled = _apply_top_p(scaled, top_p[sampled])
         probs[sampled] = torch.softmax(scaled, dim=-1)
     return probs
+
+
+def _apply_min_p(
+    logits: torch.Tensor,  # [rows, positions, vocab], after temperature
+    min_p: torch.Tensor,  # [rows]
+) -> torch.Tensor:
+    active = min_p > 0
+    if not bool(active.any()):
+        return logits
+    sub = logits[active]  # [active_rows, positions, vocab]
+    probs = sub.softmax(dim=-1)
+    # As Hugging Face's MinPLogitsWarper: below min_p times the top probability goes; the top
+    # token itself always stays, since min_p <= 1.
+    threshold = min_p[active].to(probs.dtype)[:, None, None] * probs.amax(dim=-1, keepdim=True)
+    logits = logits.clone()
+    logits[active] = sub.masked_fill(probs < threshold, float("-inf"))
+    return logits
 
 
 def _apply_top_k(

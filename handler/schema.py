@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,6 +32,11 @@ REQUEST_FIELDS = (
     "temperature",
     "top_k",
     "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
     "seed",
     "num_speculative_tokens",
     "stop",
@@ -47,6 +53,11 @@ MAX_CONSTRAINT_CHARS = 256 * 1024
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 SEED_RANGE = (0, 2**63 - 1)
+# OpenAI's limit on the entries of logit_bias.
+MAX_LOGIT_BIAS_TOKENS = 300
+# A token id as OpenAI sends a logit_bias key: a decimal string, without sign or leading zeros
+# (so that "5" and "05" cannot name the same token twice), at most 10 digits.
+TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
 TOP_K_RANGE = (0, 2**31 - 1)
 
 # --- Answer --------------------------------------------------------------------------------------
@@ -122,6 +133,37 @@ def seed_field(body: Mapping) -> int | None:
     if body.get("seed") is None:
         return None
     return integer_field(body, "seed", 0, *SEED_RANGE)
+
+
+def logit_bias_field(body: Mapping) -> tuple[tuple[int, float], ...]:
+    """`logit_bias`, {token id: bias}, as (token id, bias) pairs sorted by id; empty when absent.
+
+    Keys are token ids as decimal strings, as OpenAI sends them ("123"), or
+    ints. The bias range is `handler.config.sampling_problem`'s rule, and the
+    tokenizer's vocabulary bounds the ids (`handler.api.native`).
+    """
+    value = body.get("logit_bias", {})
+    if not isinstance(value, Mapping):
+        raise RequestError(
+            f'logit_bias: must be an object of token ids to biases, such as {{"50256": -100}}, '
+            f"got {json.dumps(value)[:80]}"
+        )
+    if len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise RequestError(f"logit_bias: at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(value)}")
+    pairs: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+            token_id = key
+        elif isinstance(key, str) and TOKEN_ID_KEY.fullmatch(key):
+            token_id = int(key)
+        else:
+            raise RequestError(f'logit_bias: keys must be token ids such as "123", got {json.dumps(str(key))}')
+        if token_id in pairs:
+            raise RequestError(f"logit_bias: token {token_id} is given twice")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise RequestError(f"logit_bias: the bias of token {token_id} must be a number, got {json.dumps(bias)}")
+        pairs[token_id] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 def stream_field(body: Mapping) -> bool:

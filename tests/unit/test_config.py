@@ -62,6 +62,17 @@ def test_full_section_round_trips():
         ({"sampling": {"top_p": 0.0}}, "handler.sampling.top_p"),
         ({"sampling": {"top_p": 1.5}}, "handler.sampling.top_p"),
         ({"sampling": {"top_k": -3}}, "handler.sampling.top_k"),
+        ({"sampling": {"min_p": -0.1}}, "handler.sampling.min_p"),
+        ({"sampling": {"min_p": 1.5}}, "handler.sampling.min_p"),
+        ({"sampling": {"presence_penalty": 2.5}}, "handler.sampling.presence_penalty"),
+        ({"sampling": {"presence_penalty": "high"}}, "handler.sampling.presence_penalty"),
+        ({"sampling": {"frequency_penalty": -2.01}}, "handler.sampling.frequency_penalty"),
+        ({"sampling": {"frequency_penalty": float("nan")}}, "handler.sampling.frequency_penalty"),
+        ({"sampling": {"repetition_penalty": 0}}, "handler.sampling.repetition_penalty"),
+        ({"sampling": {"repetition_penalty": 10.5}}, "handler.sampling.repetition_penalty"),
+        ({"sampling": {"repetition_penalty": True}}, "handler.sampling.repetition_penalty"),
+        # Token ids belong to a request, not to a deployment's defaults.
+        ({"sampling": {"logit_bias": {"5": 1}}}, "handler.sampling.logit_bias"),
         ({"sampling": [1, 2]}, "handler.sampling"),
         ({"target_model": ""}, "handler.target_model"),
         ({"cpu_packed_weights": "yes"}, "handler.cpu_packed_weights"),
@@ -140,3 +151,46 @@ def test_drafter_keys():
 def test_bad_drafter_settings_name_the_key(raw, key):
     with pytest.raises(ValueError, match=key):
         HandlerConfig.from_dict(raw)
+
+
+def test_sampling_penalties_and_min_p():
+    section = {"min_p": 0.05, "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2}
+    sampling = HandlerConfig.from_dict({"sampling": section}).sampling
+    assert sampling == SamplingParams(min_p=0.05, presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2)
+    assert sampling.needs_history and sampling.needs_output_counts and sampling.needs_seen_tokens
+    assert sampling.processes_logits
+    default = SamplingParams()
+    assert (default.min_p, default.presence_penalty, default.frequency_penalty) == (0.0, 0.0, 0.0)
+    assert (default.repetition_penalty, default.logit_bias) == (1.0, ())
+    assert not default.needs_history and not default.processes_logits
+    # min_p is warping, not a logits processor: it needs no history.
+    assert not SamplingParams(temperature=1.0, min_p=0.5).processes_logits
+    repetition = SamplingParams(repetition_penalty=0.9)
+    assert repetition.needs_seen_tokens and not repetition.needs_output_counts and repetition.needs_history
+
+
+def test_logit_bias_is_sorted_pairs_and_hashable():
+    sampling = SamplingParams(logit_bias={7: -100, 2: 3})
+    assert sampling.logit_bias == ((2, 3.0), (7, -100.0))
+    assert sampling == SamplingParams(logit_bias=((7, -100.0), (2, 3.0)))
+    assert hash(sampling) == hash(SamplingParams(logit_bias=[(2, 3), (7, -100)]))
+    assert sampling.processes_logits and not sampling.needs_history
+
+
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"min_p": 2.0}, "min_p"),
+        ({"presence_penalty": -3.0}, "presence_penalty"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": ((5, 1.0), (5, 2.0))}, "logit_bias"),
+        ({"logit_bias": ((5,),)}, "logit_bias"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(fields, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**fields)

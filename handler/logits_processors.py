@@ -1,0 +1,196 @@
+"""The logits processors a request can ask for, as pure tensor functions: logit bias and penalties.
+
+They change a row's logits before the warping of
+`handler.sampler.warp_logits_to_probs`, in vLLM's order: the logit bias on the
+raw logits, then the penalties (repetition, frequency, presence), then
+temperature, min-p, top-k and top-p.
+
+- logit bias (OpenAI): a number added to the logits of chosen tokens.
+- presence and frequency penalties (OpenAI, vLLM): with `count` the times
+  this request has generated a token so far (the prompt does not count),
+  `logit -= presence * (count > 0) + frequency * count`.
+- repetition penalty (Keskar et al. 2019, arXiv:1909.05858; Hugging Face's
+  RepetitionPenaltyLogitsProcessor): the logit of a token in the prompt or
+  the output so far is divided by r when positive, multiplied by r otherwise.
+
+Lossless under speculation. Verify position j of a step scores the token that
+follows the committed tokens and drafts 0..j-1; when those drafts are
+accepted, they are the output, so plain decoding would have counted them.
+Position j therefore sees the committed history plus drafts 0..j-1
+(`position_counts`, `position_seen`), the way a grammar's mask does. The
+target's distribution at each position is then exactly plain decoding's, and
+the rejection sampler keeps the output distribution. The draft model may
+apply the same to its own proposals: it needs only some distribution, and
+one closer to the target's is accepted more often.
+
+Every processor keeps a logit of -inf at -inf (r > 0, finite bias and
+penalties), so they commute with a grammar's mask.
+
+This module imports only torch, and no function modifies its inputs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from handler.config import SamplingParams
+
+
+def token_counts(
+    token_ids: Sequence[int], vocab_size: int, device: torch.device | str | None = None
+) -> torch.Tensor:  # [vocab] float32
+    """How many times each token occurs in `token_ids`: a row's `base_counts` from its generated tokens.
+
+    Ids at or past `vocab_size` (a tokenizer larger than the model's head) are
+    dropped: the model cannot emit them, so their logits need no penalty.
+    """
+    counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+    ids = torch.tensor([t for t in token_ids if t < vocab_size], dtype=torch.long, device=device)
+    return counts.index_add(0, ids, torch.ones(len(ids), dtype=torch.float32, device=device))
+
+
+def token_mask(
+    token_ids: Sequence[int], vocab_size: int, device: torch.device | str | None = None
+) -> torch.Tensor:  # [vocab] bool
+    """Which tokens occur in `token_ids`: a row's `seen` from its prompt and generated tokens."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    mask[torch.tensor([t for t in token_ids if t < vocab_size], dtype=torch.long, device=device)] = True
+    return mask
+
+
+def apply_logit_bias(
+    logits: torch.Tensor,  # [positions, vocab]
+    bias: Sequence[tuple[int, float]],
+) -> torch.Tensor:  # [positions, vocab]
+    """Adds each (token id, bias) to that token's logit at every position.
+
+    The ids must be distinct (`SamplingParams` checks it). Ids at or past the
+    model's vocabulary, which the tokenizer may count and the model never
+    emits, are left out.
+    """
+    assert logits.dim() == 2, logits.shape
+    vocab_size = logits.shape[-1]
+    kept = [(token_id, value) for token_id, value in bias if token_id < vocab_size]
+    if not kept:
+        return logits
+    ids = torch.tensor([token_id for token_id, _ in kept], dtype=torch.long, device=logits.device)  # [n]
+    values = torch.tensor([value for _, value in kept], dtype=logits.dtype, device=logits.device)  # [n]
+    return logits.index_add(-1, ids, values.expand(logits.shape[0], -1))
+
+
+def _draft_pairs(num_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position, draft) index pairs with draft < position: position j has seen drafts 0..j-1."""
+    pairs = torch.tril_indices(num_positions, num_positions - 1, offset=-1, device=device)  # [2, pairs]
+    return pairs[0], pairs[1]
+
+
+def position_counts(
+    base_counts: torch.Tensor,  # [vocab] float: the committed generated tokens' counts
+    draft_token_ids: torch.Tensor,  # [k] long
+) -> torch.Tensor:  # [k + 1, vocab]
+    """The generated-token counts at each of the k + 1 verify positions.
+
+    Position j has seen the committed tokens plus drafts 0..j-1.
+    """
+    assert base_counts.dim() == 1 and draft_token_ids.dim() == 1, (base_counts.shape, draft_token_ids.shape)
+    k = draft_token_ids.shape[0]
+    counts = base_counts.unsqueeze(0).repeat(k + 1, 1)  # [k + 1, vocab]
+    if k:
+        positions, drafts = _draft_pairs(k + 1, base_counts.device)
+        ones = torch.ones(len(positions), dtype=counts.dtype, device=counts.device)
+        counts.index_put_((positions, draft_token_ids.to(counts.device)[drafts]), ones, accumulate=True)
+    return counts
+
+
+def position_seen(
+    base_seen: torch.Tensor,  # [vocab] bool: tokens in the prompt or the committed output
+    draft_token_ids: torch.Tensor,  # [k] long
+) -> torch.Tensor:  # [k + 1, vocab] bool
+    """`position_counts` for the repetition penalty's mask: position j adds drafts 0..j-1 to `base_seen`."""
+    assert base_seen.dim() == 1 and draft_token_ids.dim() == 1, (base_seen.shape, draft_token_ids.shape)
+    k = draft_token_ids.shape[0]
+    seen = base_seen.unsqueeze(0).repeat(k + 1, 1)  # [k + 1, vocab]
+    if k:
+        positions, drafts = _draft_pairs(k + 1, base_seen.device)
+        seen[positions, draft_token_ids.to(seen.device)[drafts]] = True
+    return seen
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [positions, vocab]
+    output_counts: torch.Tensor | None,  # [positions, vocab] float; None when presence = frequency = 0
+    seen: torch.Tensor | None,  # [positions, vocab] bool; None when repetition = 1
+    presence: float,
+    frequency: float,
+    repetition: float,
+) -> torch.Tensor:  # [positions, vocab]
+    """The repetition penalty on the seen tokens, then the frequency and presence penalties, as vLLM applies them."""
+    if repetition != 1.0:
+        assert seen is not None and seen.shape == logits.shape, (None if seen is None else seen.shape, logits.shape)
+        # A logit of 0 stays 0 either way; Hugging Face multiplies only below 0.
+        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalised, logits)
+    if presence != 0.0 or frequency != 0.0:
+        assert output_counts is not None and output_counts.shape == logits.shape, logits.shape
+        output_counts = output_counts.to(logits.dtype)
+        logits = logits - frequency * output_counts - presence * (output_counts > 0).to(logits.dtype)
+    return logits
+
+
+def process_row_logits(
+    logits: torch.Tensor,  # [positions, vocab]
+    sampling: SamplingParams,
+    base_counts: torch.Tensor | None,  # [vocab] float
+    seen: torch.Tensor | None,  # [vocab] bool
+    draft_token_ids: torch.Tensor | Sequence[int],  # [positions - 1]
+) -> torch.Tensor:  # [positions, vocab] float32
+    """One row's logit bias and penalties at each of its positions in a step: the engine's entry point.
+
+    Call it for a row whose `sampling.processes_logits` is true, on the logits
+    of its verify positions (target) or of its next draft (draft model, one
+    position, no drafts), before `warp_logits_to_probs`. It commutes with a
+    grammar's -inf mask. min_p is not here: it is warping, in
+    `warp_logits_to_probs`.
+
+    Args:
+        logits: the row's logits at positions 0..positions-1: position j
+            follows the committed tokens and drafts 0..j-1.
+        sampling: the request's params.
+        base_counts: how often each token occurs among the row's committed
+            generated tokens, the prompt excluded (`token_counts`); required
+            when `sampling.needs_output_counts`, else ignored.
+        seen: the tokens of the prompt and the committed generated tokens
+            (`token_mask`); required when `sampling.needs_seen_tokens`, else
+            ignored.
+        draft_token_ids: the drafts the positions follow; position j counts
+            drafts 0..j-1 as generated.
+    Returns:
+        The processed logits in float32: a new tensor, or `logits` itself when
+        it is float32 and the row asks for nothing. The inputs are left as
+        they were.
+    """
+    assert logits.dim() == 2, logits.shape
+    logits = logits.float()
+    if not sampling.processes_logits:
+        return logits
+    drafts = torch.as_tensor(draft_token_ids, dtype=torch.long).to(logits.device)  # [positions - 1]
+    assert drafts.shape == (logits.shape[0] - 1,), (drafts.shape, logits.shape)
+    logits = apply_logit_bias(logits, sampling.logit_bias)
+    output_counts = position_seen_mask = None
+    if sampling.needs_output_counts:
+        assert base_counts is not None, "presence/frequency penalty without the row's token counts"
+        output_counts = position_counts(base_counts.to(logits.device), drafts)  # [positions, vocab]
+    if sampling.needs_seen_tokens:
+        assert seen is not None, "repetition penalty without the row's seen tokens"
+        position_seen_mask = position_seen(seen.to(logits.device), drafts)  # [positions, vocab]
+    return apply_penalties(
+        logits,
+        output_counts,
+        position_seen_mask,
+        sampling.presence_penalty,
+        sampling.frequency_penalty,
+        sampling.repetition_penalty,
+    )
