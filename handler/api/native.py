@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any, Sequence
 
 from handler import schema
-from handler.config import HandlerConfig, SamplingParams, sampling_problem
+from handler.config import SAMPLING_NUMBER_FIELDS, HandlerConfig, SamplingParams, sampling_problem
 from handler.constraints import Constraint, check_json_schema, compiler_for
 from handler.engine import GenerationRequest, GenerationResult
 
@@ -41,17 +41,33 @@ class ParsedRequest:
     stream: bool = False
 
 
-def _sampling(body: Mapping, default: SamplingParams) -> SamplingParams:
-    temperature = schema.number_field(body, "temperature", default.temperature)
-    top_p = schema.number_field(body, "top_p", default.top_p)
-    top_k = schema.integer_field(body, "top_k", default.top_k, *schema.TOP_K_RANGE)
-    problem = sampling_problem(temperature, top_k, top_p)
+def _sampling(body: Mapping, default: SamplingParams, tokenizer) -> SamplingParams:
+    """The request's sampling fields, each defaulting to the config's (logit_bias: to none)."""
+    values: dict[str, Any] = {
+        key: schema.number_field(body, key, getattr(default, key)) for key in SAMPLING_NUMBER_FIELDS
+    }
+    values["top_k"] = schema.integer_field(body, "top_k", default.top_k, *schema.TOP_K_RANGE)
+    values["logit_bias"] = schema.logit_bias_field(body)
+    problem = sampling_problem(**values)
     if problem:
         raise RequestError(problem)
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    if values["logit_bias"]:
+        # len(tokenizer) counts the added tokens too, unlike tokenizer.vocab_size.
+        vocab_size = len(tokenizer)
+        too_large = [token_id for token_id, _ in values["logit_bias"] if token_id >= vocab_size]
+        if too_large:
+            raise RequestError(
+                f"logit_bias: token {too_large[0]} is not in this model's vocabulary (ids 0 to {vocab_size - 1})"
+            )
+    return SamplingParams(**values)
 
 
-def _prompt_ids(body: Mapping, tokenizer) -> list[int]:
+# Message keys besides role and content that go to the chat template as they are (tool calling:
+# an assistant's tool_calls, a tool result's tool_call_id, a name).
+TEMPLATE_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
+
+
+def _prompt_ids(body: Mapping, tokenizer, tools: Sequence[Mapping] | None = None) -> list[int]:
     has_prompt, has_messages = "prompt" in body, "messages" in body
     if has_prompt == has_messages:
         raise RequestError("prompt/messages: give exactly one of 'prompt' (a string) or 'messages' (a list)")
@@ -75,7 +91,8 @@ def _prompt_ids(body: Mapping, tokenizer) -> list[int]:
         raise RequestError("messages: this model's tokenizer has no chat template; send 'prompt' instead")
     try:
         rendered = tokenizer.apply_chat_template(
-            [{"role": m["role"], "content": m["content"]} for m in messages],
+            [_template_message(m) for m in messages],
+            tools=list(tools) if tools else None,
             tokenize=False,
             add_generation_prompt=True,
         )
@@ -85,11 +102,22 @@ def _prompt_ids(body: Mapping, tokenizer) -> list[int]:
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
-def parse_request(body: Mapping, config: HandlerConfig, tokenizer, max_context: int) -> ParsedRequest:
-    """Validates one JSON request against the config and the model's context size."""
+def _template_message(message: Mapping) -> dict:
+    extra = {key: message[key] for key in TEMPLATE_MESSAGE_KEYS if message.get(key) is not None}
+    return {"role": message["role"], "content": message["content"], **extra}
+
+
+def parse_request(
+    body: Mapping, config: HandlerConfig, tokenizer, max_context: int, tools: Sequence[Mapping] | None = None
+) -> ParsedRequest:
+    """Validates one JSON request against the config and the model's context size.
+
+    `tools`: tool definitions the chat template renders with `messages` (the
+    OpenAI route's `tools`, validated there; not a native field).
+    """
     schema.check_known_fields(body)
     max_new_tokens = schema.integer_field(body, "max_new_tokens", config.max_new_tokens, 1, config.max_new_tokens_limit)
-    sampling = _sampling(body, config.sampling)
+    sampling = _sampling(body, config.sampling, tokenizer)
     num_speculative_tokens = schema.integer_field(
         body, "num_speculative_tokens", config.num_speculative_tokens, 0, config.max_num_speculative_tokens
     )
@@ -103,7 +131,7 @@ def parse_request(body: Mapping, config: HandlerConfig, tokenizer, max_context: 
             f"{', '.join(config.drafters)}"
         )
     constraint = _constraint(body, tokenizer, config)
-    prompt_ids = _prompt_ids(body, tokenizer)
+    prompt_ids = _prompt_ids(body, tokenizer, tools)
     if not prompt_ids:
         raise RequestError("prompt: encodes to no tokens")
     if len(prompt_ids) + max_new_tokens > max_context:

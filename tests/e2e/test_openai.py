@@ -178,9 +178,9 @@ def test_stop_strings_cut_the_answer_streamed_or_not(client, server):
 
 
 BAD = [
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": -1}, "frequency_penalty"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"logit_bias": {"1": 101}}, "logit_bias"),
     ({"n": 9}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": -1}, "temperature"),
@@ -204,8 +204,8 @@ def test_bad_fields_raise_bad_request_naming_them(client, server, fields, param)
 
 def test_chat_errors_and_neutral_values(client, server):
     with pytest.raises(openai.BadRequestError) as info:
-        chat(client, server, messages=CHAT, tools=[{"type": "function", "function": {"name": "f"}}])
-    assert info.value.body["param"] == "tools"
+        chat(client, server, messages=CHAT, tools=[{"type": "function", "function": {"name": "no spaces"}}])
+    assert info.value.body["param"] == "tools[0].function.name"
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         chat(client, server, messages=CHAT, top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="messages"):
@@ -236,7 +236,7 @@ def test_other_errors_have_their_status(client, server, base_url):
         client.embeddings.create(model=server.model_name, input="Hello")
     # A streamed request refused up front is a plain JSON 400, not a stream.
     with pytest.raises(openai.BadRequestError):
-        complete(client, server, prompt="Hello", stream=True, presence_penalty=1)
+        complete(client, server, prompt="Hello", stream=True, presence_penalty=3)
     response = requests.post(
         f"{base_url}/completions", data=b"{broken", timeout=HTTP_TIMEOUT_S, headers={"Content-Type": "application/json"}
     )

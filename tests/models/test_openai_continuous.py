@@ -65,7 +65,7 @@ def test_openai_requests_join_the_running_batch_and_answer_as_alone(handlers, ti
         "sampled": (COMPLETIONS, {"prompt": "Once upon", "max_tokens": 8, "temperature": 0.9, "seed": 5, "n": 2}),
         "chat-stream": (CHAT, {"messages": MESSAGES, "max_tokens": 8, "stream": True, "logprobs": True}),
         "models": (MODELS, b""),
-        "bad": (COMPLETIONS, {"prompt": "x", "presence_penalty": 0.5}),
+        "bad": (COMPLETIONS, {"prompt": "x", "presence_penalty": 3}),
     }
     frontend = Frontend(continuous, tiny_models_dir)
     frontend.submit("long", long, COMPLETIONS)

@@ -68,7 +68,7 @@ def test_a_mixed_batch_answers_each_request_in_its_own_shape(handler, tiny_model
             (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 8}),
             (COMPLETIONS, sampled),
             (MODELS, b""),
-            (COMPLETIONS, {"prompt": "x", "presence_penalty": 0.5}),
+            (COMPLETIONS, {"prompt": "x", "presence_penalty": 3}),
             ("v1/embeddings", {"input": "x"}),
         ],
     )

@@ -224,9 +224,13 @@ def test_unsupported_standard_fields_pass_at_their_neutral_value(kind, extra, to
 
 
 REFUSED = [
-    (ROUTE_COMPLETIONS, {"presence_penalty": 0.5}, "presence_penalty", 400),
-    (ROUTE_COMPLETIONS, {"frequency_penalty": 1}, "frequency_penalty", 400),
-    (ROUTE_COMPLETIONS, {"logit_bias": {"5": 10}}, "logit_bias", 400),
+    (ROUTE_COMPLETIONS, {"presence_penalty": 2.5}, "presence_penalty", 400),
+    (ROUTE_CHAT, {"frequency_penalty": -3}, "frequency_penalty", 400),
+    (ROUTE_COMPLETIONS, {"repetition_penalty": 0}, "repetition_penalty", 400),
+    (ROUTE_CHAT, {"min_p": 1.5}, "min_p", 400),
+    (ROUTE_COMPLETIONS, {"logit_bias": {"5": 101}}, "logit_bias", 400),
+    (ROUTE_CHAT, {"logit_bias": {"99999999": 1}}, "logit_bias", 400),
+    (ROUTE_CHAT, {"logit_bias": {"five": 1}}, "logit_bias", 400),
     (ROUTE_COMPLETIONS, {"echo": True}, "echo", 400),
     (ROUTE_COMPLETIONS, {"best_of": 3}, "best_of", 400),
     (ROUTE_COMPLETIONS, {"suffix": "end"}, "suffix", 400),
@@ -248,8 +252,10 @@ REFUSED = [
     (ROUTE_COMPLETIONS, {"model": "gpt-4o"}, "model", 404),
     (ROUTE_COMPLETIONS, {"num_speculative_tokens": 9}, "num_speculative_tokens", 400),
     (ROUTE_COMPLETIONS, {"drafter": "eagle"}, "drafter", 400),
-    (ROUTE_CHAT, {"tools": [{"type": "function"}]}, "tools", 400),
-    (ROUTE_CHAT, {"response_format": {"type": "json_object"}}, "response_format", 400),
+    (ROUTE_CHAT, {"tools": [{"type": "function"}]}, "tools[0].function", 400),
+    (ROUTE_CHAT, {"tool_choice": "always"}, "tool_choice", 400),
+    (ROUTE_CHAT, {"response_format": {"type": "xml"}}, "response_format", 400),
+    (ROUTE_COMPLETIONS, {"response_format": {"type": "json_schema"}}, "response_format.json_schema", 400),
     (ROUTE_CHAT, {"top_logprobs": 2}, "top_logprobs", 400),
     (ROUTE_CHAT, {"logprobs": 2}, "logprobs", 400),
     (ROUTE_CHAT, {"prompt": "x"}, "prompt", 400),
@@ -266,6 +272,24 @@ def test_refusals_name_the_field(kind, extra, field, status, tokenizer):
     assert error_answer(error)[1]["error"]["param"] == field
 
 
+def test_penalties_min_p_and_logit_bias_reach_the_native_request(tokenizer):
+    """Standard (presence, frequency, logit_bias) and extension (repetition_penalty, min_p) alike, on both routes."""
+    fields = {
+        "temperature": 0.9,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 1.5,
+        "repetition_penalty": 1.2,
+        "min_p": 0.05,
+        "logit_bias": {"3": -100, "10": 4},
+    }
+    request = parse(ROUTE_COMPLETIONS, {"prompt": "hello", "n": 2, **fields}, tokenizer)
+    expected = native({"prompt": "hello", **fields}, tokenizer).sampling
+    assert expected.logit_bias == ((3, -100.0), (10, 4.0)) and expected.presence_penalty == 0.5
+    assert [g.sampling for g in request.generations] == [expected, expected]
+    chat = parse(ROUTE_CHAT, {"messages": MESSAGES, **fields}, tokenizer)
+    assert chat.generations[0].sampling == expected
+
+
 BAD_PROMPTS = [
     (ROUTE_COMPLETIONS, {}, "prompt"),
     (ROUTE_COMPLETIONS, {"prompt": []}, "prompt"),
@@ -276,7 +300,11 @@ BAD_PROMPTS = [
     (ROUTE_CHAT, {"messages": []}, "messages"),
     (ROUTE_CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
     (ROUTE_CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
-    (ROUTE_CHAT, {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]}]}, "messages[0].tool_calls"),
+    (
+        ROUTE_CHAT,
+        {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]}]},
+        "messages[0].tool_calls[0].id",
+    ),
     (ROUTE_CHAT, {"messages": [{"role": "user", "content": "x", "weight": 1}]}, "messages[0].weight"),
 ]
 

@@ -143,7 +143,7 @@ def test_the_model_list_is_answered_without_the_engine():
 def test_openai_errors_are_complete_responses_with_openai_status_and_body():
     harness = Harness()
     harness.submit("good", {"prompt": "g", "max_tokens": 4}, COMPLETIONS)
-    harness.submit("neutral", {"prompt": "x", "presence_penalty": 0.5}, COMPLETIONS)
+    harness.submit("neutral", {"prompt": "x", "presence_penalty": 3}, COMPLETIONS)
     harness.submit("model", {"prompt": "x", "model": "gpt-4o"}, COMPLETIONS)
     harness.submit("route", {"input": "x"}, "v1/embeddings")
     harness.submit("native", {"prompt": "x", "top_p": 3})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -86,6 +87,27 @@ def test_messages_use_the_chat_template(tokenizer):
         ({"prompt": "a", "top_p": 0}, "top_p"),
         ({"prompt": "a", "top_p": 1.01}, "top_p"),
         ({"prompt": "a", "top_k": -1}, "top_k"),
+        ({"prompt": "a", "min_p": -0.5}, "min_p"),
+        ({"prompt": "a", "min_p": 1.01}, "min_p"),
+        ({"prompt": "a", "min_p": "0.1"}, "min_p"),
+        ({"prompt": "a", "presence_penalty": 2.01}, "presence_penalty"),
+        ({"prompt": "a", "presence_penalty": None}, "presence_penalty"),
+        ({"prompt": "a", "frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"prompt": "a", "frequency_penalty": float("inf")}, "frequency_penalty"),
+        ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "a", "repetition_penalty": 11}, "repetition_penalty"),
+        ({"prompt": "a", "repetition_penalty": True}, "repetition_penalty"),
+        ({"prompt": "a", "logit_bias": [[5, 1.0]]}, "logit_bias"),
+        ({"prompt": "a", "logit_bias": {"5": 100.5}}, "logit_bias"),
+        ({"prompt": "a", "logit_bias": {"5": -101}}, "logit_bias"),
+        ({"prompt": "a", "logit_bias": {"5": "up"}}, "logit_bias"),
+        ({"prompt": "a", "logit_bias": {"5": float("nan")}}, "logit_bias"),
+        ({"prompt": "a", "logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"prompt": "a", "logit_bias": {"05": 1}}, "logit_bias"),
+        ({"prompt": "a", "logit_bias": {"hello": 1}}, "logit_bias"),
+        ({"prompt": "a", "logit_bias": {"5": 1, 5: 2}}, "logit_bias"),
+        ({"prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"prompt": "a", "logit_bias": {"12345678901": 1}}, "logit_bias"),
         ({"prompt": "a", "num_speculative_tokens": -1}, "num_speculative_tokens"),
         ({"prompt": "a", "num_speculative_tokens": 9}, "num_speculative_tokens"),
         ({"prompt": "a", "seed": 1.5}, "seed"),
@@ -101,6 +123,42 @@ def test_messages_use_the_chat_template(tokenizer):
 def test_bad_requests_name_the_field(tokenizer, body, field):
     with pytest.raises(RequestError, match=f"^{field}") as error:
         parse(body, tokenizer)
+    assert error.value.status == 400
+
+
+def test_penalties_min_p_and_logit_bias(tokenizer):
+    body = {
+        "prompt": "hello",
+        "temperature": 0.8,
+        "min_p": 0.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "repetition_penalty": 1.3,
+        "logit_bias": {"7": -100, "3": 2.5, 0: 1},
+    }
+    sampling = parse(body, tokenizer).generation.sampling
+    assert sampling == SamplingParams(
+        temperature=0.8,
+        min_p=0.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.3,
+        logit_bias=((0, 1.0), (3, 2.5), (7, -100.0)),
+    )
+    # Left out: the config's defaults; the config has no logit_bias.
+    config = dataclasses.replace(CONFIG, sampling=SamplingParams(repetition_penalty=1.1, min_p=0.2))
+    assert parse({"prompt": "hello"}, tokenizer, config).generation.sampling == config.sampling
+    both = parse({"prompt": "hello", "repetition_penalty": 1.0, "logit_bias": {"1": 1}}, tokenizer, config)
+    assert both.generation.sampling == SamplingParams(min_p=0.2, logit_bias={1: 1.0})
+
+
+def test_logit_bias_ids_must_be_in_the_vocabulary(tokenizer):
+    last = len(tokenizer) - 1  # the added tokens count
+    assert parse({"prompt": "a", "logit_bias": {str(last): 5}}, tokenizer).generation.sampling.logit_bias == (
+        (last, 5.0),
+    )
+    with pytest.raises(RequestError, match=f"^logit_bias: token {last + 1} is not in") as error:
+        parse({"prompt": "a", "logit_bias": {"1": 5, str(last + 1): 5}}, tokenizer)
     assert error.value.status == 400
 
 

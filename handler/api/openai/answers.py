@@ -1,9 +1,16 @@
 """The OpenAI-compatible API, answers side: response bodies, logprobs, usage and SSE chunks.
 
 Our finish reasons map onto OpenAI's: `eos` and `stop` are `stop`, `length`
-stays `length`. The speculative counters ride in an extra `speculative` field:
-the request's totals in a plain answer, each choice's own in the streamed chunk
-that finishes it.
+stays `length`, and a chat choice that made tool calls and did not stop for
+length finished with `tool_calls`. The speculative counters ride in an extra
+`speculative` field: the request's totals in a plain answer, each choice's own
+in the streamed chunk that finishes it.
+
+Tool calls (`OpenAIRequest.tool_format`) are parsed out of a choice's text:
+`message.tool_calls` holds them and `message.content` the text outside them
+(null when empty). A stream sends each call once it is complete, as OpenAI
+does: a delta with its index, id, type, name and empty arguments, then one
+with the arguments.
 
 Logprobs are the target's log-softmax of its raw logits (before temperature,
 top-k and top-p) at each emitted token, as the engine reports them in
@@ -17,21 +24,28 @@ import json
 from typing import Sequence
 
 from handler.api.openai.requests import ROUTE_CHAT, OpenAIRequest, error_answer
+from handler.api.openai.tools import ToolCall
 from handler.detokenizer import REPLACEMENT_CHARACTER
 from handler.engine import GenerationResult
 from handler.schema import JSON_CONTENT_TYPE, RequestError
 from handler.streaming import DeltaTracker
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+FINISH_TOOL_CALLS = "tool_calls"
 # JSON has no -Infinity; OpenAI reports impossible tokens at -9999.
 MIN_LOGPROB = -9999.0
 DONE_EVENT = "data: [DONE]\n\n"
 SSE_CONTENT_TYPE = "text/event-stream"
 
 
-def finish_reason(reason: str) -> str:
-    """OpenAI's name for an engine finish reason (unknown ones pass through)."""
-    return FINISH_REASONS.get(reason, reason)
+def finish_reason(reason: str, made_tool_calls: bool = False) -> str:
+    """OpenAI's name for an engine finish reason (unknown ones pass through).
+
+    A choice that made tool calls finished with `tool_calls`, unless it ran
+    out of tokens (or was aborted).
+    """
+    openai_reason = FINISH_REASONS.get(reason, reason)
+    return FINISH_TOOL_CALLS if made_tool_calls and openai_reason == "stop" else openai_reason
 
 
 def usage(request: OpenAIRequest, results: Sequence[GenerationResult]) -> dict:
@@ -235,11 +249,17 @@ def response_body(request: OpenAIRequest, results: Sequence[GenerationResult], t
             format_logprobs = chat_logprobs if request.kind == ROUTE_CHAT else completion_logprobs
             logprobs = format_logprobs(result.logprobs, texts, request.num_top_logprobs)
         choice = {"index": index}
+        calls: list[ToolCall] = []
         if request.kind == ROUTE_CHAT:
             choice["message"] = {"role": "assistant", "content": result.text}
+            if request.tool_format is not None:
+                content, calls = request.tool_format.parse(result.text, request.max_tool_calls)
+                choice["message"]["content"] = content
+                if calls:
+                    choice["message"]["tool_calls"] = [call.as_openai() for call in calls]
         else:
             choice["text"] = result.text
-        choice.update(logprobs=logprobs, finish_reason=finish_reason(result.finish_reason))
+        choice.update(logprobs=logprobs, finish_reason=finish_reason(result.finish_reason, bool(calls)))
         choices.append(choice)
     return {
         "id": request.id,
@@ -269,7 +289,9 @@ class OpenAIStream:
     `close`, which adds the usage chunk when asked and `data: [DONE]`. Each
     method returns the text to send now, "" when there is none. Text is held
     back as on the native stream (`handler.streaming.DeltaTracker`), so the
-    deltas joined equal the plain answer's text.
+    deltas joined equal the plain answer's text; with tool calls, each choice's
+    text also runs through its `ToolCallStream`, so the content deltas and the
+    calls equal the plain answer's.
     """
 
     def __init__(self, request: OpenAIRequest, tokenizer) -> None:
@@ -282,6 +304,11 @@ class OpenAIStream:
         self.finished = [False] * num_choices
         self.num_logprobs_sent = [0] * num_choices
         self.text_offsets = [TextOffsets() for _ in range(num_choices)]
+        tool_format = request.tool_format if request.kind == ROUTE_CHAT else None
+        self.tool_streams = [
+            None if tool_format is None else tool_format.stream(request.max_tool_calls) for _ in range(num_choices)
+        ]
+        self.num_tool_calls = [0] * num_choices
         self.started = False  # whether anything was sent: the status can no longer change
 
     def on_tokens(self, choice: int, token_ids: Sequence[int], new_logprobs: Sequence = ()) -> str:
@@ -296,20 +323,30 @@ class OpenAIStream:
         """
         assert not self.finished[choice]
         delta = self.deltas[choice].next_delta(token_ids)
-        if not delta and not new_logprobs:
-            return ""
-        return self._chunk(choice, delta, new_logprobs, None)
+        calls: list[ToolCall] = []
+        tool_stream = self.tool_streams[choice]
+        if tool_stream is not None:
+            delta, calls = tool_stream.feed(delta)
+        events = self._chunk(choice, delta, new_logprobs, None) if delta or new_logprobs else ""
+        return events + self._tool_call_chunks(choice, calls)
 
     def on_finished(self, choice: int, result: GenerationResult) -> str:
         """The choice's last chunk: the rest of its text and logprobs, its finish reason and counters."""
         assert not self.finished[choice]
         self.finished[choice] = True
         delta = self.deltas[choice].final_delta(result.text)
+        calls: list[ToolCall] = []
+        tool_stream = self.tool_streams[choice]
+        if tool_stream is not None:
+            delta, calls = tool_stream.feed(delta)
+            rest, more = tool_stream.finish()
+            delta, calls = delta + rest, calls + more
         logprobs = ()
         if self.request.num_top_logprobs is not None:
             assert result.logprobs is not None, "the engine returned no logprobs"
             logprobs = result.logprobs[self.num_logprobs_sent[choice] :]
-        return self._chunk(choice, delta, logprobs, result)
+        # The calls go first: content and calls accumulate apart, and the finish reason comes last.
+        return self._tool_call_chunks(choice, calls) + self._chunk(choice, delta, logprobs, result)
 
     def close(self, results: Sequence[GenerationResult]) -> str:
         """The end of the stream: the choices not finished yet, the usage chunk when asked, `[DONE]`."""
@@ -337,10 +374,26 @@ class OpenAIStream:
             chunk["usage"] = None  # every chunk but the last has usage null, as OpenAI sends it
         return chunk
 
-    def _chunk(self, choice: int, delta: str, logprobs: Sequence, result: GenerationResult | None) -> str:
+    def _tool_call_chunks(self, choice: int, calls: Sequence[ToolCall]) -> str:
+        """Two chunks per call, as OpenAI streams one: its head, then its arguments."""
+        events = []
+        for call in calls:
+            index = self.num_tool_calls[choice]
+            self.num_tool_calls[choice] += 1
+            head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            arguments = {"index": index, "function": {"arguments": call.arguments}}
+            events.append(self._chunk(choice, {"tool_calls": [head]}, None, None))
+            events.append(self._chunk(choice, {"tool_calls": [arguments]}, None, None))
+        return "".join(events)
+
+    def _chunk(self, choice: int, delta: str | dict, logprobs: Sequence | None, result: GenerationResult | None) -> str:
+        """One chunk of a choice: its delta, its logprobs, and its finish when `result` is given.
+
+        `delta` is text, or a chat delta (a tool call's); `logprobs` None sends none even when asked for.
+        """
         request = self.request
         formatted = None
-        if request.num_top_logprobs is not None:
+        if request.num_top_logprobs is not None and logprobs is not None:
             if request.kind == ROUTE_CHAT:
                 formatted = chat_logprobs(logprobs, self.texts, request.num_top_logprobs)
             else:
@@ -350,14 +403,20 @@ class OpenAIStream:
             self.num_logprobs_sent[choice] += len(logprobs)
         payload: dict = {"index": choice}
         if request.kind == ROUTE_CHAT:
-            payload["delta"] = {"content": delta}
+            if isinstance(delta, dict):
+                payload["delta"] = delta
+            elif delta or self.tool_streams[choice] is None:
+                payload["delta"] = {"content": delta}
+            else:  # with tools, no "" content: an answer with no content accumulates to null
+                payload["delta"] = {}
             if not self.role_sent[choice]:
-                payload["delta"] = {"role": "assistant", "content": delta}
+                payload["delta"] = {"role": "assistant", **payload["delta"]}
                 self.role_sent[choice] = True
         else:
             payload["text"] = delta
         payload["logprobs"] = formatted
-        payload["finish_reason"] = None if result is None else finish_reason(result.finish_reason)
+        made_tool_calls = self.num_tool_calls[choice] > 0
+        payload["finish_reason"] = None if result is None else finish_reason(result.finish_reason, made_tool_calls)
         chunk = {**self._envelope(), "choices": [payload]}
         if result is not None:
             chunk["speculative"] = result.stats.as_dict()

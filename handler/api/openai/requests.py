@@ -11,9 +11,14 @@ default and limit. One OpenAI request becomes one engine row per choice
 with its own seed derived from the request's.
 
 Standard OpenAI fields this server does not implement are accepted at their
-neutral value (`presence_penalty: 0`, `logit_bias: {}`, ...) and refused with a
+neutral value (`echo: false`, `store: false`, ...) and refused with a
 400 naming them otherwise; unknown fields are refused as on the native route.
 A JSON `null` counts as a field left out, as in the OpenAI API.
+
+Structured output rides on the native constraint fields: `response_format`
+becomes the native `json_schema`, and forced tool calls (`tool_choice`
+required or named) the native `grammar` (`handler.api.openai.tools`), so one
+place compiles and refuses them.
 
 Answers and SSE chunks are built in `handler.api.openai.answers`.
 """
@@ -29,6 +34,14 @@ import uuid
 from typing import Any, Callable, Mapping
 
 from handler.api.native import parse_request
+from handler.api.openai.tools import (
+    FUNCTION_NAME,
+    ToolCallFormat,
+    ToolPlan,
+    message_tool_calls,
+    tool_format_for,
+    tool_plan,
+)
 from handler.config import HandlerConfig
 from handler.engine import GenerationRequest
 from handler.schema import SEED_RANGE, RequestError, integer_field
@@ -51,27 +64,38 @@ SHARED_FIELDS = (
     "max_tokens",  # [max_new_tokens]
     "temperature",
     "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
     "n",
     "seed",
     "stop",
     "stream",
     "stream_options",
     "logprobs",
+    "response_format",  # [json_schema]
     "user",  # an end-user id for abuse tracking: accepted, not used
     # Extensions, as in vLLM: not in the OpenAI API.
     "top_k",
+    "min_p",
+    "repetition_penalty",
     "num_speculative_tokens",
     "drafter",
 )
 ROUTE_FIELDS = {
     ROUTE_COMPLETIONS: ("prompt",),
     # prompt_cache_key and safety_identifier are routing and abuse hints, like user: accepted, not used.
-    ROUTE_CHAT: ("messages", "max_completion_tokens", "top_logprobs", "prompt_cache_key", "safety_identifier"),
+    ROUTE_CHAT: (
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "prompt_cache_key",
+        "safety_identifier",
+        "tools",  # [grammar, with tool_choice required or named]
+        "tool_choice",
+        "parallel_tool_calls",
+    ),
 }
-
-
-def _is_zero(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0
 
 
 def _is_empty(value: Any) -> bool:
@@ -80,11 +104,7 @@ def _is_empty(value: Any) -> bool:
 
 # Standard fields without an implementation: (accepts the value, the neutral value to tell the client).
 Neutral = tuple[Callable[[Any], bool], str]
-SHARED_NEUTRAL: dict[str, Neutral] = {
-    "frequency_penalty": (_is_zero, "0"),
-    "presence_penalty": (_is_zero, "0"),
-    "logit_bias": (_is_empty, "{}"),
-}
+SHARED_NEUTRAL: dict[str, Neutral] = {}
 ROUTE_NEUTRAL: dict[str, dict[str, Neutral]] = {
     ROUTE_COMPLETIONS: {
         "echo": (lambda v: v is False, "false"),
@@ -93,12 +113,9 @@ ROUTE_NEUTRAL: dict[str, dict[str, Neutral]] = {
         "best_of": (lambda v: True, "n"),
     },
     ROUTE_CHAT: {
-        "tools": (_is_empty, "[]"),
-        "tool_choice": (lambda v: v == "none", '"none"'),
-        "parallel_tool_calls": (lambda v: isinstance(v, bool), "true or false, without tools"),
+        # The deprecated forms of tools and tool_choice.
         "functions": (_is_empty, "[]"),
         "function_call": (lambda v: v == "none", '"none"'),
-        "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}'),
         "modalities": (lambda v: v == ["text"], '["text"]'),
         "store": (lambda v: v is False, "false"),
         # Tags for stored completions; with nothing stored they change nothing.
@@ -113,7 +130,9 @@ ROUTE_NEUTRAL: dict[str, dict[str, Neutral]] = {
 }
 STREAM_OPTIONS = ("include_usage", "include_obfuscation")
 # Keys of a chat message besides role and content that may only be null or empty.
-MESSAGE_EXTRA_KEYS = ("name", "tool_calls", "function_call", "refusal", "audio", "annotations")
+MESSAGE_EXTRA_KEYS = ("function_call", "refusal", "audio", "annotations")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+JSON_SCHEMA_FORMAT_KEYS = ("name", "schema", "strict", "description")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +181,9 @@ class OpenAIRequest:
     # None: no logprobs. Else the number of most likely alternatives per token
     # (completions `logprobs: N`, chat `top_logprobs`).
     num_top_logprobs: int | None = None
+    # Chat: parses each choice's tool calls out of its text; None when the request has no tools to call.
+    tool_format: ToolCallFormat | None = None
+    max_tool_calls: int | None = None  # calls kept per choice (1 with parallel_tool_calls: false); None: all
     id: str = ""
     created: int = 0
 
@@ -282,7 +304,19 @@ def parse_openai_request(
 
     native: dict[str, Any] = {
         key: body[key]
-        for key in ("temperature", "top_p", "top_k", "seed", "num_speculative_tokens", "drafter")
+        for key in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "logit_bias",
+            "seed",
+            "num_speculative_tokens",
+            "drafter",
+        )
         if key in body
     }
     max_tokens_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -293,9 +327,21 @@ def parse_openai_request(
     if "stop" in body:
         stop = body["stop"]
         native["stop"] = [stop] if isinstance(stop, str) else stop
+    json_schema = _response_format(body)
+    if json_schema is not None:
+        native["json_schema"] = json_schema
 
+    plan = ToolPlan()
     if kind == ROUTE_CHAT:
-        prompts = [{"messages": _chat_messages(body.get("messages"))}]
+        plan = tool_plan(body, tokenizer)
+        if plan.grammar is not None:
+            if json_schema is not None:
+                raise RequestError(
+                    "response_format: cannot be combined with tool_choice required or a named function; "
+                    "the tool call's arguments already follow the function's parameters"
+                )
+            native["grammar"] = plan.grammar
+        prompts = [{"messages": _chat_messages(body.get("messages"), tokenizer)}]
     else:
         prompts = [{"prompt": prompt} for prompt in _completion_prompts(body.get("prompt"))]
     if len(prompts) * n > MAX_CHOICES:
@@ -305,11 +351,11 @@ def parse_openai_request(
     generations = []
     for index, prompt in enumerate(prompts):
         try:
-            generation = parse_request({**native, **prompt}, config, tokenizer, max_context).generation
+            generation = parse_request({**native, **prompt}, config, tokenizer, max_context, plan.tools).generation
         except RequestError as error:
             if len(prompts) > 1 and str(error).startswith("prompt:"):
                 raise RequestError(f"prompt[{index}]:{str(error)[len('prompt:') :]}", error.status) from None
-            raise
+            raise _with_openai_field(error) from None
         for choice in range(n):
             generations.append(
                 dataclasses.replace(generation, seed=choice_seed(generation.seed, choice), logprobs=num_top_logprobs)
@@ -323,6 +369,8 @@ def parse_openai_request(
         stream=stream,
         include_usage=include_usage,
         num_top_logprobs=num_top_logprobs,
+        tool_format=plan.tool_format,
+        max_tool_calls=plan.max_calls,
         id=prefix + uuid.uuid4().hex,
         created=int(time.time()),
     )
@@ -389,32 +437,119 @@ def _completion_prompts(prompt: Any) -> list[str]:
     raise RequestError("prompt: must be a string or a non-empty list of strings")
 
 
-def _chat_messages(messages: Any) -> list[dict]:
-    """OpenAI messages as the {role, content} strings `parse_request` takes.
+def _chat_messages(messages: Any, tokenizer) -> list[dict]:
+    """OpenAI messages as the messages `parse_request` takes: {role, content} strings, and tool keys.
 
     Content may be a list of text parts, which are joined with newlines;
     `developer` (OpenAI's newer name for `system`) becomes `system`, the role
-    open models' chat templates know.
+    open models' chat templates know. An assistant message's `tool_calls`
+    (its content may then be null) and a tool message's `tool_call_id` go to
+    the chat template, which must render tools; so does a `name`.
     """
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages: must be a non-empty list of {role, content} objects")
     normalised = []
     for index, message in enumerate(messages):
+        field = f"messages[{index}]"
         if not isinstance(message, Mapping):
-            raise RequestError(f"messages[{index}]: must be an object with 'role' and 'content'")
+            raise RequestError(f"{field}: must be an object with 'role' and 'content'")
         for key, value in message.items():
-            if key in ("role", "content") or key == "name" and isinstance(value, str):
+            if key in ("role", "content", "name", "tool_calls", "tool_call_id"):
                 continue
             if key not in MESSAGE_EXTRA_KEYS:
-                raise RequestError(f"messages[{index}].{key}: unknown field")
+                raise RequestError(f"{field}.{key}: unknown field")
             if value is not None and not _is_empty(value):
-                raise RequestError(f"messages[{index}].{key}: not supported by this server")
+                raise RequestError(f"{field}.{key}: not supported by this server")
         role = message.get("role")
         content = message.get("content")
         if isinstance(content, list):
-            content = _text_of_parts(content, f"messages[{index}].content")
+            content = _text_of_parts(content, f"{field}.content")
         normalised.append({"role": "system" if role == "developer" else role, "content": content})
+        if message.get("name") is not None:
+            if not isinstance(message["name"], str):
+                raise RequestError(f"{field}.name: must be a string")
+            normalised[-1]["name"] = message["name"]
+        normalised[-1].update(_tool_keys(message, field, tokenizer))
     return normalised
+
+
+def _tool_keys(message: Mapping, field: str, tokenizer) -> dict:
+    """An assistant message's tool calls, or a tool message's tool_call_id, for the chat template."""
+    role, calls, call_id = message.get("role"), message.get("tool_calls"), message.get("tool_call_id")
+    keys: dict[str, Any] = {}
+    if calls is not None and not _is_empty(calls):
+        if role != "assistant":
+            raise RequestError(f"{field}.tool_calls: only assistant messages carry tool calls")
+        keys["tool_calls"] = message_tool_calls(calls, f"{field}.tool_calls")
+        if message.get("content") is None:
+            keys["content"] = ""
+    if role == "tool":
+        if not isinstance(call_id, str):
+            raise RequestError(f"{field}.tool_call_id: must be a string, the id of the call this message answers")
+        keys["tool_call_id"] = call_id
+    elif call_id is not None:
+        raise RequestError(f"{field}.tool_call_id: only tool messages answer a call")
+    if keys and tool_format_for(tokenizer) is None:
+        what = "tool_calls" if "tool_calls" in keys else "role"
+        raise RequestError(f"{field}.{what}: this model's chat template does not render tool calls or tool results")
+    return keys
+
+
+def _response_format(body: Mapping) -> dict | None:
+    """The JSON Schema `response_format` asks the output to match, or None for free text.
+
+    `json_object` is any JSON object; `json_schema` is its `schema`, always
+    enforced (`strict` is accepted, and changes nothing).
+    """
+    value = body.get("response_format")
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or value.get("type") not in RESPONSE_FORMATS:
+        raise RequestError(
+            'response_format: must be {"type": "text"}, {"type": "json_object"} or '
+            f'{{"type": "json_schema", "json_schema": {{"name": ..., "schema": ...}}}}, got {json.dumps(value)[:80]}'
+        )
+    kind = value["type"]
+    for key in value:
+        if key != "type" and not (kind == "json_schema" and key == "json_schema"):
+            raise RequestError(f"response_format.{key}: unknown field for type {json.dumps(kind)}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = value.get("json_schema")
+    field = "response_format.json_schema"
+    if not isinstance(spec, Mapping):
+        raise RequestError(f"{field}: must be an object with a name and a schema")
+    for key in spec:
+        if key not in JSON_SCHEMA_FORMAT_KEYS:
+            raise RequestError(f"{field}.{key}: unknown field; known fields are {', '.join(JSON_SCHEMA_FORMAT_KEYS)}")
+    name = spec.get("name")
+    if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+        raise RequestError(
+            f"{field}.name: must be 1 to 64 letters, digits, underscores or dashes, got {json.dumps(name)}"
+        )
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise RequestError(f"{field}.strict: must be true or false, got {json.dumps(spec['strict'])}")
+    if spec.get("description") is not None and not isinstance(spec["description"], str):
+        raise RequestError(f"{field}.description: must be a string")
+    schema = spec.get("schema")
+    if not isinstance(schema, Mapping):
+        raise RequestError(f"{field}.schema: must be a JSON Schema object, got {json.dumps(schema)[:80]}")
+    return dict(schema)
+
+
+# What the native constraint fields are called in an OpenAI request, for its error messages.
+OPENAI_CONSTRAINT_FIELDS = {"json_schema": "response_format.json_schema.schema", "grammar": "tools"}
+
+
+def _with_openai_field(error: RequestError) -> RequestError:
+    """A native error about a constraint field, renamed to the OpenAI field it came from."""
+    message = str(error)
+    for native, openai in OPENAI_CONSTRAINT_FIELDS.items():
+        if message.startswith(f"{native}:"):
+            return RequestError(f"{openai}:{message[len(native) + 1 :]}", error.status)
+    return error
 
 
 def _text_of_parts(parts: list, field: str) -> str:

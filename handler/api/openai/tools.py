@@ -1,0 +1,436 @@
+"""Tool calling on the OpenAI chat route: the tools' rules, and each model family's tool-call format.
+
+Vocabulary: a *function* is what the client declares in `tools` (a name, a
+description, a JSON Schema of its parameters); a *tool call* is the model
+asking for one in its family's markup, parsed out of the generated text into
+OpenAI's `tool_calls`; a *format* (`ToolCallFormat`) is one family's markup:
+how to recognise its chat template, how to parse its calls (whole, or
+incrementally for a stream) and the Lark grammar (llguidance's dialect) that
+forces them. The chat template itself renders the tools, the assistant's
+earlier calls and the tool results (`apply_chat_template(..., tools=...)`).
+A new family is one new `ToolCallFormat` subclass, listed in `FORMATS`.
+
+`tool_choice`, as OpenAI defines it:
+- `none`: the tools are not rendered and nothing is parsed;
+- `auto` (the default with tools): rendered, the output is free, and the
+  family's call blocks are parsed out of it;
+- `required`: the output is one or more calls (exactly one with
+  `parallel_tool_calls: false`), forced by a grammar;
+- `{"type": "function", "function": {"name": ...}}`: exactly one call to it.
+Under a grammar the arguments always validate against the function's `parameters`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from handler.constraints import JSON_ITEM_SEPARATOR, JSON_KEY_SEPARATOR, check_json_schema
+from handler.schema import RequestError
+
+TOOL_CHOICE_NONE = "none"
+TOOL_CHOICE_AUTO = "auto"
+TOOL_CHOICE_REQUIRED = "required"
+TOOL_CHOICE_FUNCTION = "function"  # a named function
+TOOL_CHOICES = (TOOL_CHOICE_NONE, TOOL_CHOICE_AUTO, TOOL_CHOICE_REQUIRED)
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule
+TOOL_KEYS = ("type", "function")
+FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+# A function without `parameters` takes none (OpenAI: "an empty parameter list").
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+# llguidance's JSON options inside a tool grammar: the separators of handler.constraints, no free whitespace.
+JSON_OPTIONS = {
+    "whitespace_flexible": False,
+    "item_separator": JSON_ITEM_SEPARATOR,
+    "key_separator": JSON_KEY_SEPARATOR,
+}
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclasses.dataclass(frozen=True)
+class Function:
+    """A function the client declared; `parameters` is the JSON Schema of its arguments object."""
+
+    name: str
+    parameters: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """A call parsed out of the output; `arguments` is JSON text, as OpenAI sends it."""
+
+    name: str
+    arguments: str
+    id: str = dataclasses.field(default_factory=new_call_id, compare=False)
+
+    def as_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+# ---------------------------------------------------------------------------
+# Formats
+
+
+class ToolCallStream:
+    """Parses one choice's text as it streams in: content deltas out, completed calls out.
+
+    `feed` takes the next text delta and returns the content that can no
+    longer change and the calls completed by it; `finish` returns the rest.
+    The contents joined and the calls equal `ToolCallFormat.parse` of the
+    whole text, wherever it was split.
+    """
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+
+class ToolCallFormat:
+    """One model family's tool-call markup."""
+
+    name = ""
+    # Markers that may be single (added) tokens of the tokenizer: the grammar names those as tokens.
+    markers: tuple[str, ...] = ()
+
+    def matches(self, chat_template: str) -> bool:
+        """Whether a chat template renders tools in this format."""
+        raise NotImplementedError
+
+    def stream(self, max_calls: int | None = None) -> ToolCallStream:
+        """An incremental parser; calls past `max_calls` are dropped (parallel_tool_calls: false)."""
+        raise NotImplementedError
+
+    def grammar(self, functions: tuple[Function, ...], parallel: bool, token_markers: frozenset[str]) -> str:
+        """A Lark grammar for one call to one of `functions`, or one or more when `parallel`.
+
+        `token_markers`: the markers that are single tokens of the tokenizer.
+        """
+        raise NotImplementedError
+
+    def parse(self, text: str, max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
+        """The content outside the calls (None when empty) and the calls of a whole output."""
+        stream = self.stream(max_calls)
+        content, calls = stream.feed(text)
+        rest, more = stream.finish()
+        return (content + rest) or None, calls + more
+
+
+def _held_marker_prefix(text: str, marker: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `marker`."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:length]):
+            return length
+    return 0
+
+
+class BlockStream(ToolCallStream):
+    """Calls written as blocks between a start and an end marker, each block's body parsed on its own.
+
+    A block whose body does not parse stays content, verbatim. A block left
+    open at the end is a call if its body parses. Whitespace touching a call
+    is dropped, so the text between calls does not become content; the
+    trailing whitespace and any tail that may start a marker are held back
+    until the next text decides them.
+    """
+
+    def __init__(
+        self, start: str, end: str, parse_body: Callable[[str], ToolCall | None], max_calls: int | None
+    ) -> None:
+        self.start, self.end, self.parse_body, self.max_calls = start, end, parse_body, max_calls
+        self.outside = ""  # text outside a block, not sent yet; it holds no start marker after `feed`
+        self.before = ""  # the unsent text before the open block
+        self.inside: str | None = None  # the open block's body so far; None outside a block
+        self.after_call = False  # whitespace from here on touches a call
+        self.num_calls = 0
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        content, calls = [], []
+        if self.inside is None:
+            self.outside += delta
+        else:
+            self.inside += delta
+        while True:
+            if self.inside is None:
+                if self.after_call:
+                    self.outside = self.outside.lstrip()
+                    self.after_call = not self.outside
+                index = self.outside.find(self.start)
+                if index < 0:
+                    sendable = self.outside[: len(self.outside) - _held_marker_prefix(self.outside, self.start)]
+                    sendable = sendable.rstrip()  # trailing whitespace may precede a call
+                    content.append(sendable)
+                    self.outside = self.outside[len(sendable) :]
+                    return "".join(content), calls
+                self.before, self.inside = self.outside[:index], self.outside[index + len(self.start) :]
+                self.outside = ""
+            end = self.inside.find(self.end)
+            if end < 0:
+                return "".join(content), calls
+            body, rest = self.inside[:end], self.inside[end + len(self.end) :]
+            content.append(self._close(body, calls, self.start + body + self.end))
+            self.outside = rest
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        calls: list[ToolCall] = []
+        if self.inside is not None:
+            content = self._close(self.inside, calls, self.start + self.inside)
+        else:
+            content = self.outside
+        self.outside = ""
+        return content, calls
+
+    def _close(self, body: str, calls: list[ToolCall], verbatim: str) -> str:
+        """Closes the open block: the content it leaves (text before it, or all of it when not a call)."""
+        call = self.parse_body(body)
+        before, self.inside = self.before, None
+        if call is None:
+            self.after_call = False
+            return before + verbatim
+        if self.max_calls is None or self.num_calls < self.max_calls:
+            calls.append(call)
+        self.num_calls += 1
+        self.after_call = True
+        return before.rstrip()
+
+
+def _lark_literal(text: str, token_markers: frozenset[str]) -> str:
+    """A Lark terminal for `text`: a token reference when it is one added token, else a string.
+
+    llguidance reads an added token (Qwen's `<tool_call>`) as a special token,
+    never as its text, so a quoted string would forbid the token the model writes.
+    """
+    return text if text in token_markers else json.dumps(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class HermesFormat(ToolCallFormat):
+    """Hermes / Qwen2.5: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call."""
+
+    name = "hermes"
+    START = "<tool_call>"
+    END = "</tool_call>"
+    markers = (START, END)
+
+    def matches(self, chat_template: str) -> bool:
+        return self.START in chat_template
+
+    def stream(self, max_calls: int | None = None) -> ToolCallStream:
+        return BlockStream(self.START, self.END, _hermes_call, max_calls)
+
+    def grammar(self, functions: tuple[Function, ...], parallel: bool, token_markers: frozenset[str]) -> str:
+        # The JSON around the arguments is written as the Qwen template writes a call, so the
+        # arguments' schema is the root of its own %json (its local $refs keep working).
+        start, end = _lark_literal(self.START, token_markers), _lark_literal(self.END, token_markers)
+        lines = ['start: call ("\\n" call)*' if parallel else "start: call"]
+        lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(functions))))
+        for i, function in enumerate(functions):
+            head = f'\n{{"name": {json.dumps(function.name)}, "arguments": '
+            lines.append(f'call_{i}: {start} {json.dumps(head)} args_{i} "}}\\n" {end}')
+            lines.append(f"args_{i}: %json {json.dumps({**function.parameters, 'x-guidance': JSON_OPTIONS})}")
+        return "\n".join(lines) + "\n"
+
+
+def _hermes_call(body: str) -> ToolCall | None:
+    """A Hermes block's body as a call, or None when it is not `{"name": str, "arguments": object}`."""
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    arguments = value.get("arguments")
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+FORMATS: tuple[ToolCallFormat, ...] = (HermesFormat(),)
+
+
+def chat_template_text(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    # A tokenizer may hold several named templates (a dict); tools use any of them.
+    return "\n".join(template.values()) if isinstance(template, Mapping) else str(template)
+
+
+def tool_format_for(tokenizer) -> ToolCallFormat | None:
+    """The tool-call format of the tokenizer's chat template, or None when it renders no tools."""
+    template = chat_template_text(tokenizer)
+    return next((f for f in FORMATS if f.matches(template)), None)
+
+
+def token_markers(tokenizer, tool_format: ToolCallFormat) -> frozenset[str]:
+    """The format's markers that are single added tokens of the tokenizer."""
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    return frozenset(marker for marker in tool_format.markers if marker in added)
+
+
+# ---------------------------------------------------------------------------
+# Requests
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request does with its tools.
+
+    tools: the tool objects the chat template renders; None when none are.
+    tool_format: parses the output's calls; None: nothing is parsed.
+    max_calls: calls kept per choice (1 with parallel_tool_calls false); None for all.
+    grammar: the Lark grammar forcing the calls (required or a named function); None: free output.
+    """
+
+    tools: tuple[dict, ...] | None = None
+    tool_format: ToolCallFormat | None = None
+    max_calls: int | None = None
+    grammar: str | None = None
+
+
+def tool_plan(body: Mapping, tokenizer) -> ToolPlan:
+    """Validates `tools`, `tool_choice` and `parallel_tool_calls` of a chat body.
+
+    Raises:
+        RequestError: 400 naming the field, e.g. `tools[1].function.parameters`.
+    """
+    tools = body.get("tools", [])
+    if not isinstance(tools, list):
+        raise RequestError('tools: must be a list of {"type": "function", "function": {...}} objects')
+    functions = tuple(_function(tool, f"tools[{index}]") for index, tool in enumerate(tools))
+    names = [function.name for function in functions]
+    for index, name in enumerate(names):
+        if name in names[:index]:
+            raise RequestError(f"tools[{index}].function.name: {json.dumps(name)} is declared twice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise RequestError(f"parallel_tool_calls: must be true or false, got {json.dumps(parallel)}")
+    choice, forced_name = _tool_choice(body.get("tool_choice", TOOL_CHOICE_AUTO if tools else TOOL_CHOICE_NONE))
+    if choice == TOOL_CHOICE_REQUIRED and not tools:
+        raise RequestError('tool_choice: "required" needs tools')
+    if forced_name is not None and forced_name not in names:
+        raise RequestError(f"tool_choice: no function {json.dumps(forced_name)} in tools")
+    if not tools or choice == TOOL_CHOICE_NONE:
+        return ToolPlan()
+    tool_format = tool_format_for(tokenizer)
+    if tool_format is None:
+        raise RequestError(
+            "tools: this model's chat template does not render tools; leave them out or send tool_choice: none"
+        )
+    grammar = None
+    if choice == TOOL_CHOICE_REQUIRED:
+        grammar = tool_format.grammar(functions, parallel, token_markers(tokenizer, tool_format))
+    elif choice == TOOL_CHOICE_FUNCTION:
+        forced = tuple(function for function in functions if function.name == forced_name)
+        grammar = tool_format.grammar(forced, False, token_markers(tokenizer, tool_format))
+    return ToolPlan(
+        tools=tuple(_rendered_tool(tool) for tool in tools),
+        tool_format=tool_format,
+        max_calls=None if parallel else 1,
+        grammar=grammar,
+    )
+
+
+def _function(tool: Any, field: str) -> Function:
+    if not isinstance(tool, Mapping):
+        raise RequestError(f'{field}: must be an object {{"type": "function", "function": {{...}}}}')
+    for key in tool:
+        if key not in TOOL_KEYS:
+            raise RequestError(f"{field}.{key}: unknown field; a tool has {', '.join(TOOL_KEYS)}")
+    if tool.get("type") != "function":
+        raise RequestError(f'{field}.type: must be "function", got {json.dumps(tool.get("type"))}')
+    function = tool.get("function")
+    if not isinstance(function, Mapping):
+        raise RequestError(f"{field}.function: must be an object with a name")
+    field = f"{field}.function"
+    for key, value in function.items():
+        if key not in FUNCTION_KEYS:
+            raise RequestError(f"{field}.{key}: unknown field; a function has {', '.join(FUNCTION_KEYS)}")
+        if key == "description" and value is not None and not isinstance(value, str):
+            raise RequestError(f"{field}.description: must be a string")
+        if key == "strict" and value is not None and not isinstance(value, bool):
+            raise RequestError(f"{field}.strict: must be true or false, got {json.dumps(value)}")
+    name = function.get("name")
+    if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+        raise RequestError(
+            f"{field}.name: must be 1 to 64 letters, digits, underscores or dashes, got {json.dumps(name)}"
+        )
+    parameters = function.get("parameters")
+    if parameters is None:
+        return Function(name, NO_PARAMETERS)
+    if not isinstance(parameters, Mapping):
+        raise RequestError(f"{field}.parameters: must be a JSON Schema object, got {json.dumps(parameters)[:80]}")
+    check_json_schema(dict(parameters), f"{field}.parameters")
+    return Function(name, dict(parameters))
+
+
+def _tool_choice(value: Any) -> tuple[str, str | None]:
+    """(mode, the named function or None)."""
+    if isinstance(value, str):
+        if value not in TOOL_CHOICES:
+            raise RequestError(
+                f'tool_choice: must be one of {", ".join(TOOL_CHOICES)} or {{"type": "function", "function": '
+                f'{{"name": ...}}}}, got {json.dumps(value)}'
+            )
+        return value, None
+    if (
+        isinstance(value, Mapping)
+        and value.get("type") == "function"
+        and isinstance(value.get("function"), Mapping)
+        and isinstance(value["function"].get("name"), str)
+    ):
+        return TOOL_CHOICE_FUNCTION, value["function"]["name"]
+    raise RequestError(
+        f'tool_choice: must be one of {", ".join(TOOL_CHOICES)} or {{"type": "function", "function": '
+        f'{{"name": ...}}}}, got {json.dumps(value)[:80]}'
+    )
+
+
+def _rendered_tool(tool: Mapping) -> dict:
+    """A tool as the chat template gets it: OpenAI's object, nulls left out."""
+    function = {key: value for key, value in tool["function"].items() if value is not None}
+    return {"type": "function", "function": function}
+
+
+def message_tool_calls(value: Any, field: str) -> list[dict]:
+    """An assistant message's `tool_calls`, as chat templates take them: arguments as an object.
+
+    Qwen's template writes `arguments | tojson`, so a JSON string would be
+    quoted twice; vLLM passes them parsed too.
+    """
+    if not isinstance(value, list):
+        raise RequestError(f"{field}: must be a list of tool calls")
+    calls = []
+    for index, call in enumerate(value):
+        where = f"{field}[{index}]"
+        if not isinstance(call, Mapping):
+            raise RequestError(f'{where}: must be an object {{"id", "type": "function", "function"}}')
+        if not isinstance(call.get("id"), str):
+            raise RequestError(f"{where}.id: must be a string")
+        if call.get("type", "function") != "function":
+            raise RequestError(f'{where}.type: must be "function", got {json.dumps(call.get("type"))}')
+        function = call.get("function")
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise RequestError(f"{where}.function: must be an object with a name and arguments")
+        arguments = function.get("arguments", "{}")
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, Mapping):
+            raise RequestError(f"{where}.function.arguments: must be a JSON object, as a string")
+        calls.append(
+            {"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": dict(parsed)}}
+        )
+    return calls
