@@ -199,7 +199,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
         additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
-        model_max_length=512,
+        model_max_length=1024,
     )
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
@@ -213,7 +213,7 @@ def build_config(vocab_size: int, eos_token_id: int) -> Qwen2Config:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=1024,
         initializer_range=INITIALIZER_RANGE,
         tie_word_embeddings=False,
         bos_token_id=None,

@@ -168,7 +168,7 @@ def test_worker_killed_under_load_is_restarted(server):
     def long_stream() -> None:
         try:
             # The tiny pair decodes this greedily to the length limit, without an EOS:
-            # 400 of its 512 positions, a second or more of decoding.
+            # 400 of its 1024 positions, a second or more of decoding.
             body = {"prompt": "import json", "max_new_tokens": 400, "temperature": 0.0, "stream": True}
             answer = torchserve.generate(
                 server.inference_url,
