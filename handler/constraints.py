@@ -148,9 +148,16 @@ class GrammarCompiler:
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer)
         self.vocab_size = self.ll_tokenizer.vocab_size  # the tokenizer's; the model's may be padded past it
         # Tokens llguidance treats as special (Qwen's <tool_call> among them, though Hugging Face
-        # does not): a grammar may reach them only through a <token> reference, yet a mask for
-        # the same text spelled literally can allow them. Masks check these few one by one.
+        # does not). A grammar reaches them through a <token> reference; for the same text
+        # spelled literally its mask may allow the special token, which the matcher then refuses.
+        # Such a token is taken as its text: the matcher consumes its spelling in plain tokens.
         self.special_token_ids = tuple(t for t in range(self.vocab_size) if self.ll_tokenizer.is_special_token(t))
+        self.spellings: dict[int, tuple[int, ...]] = {}
+        for token_id in self.special_token_ids:
+            text = tokenizer.decode([token_id])
+            spelled = self.ll_tokenizer.greedy_tokenize(text) if text else []  # never a special token
+            if spelled and spelled != [token_id] and all(t < self.vocab_size for t in spelled):
+                self.spellings[token_id] = tuple(spelled)
         self.timeout_s = timeout_s
         self.cache_size = cache_size
         self.cache: collections.OrderedDict[Constraint, object] = collections.OrderedDict()
@@ -184,6 +191,7 @@ class GrammarCompiler:
             model_vocab_size,
             eos_token_ids,
             self.special_token_ids,
+            self.spellings,
         )
 
     def _compile_bounded(self, constraint: Constraint):
@@ -254,6 +262,7 @@ class RowGrammar:
         model_vocab_size: int,
         eos_token_ids: Sequence[int],
         special_token_ids: Sequence[int] = (),
+        spellings: dict[int, tuple[int, ...]] | None = None,
     ):
         self.matcher = matcher
         self.tokenizer_vocab_size = tokenizer_vocab_size
@@ -261,8 +270,9 @@ class RowGrammar:
         self.eos_set = frozenset(t for t in eos_token_ids if t < model_vocab_size)
         self.eos_token_ids = torch.tensor(sorted(self.eos_set), dtype=torch.long)
         self.special_token_ids = [t for t in special_token_ids if t not in self.eos_set and t < model_vocab_size]
+        self.spellings = spellings or {}
         self.bitmask = torch.zeros((tokenizer_vocab_size + 31) // 32, dtype=torch.int32)
-        self.num_drafted = 0  # tokens consumed beyond the committed ones while drafting
+        self.num_drafted = 0  # matcher tokens consumed beyond the committed ones while drafting
         self.drafted_eos = False  # the draft model drafted an end of sequence: nothing follows it
 
     def mask(self) -> torch.Tensor:
@@ -272,28 +282,57 @@ class RowGrammar:
         num_tokens = min(self.tokenizer_vocab_size, self.vocab_size)
         allowed[:num_tokens] = _unpack_bitmask(self.bitmask, num_tokens)
         for token_id in self.special_token_ids:
-            # A special token the mask allows but the matcher would refuse is not allowed.
-            if allowed[token_id] and not self.matcher.validate_tokens([token_id]):
+            # A special token is allowed only if the matcher takes it, or its spelling.
+            if allowed[token_id] and self._matcher_tokens(token_id) is None:
                 allowed[token_id] = False
-        allowed[self.eos_token_ids] = self.matcher.is_accepting()
+        accepting = self.matcher.is_accepting()
+        allowed[self.eos_token_ids] = accepting
+        if not accepting and not allowed.any():
+            # Never seen; a safety net so that one row's grammar cannot stall the batch: end the row.
+            logger.warning("grammar allows no token (%s); ending the row", self.matcher.get_error() or "stuck")
+            allowed[self.eos_token_ids] = True
         return allowed
+
+    def _matcher_tokens(self, token_id: int) -> tuple[int, ...] | None:
+        """What the matcher consumes for `token_id` now: itself, its spelling, or None (refused)."""
+        if self.matcher.validate_tokens([token_id]) == 1:
+            return (token_id,)
+        spelled = self.spellings.get(token_id)
+        if spelled is not None and self.matcher.validate_tokens(list(spelled)) == len(spelled):
+            return spelled
+        return None
+
+    def _consume(self, token_id: int) -> int:
+        """Consumes `token_id` (an allowed one); returns how many matcher tokens that took."""
+        tokens = self._matcher_tokens(token_id)
+        if tokens is None:
+            raise RuntimeError(f"grammar refused token {token_id}: {self.matcher.get_error()}")
+        assert self.matcher.consume_tokens(list(tokens)), self.matcher.get_error()
+        return len(tokens)
 
     def forced_tokens(self, max_tokens: int) -> list[int]:
         """Up to `max_tokens` tokens the grammar forces next (its fast-forward tokens)."""
         if max_tokens <= 0:
             return []
-        forced = list(self.matcher.compute_ff_tokens()[:max_tokens])
-        # Cut where the matcher would refuse a token it proposes (a special token spelled literally).
-        return forced[: self.matcher.validate_tokens(forced)] if forced else []
+        forced = [int(t) for t in self.matcher.compute_ff_tokens()[:max_tokens]]
+        return forced[: self.num_valid(forced)]
 
     def num_valid(self, token_ids: Sequence[int]) -> int:
-        """How many of `token_ids`, in order, the grammar allows from the committed state."""
-        token_ids = [int(t) for t in token_ids]
-        num = self.matcher.validate_tokens(token_ids) if token_ids else 0
-        # An EOS token is never a draft worth verifying inside a constrained row's chain.
-        for index in range(num):
-            if token_ids[index] in self.eos_set:
-                return index
+        """How many of `token_ids`, in order, the grammar allows from the committed state.
+
+        An EOS token cuts the run (it is never a draft worth verifying inside a chain), and
+        so does a special token the matcher refuses even as its spelling.
+        """
+        num, consumed = 0, 0
+        for token_id in token_ids:
+            tokens = None if int(token_id) in self.eos_set else self._matcher_tokens(int(token_id))
+            if tokens is None:
+                break
+            assert self.matcher.consume_tokens(list(tokens)), self.matcher.get_error()
+            consumed += len(tokens)
+            num += 1
+        if consumed:
+            self.matcher.rollback(consumed)
         return num
 
     def masks(self, draft_token_ids: Sequence[int]) -> torch.Tensor:
@@ -310,8 +349,7 @@ class RowGrammar:
             masks[j] = self.mask()
             if int(token_id) in self.eos_set:
                 break
-            assert self.matcher.consume_token(int(token_id)), self.matcher.get_error()
-            num_consumed += 1
+            num_consumed += self._consume(int(token_id))
         else:
             masks[len(draft_token_ids)] = self.mask()
         if num_consumed:
@@ -324,8 +362,7 @@ class RowGrammar:
             if previous_draft in self.eos_set:
                 self.drafted_eos = True
             else:
-                assert self.matcher.consume_token(int(previous_draft)), self.matcher.get_error()
-                self.num_drafted += 1
+                self.num_drafted += self._consume(int(previous_draft))
         if self.drafted_eos:
             return torch.ones(self.vocab_size, dtype=torch.bool)
         return self.mask()
@@ -342,5 +379,4 @@ class RowGrammar:
         for token_id in token_ids:
             if token_id in self.eos_set:
                 return
-            if not self.matcher.consume_token(int(token_id)):
-                raise RuntimeError(f"grammar refused emitted token {token_id}: {self.matcher.get_error()}")
+            self._consume(int(token_id))

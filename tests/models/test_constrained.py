@@ -197,3 +197,17 @@ def test_forced_tokens_are_free_drafts(tiny_pair, engine_for):
     assert forced["accepted_tokens"] == forced["draft_tokens"]
     assert result.stats.constrained and result.stats.mask_seconds > 0
     assert engine_for().last_step_mask_seconds <= engine_for().last_step_seconds
+
+
+def test_a_grammar_that_spells_a_special_token_literally_serves_exactly(tiny_pair, engine_for):
+    # The text "<|im_start|>" is a special token, which llguidance's matcher takes only as its spelling.
+    _, _, tokenizer = tiny_pair
+    constraint = Constraint.grammar('start: "<|im_start|>" /[a-z]{1,6}/')
+    engine = engine_for()
+    plain = engine.generate([request(tokenizer, p, constraint, k=0) for p in PROMPTS])
+    for drafter in ("model", "ngram", "hybrid"):
+        spec = engine.generate([request(tokenizer, p, constraint, drafter=drafter) for p in PROMPTS])
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    for result in plain:
+        text = tokenizer.decode(result.token_ids, skip_special_tokens=False)
+        assert re.fullmatch(r"<\|im_start\|>[a-z]{1,6}<\|endoftext\|>|<\|im_start\|>[a-z]{1,6}<\|im_end\|>", text), text

@@ -186,12 +186,26 @@ def test_unpack_bitmask_reads_bits_in_order():
     assert allowed.nonzero().flatten().tolist() == [0, 2, 63]
 
 
-def test_a_special_token_spelled_literally_is_never_allowed_where_the_matcher_would_refuse_it(compiler, tiny_tokenizer):
+def test_a_special_token_spelled_literally_is_taken_as_its_text(compiler, tiny_tokenizer):
     # llguidance matches special tokens only through <token> references, yet its mask for the
-    # literal text can allow the special token itself; the row's mask must not.
+    # literal text can allow the special token itself, which its matcher then refuses. The row
+    # allows it where its text fits, and moves the matcher by that text.
     im_start = tiny_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    a = tiny_tokenizer.convert_tokens_to_ids("a")
     row = row_for(compiler, Constraint.grammar('start: "<|im_start|>" "a"'), tiny_tokenizer)
-    assert not row.mask()[im_start]
     forced = row.forced_tokens(16)
-    assert im_start not in forced and row.num_valid(forced) == len(forced)
-    row.commit(forced)
+    assert row.num_valid(forced) == len(forced)
+    masks = row.masks([im_start])
+    assert masks[0, im_start] and masks[1, a] and not masks[1, im_start]
+    row.commit([im_start])
+    assert row.mask()[a]
+    row.commit([a])
+    assert row.mask()[tiny_tokenizer.eos_token_id]
+
+
+def test_a_special_token_whose_text_does_not_fit_is_refused(compiler, tiny_tokenizer):
+    im_start = tiny_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    row = row_for(compiler, Constraint.regex("[a-z]+"), tiny_tokenizer)
+    assert not row.mask()[im_start]
+    with pytest.raises(RuntimeError, match="grammar refused"):
+        row.commit([im_start])
