@@ -6,9 +6,9 @@ model-config/qwen-coder.yaml by default); every speedup is a ratio to a
 baseline measured in the same run.
 
 Workload: JSON extraction (a passage in, a record out, three schemas) and tool
-calls (a question and the tools rendered by the chat template, the call forced
-into `<tool_call>` JSON), greedy. Rows, medians of --runs runs after a warm-up,
-one request at a time:
+calls (a question and the tools rendered by the chat template, one call forced
+by the grammar the OpenAI route builds for `tool_choice: "required"`), greedy.
+Rows, medians of --runs runs after a warm-up, one request at a time:
 
 - constrained plain decoding (k = 0): the baseline;
 - the shipped config's drafter and plan, without the grammar's forced-token
@@ -38,6 +38,7 @@ import time
 import jsonschema
 import yaml
 
+from handler.api.openai.tools import tool_plan
 from handler.config import SamplingParams, handler_config_from_yaml_config
 from handler.constraints import Constraint, compiler_for
 from handler.cost_table import measure_cost_table
@@ -146,7 +147,7 @@ TOOL_QUESTIONS = [
     "How cold is it in Montreal? Celsius please.",
     "Book-search: 3 passengers, Tokyo HND to Seoul ICN, 2026-01-15.",
 ]
-# The tool-call output: one Hermes/Qwen <tool_call> block, its JSON one of the functions.
+# A forced call's JSON: one of the functions, with its arguments.
 TOOL_CALL_SCHEMA = {
     "anyOf": [
         {
@@ -158,10 +159,6 @@ TOOL_CALL_SCHEMA = {
         for tool in TOOLS
     ]
 }
-TOOL_CALL_GRAMMAR = (
-    'start: "<tool_call>\\n" call "\\n</tool_call>"\n'
-    "call: %json " + json.dumps({**TOOL_CALL_SCHEMA, "x-guidance": {"whitespace_flexible": False}}) + "\n"
-)
 
 
 @dataclasses.dataclass
@@ -181,12 +178,12 @@ def build_cases(tokenizer) -> list[Case]:
         ]
         ids = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         cases.append(Case("extraction", _encode(tokenizer, ids), Constraint.json_schema(schema), schema))
+    # The grammar the OpenAI route builds for tool_choice "required" with parallel_tool_calls false.
+    plan = tool_plan({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, tokenizer)
     for question in TOOL_QUESTIONS:
         messages = [{"role": "user", "content": question}]
         text = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
-        cases.append(
-            Case("tool call", _encode(tokenizer, text), Constraint.grammar(TOOL_CALL_GRAMMAR), TOOL_CALL_SCHEMA)
-        )
+        cases.append(Case("tool call", _encode(tokenizer, text), Constraint.grammar(plan.grammar), TOOL_CALL_SCHEMA))
     return cases
 
 
