@@ -410,7 +410,7 @@ class SpeculativeEngine:
         assert request.prompt_ids, "a request needs at least one prompt token"
         row = _Row(request_id, request, drafter, self.tokenizer, self.eos_token_ids)
         if request.constraint is not None:
-            assert self.eos_token_ids, "a constrained request needs an end-of-sequence token to end where it is complete"
+            assert self.eos_token_ids, "a constrained request needs an end-of-sequence token to end on"
             # Compiled (and cached) when the request was parsed: this is a copy of the start state.
             row.grammar = compiler_for(self.tokenizer).row(request.constraint, self.vocab_size, self.eos_token_ids)
         if request.sampling.needs_output_counts:
