@@ -379,8 +379,11 @@ class SpeculativeEngine:
         self.last_step_mask_seconds = 0.0
 
     @classmethod
-    def from_config(cls, models, config: HandlerConfig, cost_table=None) -> SpeculativeEngine:
-        """The engine that a handler config describes, on models loaded by `handler.loading.load_models`."""
+    def from_config(cls, models, config: HandlerConfig, cost_table=None, **options) -> SpeculativeEngine:
+        """The engine that a handler config describes, on models loaded by `handler.loading.load_models`.
+
+        `options` are further keyword arguments of the constructor (a benchmark's `grammar_drafts`).
+        """
         return cls(
             models.target,
             models.draft,
@@ -392,6 +395,7 @@ class SpeculativeEngine:
             prompt_lookup_min=config.prompt_lookup_min,
             prompt_lookup_max=config.prompt_lookup_max,
             prompt_lookup_num_tokens=config.prompt_lookup_num_tokens,
+            **options,
         )
 
     @property

@@ -311,19 +311,7 @@ def main(argv=None) -> int:
         compiler_for(tokenizer).compile(case.constraint)
 
     def engine(grammar_drafts: bool) -> SpeculativeEngine:
-        return SpeculativeEngine(
-            models.target,
-            models.draft,
-            tokenizer,
-            models.eos_token_ids,
-            models.pad_token_id,
-            default_drafter=config.drafter,
-            cost_table=cost_table,
-            prompt_lookup_min=config.prompt_lookup_min,
-            prompt_lookup_max=config.prompt_lookup_max,
-            prompt_lookup_num_tokens=config.prompt_lookup_num_tokens,
-            grammar_drafts=grammar_drafts,
-        )
+        return SpeculativeEngine.from_config(models, config, cost_table, grammar_drafts=grammar_drafts)
 
     k = config.num_speculative_tokens
     methods = {

@@ -44,7 +44,7 @@ from handler.api.openai.tools import (
 )
 from handler.config import HandlerConfig
 from handler.engine import GenerationRequest
-from handler.schema import SEED_RANGE, RequestError, integer_field
+from handler.schema import REQUEST_FIELDS, SEED_RANGE, RequestError, integer_field
 
 ROUTE_NATIVE = "native"
 ROUTE_COMPLETIONS = "completions"
@@ -82,6 +82,8 @@ SHARED_FIELDS = (
     "num_speculative_tokens",
     "drafter",
 )
+# Shared fields that go to the native request as they are (stop and stream are translated).
+PASSED_THROUGH = tuple(key for key in REQUEST_FIELDS if key in SHARED_FIELDS and key not in ("stop", "stream"))
 ROUTE_FIELDS = {
     ROUTE_COMPLETIONS: ("prompt",),
     # prompt_cache_key and safety_identifier are routing and abuse hints, like user: accepted, not used.
@@ -302,23 +304,7 @@ def parse_openai_request(
     stream, include_usage = _stream_fields(body)
     num_top_logprobs = _logprobs_fields(kind, body)
 
-    native: dict[str, Any] = {
-        key: body[key]
-        for key in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "logit_bias",
-            "seed",
-            "num_speculative_tokens",
-            "drafter",
-        )
-        if key in body
-    }
+    native: dict[str, Any] = {key: body[key] for key in PASSED_THROUGH if key in body}
     max_tokens_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens_key in body:
         native["max_new_tokens"] = integer_field(
