@@ -142,12 +142,15 @@ def run_structured(inference_url: str, model_name: str, api_key: str | None, out
     client = _client(inference_url, model_name, api_key)
     try:
         question = "What's the weather in Lisbon right now, in celsius?"
-        out.write(f">>> {question}  [tools: get_weather, tool_choice: required]\n")
+        out.write(f">>> {question}  [tools: get_weather, tool_choice: required, one call]\n")
+        # One call: with parallel calls allowed, the demo target (which writes its calls as ```json
+        # blocks when free) goes on calling after the first.
         answer = client.chat.completions.create(
             model=model_name,
             messages=[{"role": "user", "content": question}],
             tools=[WEATHER_TOOL],
             tool_choice="required",
+            parallel_tool_calls=False,
             max_completion_tokens=96,
         )
         calls = answer.choices[0].message.tool_calls or []
