@@ -20,11 +20,14 @@ verify pass, the set of tokens the grammar allows at every draft position:
 
 The matcher moves forward while masks are computed and is rolled back to the
 committed length after every step (`rollback`, a length, like the caches).
+llguidance treats some added tokens as special (Qwen's `<tool_call>`): a grammar
+reaches them by `<token>` references, and where it spells their text literally
+the row takes the token as its plain-token spelling, so that masks and commits agree.
 
 Why llguidance: measured against xgrammar and outlines-core on the demo
-tokenizer (docs/structured-outputs.md): it compiles a tool schema in
-milliseconds with no per-vocabulary precomputation, fills one 151k-token mask
-in tens of microseconds, rolls back by a token count, refuses a schema keyword
+tokenizer (docs/structured-outputs.md): it compiles a tool schema in under a
+millisecond with no per-vocabulary precomputation, fills one 151k-token mask
+in about ten microseconds, rolls back by a token count, refuses a schema keyword
 it cannot enforce instead of ignoring it, bounds its own work per mask
 ("fuel"), and installs as one wheel with no dependencies.
 
