@@ -648,12 +648,13 @@ class SpeculativeEngine:
                     for slot in model_slots
                 },
                 shapers={
-                    rows[slot].request_id: rows[slot].shape_draft_logits for slot in model_slots if rows[slot].grammar
+                    rows[slot].request_id: rows[slot].shape_draft_logits
+                    for slot in model_slots
+                    if rows[slot].shapes_logits
                 },
             )
             for slot in model_slots:
-                if rows[slot].grammar is not None:
-                    rows[slot].grammar_call("end_drafting")
+                rows[slot].end_drafting()
                 token_ids, probs = proposals[rows[slot].request_id]  # [>= num], [>= num, vocab]
                 num = step_ks[slot]
                 draft_token_ids[slot, :num] = token_ids[:num].cpu()
