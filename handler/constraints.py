@@ -232,14 +232,19 @@ _COMPILERS: dict[int, tuple[object, GrammarCompiler]] = {}
 _COMPILERS_LOCK = threading.Lock()
 
 
-def compiler_for(tokenizer, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> GrammarCompiler:
-    """The one compiler of a tokenizer, shared by request parsing and the engine (built on first use, ~1 s)."""
+def compiler_for(tokenizer, timeout_s: float | None = None) -> GrammarCompiler:
+    """The one compiler of a tokenizer, shared by request parsing and the engine (built on first use, ~1 s).
+
+    `timeout_s` sets its compile bound (the config's); None leaves the bound as it is
+    (DEFAULT_COMPILE_TIMEOUT_S for a new compiler).
+    """
     with _COMPILERS_LOCK:
         entry = _COMPILERS.get(id(tokenizer))
         if entry is None or entry[0] is not tokenizer:
-            entry = (tokenizer, GrammarCompiler(tokenizer, timeout_s))
+            entry = (tokenizer, GrammarCompiler(tokenizer))
             _COMPILERS[id(tokenizer)] = entry
-        entry[1].timeout_s = timeout_s
+        if timeout_s is not None:
+            entry[1].timeout_s = timeout_s
         return entry[1]
 
 
@@ -272,7 +277,9 @@ class RowGrammar:
         self.vocab_size = model_vocab_size
         self.eos_set = frozenset(t for t in eos_token_ids if t < model_vocab_size)
         self.eos_token_ids = torch.tensor(sorted(self.eos_set), dtype=torch.long)
-        self.special_token_ids = [t for t in special_token_ids if t not in self.eos_set and t < model_vocab_size]
+        self.special_token_ids = torch.tensor(
+            [t for t in special_token_ids if t not in self.eos_set and t < model_vocab_size], dtype=torch.long
+        )
         self.spellings = spellings or {}
         self.bitmask = torch.zeros((tokenizer_vocab_size + 31) // 32, dtype=torch.int32)
         self.num_drafted = 0  # matcher tokens consumed beyond the committed ones while drafting
@@ -284,9 +291,9 @@ class RowGrammar:
         allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
         num_tokens = min(self.tokenizer_vocab_size, self.vocab_size)
         allowed[:num_tokens] = _unpack_bitmask(self.bitmask, num_tokens)
-        for token_id in self.special_token_ids:
-            # A special token is allowed only if the matcher takes it, or its spelling.
-            if allowed[token_id] and self._matcher_tokens(token_id) is None:
+        # A special token is allowed only if the matcher takes it, or its spelling (rare: one look-up).
+        for token_id in self.special_token_ids[allowed[self.special_token_ids]].tolist():
+            if self._matcher_tokens(token_id) is None:
                 allowed[token_id] = False
         accepting = self.matcher.is_accepting()
         allowed[self.eos_token_ids] = accepting
@@ -305,13 +312,21 @@ class RowGrammar:
             return spelled
         return None
 
-    def _consume(self, token_id: int) -> int:
-        """Consumes `token_id` (an allowed one); returns how many matcher tokens that took."""
+    def _try_consume(self, token_id: int) -> int | None:
+        """Consumes `token_id` if the matcher takes it (or its spelling): how many matcher tokens
+        that took, or None, leaving the matcher as it was."""
         tokens = self._matcher_tokens(token_id)
         if tokens is None:
-            raise RuntimeError(f"grammar refused token {token_id}: {self.matcher.get_error()}")
+            return None
         assert self.matcher.consume_tokens(list(tokens)), self.matcher.get_error()
         return len(tokens)
+
+    def _consume(self, token_id: int) -> int:
+        """Consumes `token_id`, which must be allowed; returns how many matcher tokens that took."""
+        num = self._try_consume(token_id)
+        if num is None:
+            raise RuntimeError(f"grammar refused token {token_id}: {self.matcher.get_error()}")
+        return num
 
     def forced_tokens(self, max_tokens: int) -> list[int]:
         """Up to `max_tokens` tokens the grammar forces next (its fast-forward tokens)."""
@@ -328,11 +343,10 @@ class RowGrammar:
         """
         num, consumed = 0, 0
         for token_id in token_ids:
-            tokens = None if int(token_id) in self.eos_set else self._matcher_tokens(int(token_id))
-            if tokens is None:
+            taken = None if int(token_id) in self.eos_set else self._try_consume(int(token_id))
+            if taken is None:
                 break
-            assert self.matcher.consume_tokens(list(tokens)), self.matcher.get_error()
-            consumed += len(tokens)
+            consumed += taken
             num += 1
         if consumed:
             self.matcher.rollback(consumed)

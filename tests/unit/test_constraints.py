@@ -139,8 +139,16 @@ def test_drafting_follows_the_drafts_and_rolls_back(compiler, tiny_tokenizer):
     row.end_drafting()
 
 
-def test_one_compiler_per_tokenizer(tiny_tokenizer):
-    assert constraints.compiler_for(tiny_tokenizer) is constraints.compiler_for(tiny_tokenizer)
+def test_one_compiler_per_tokenizer_and_only_the_config_sets_its_bound(tiny_tokenizer):
+    compiler = constraints.compiler_for(tiny_tokenizer)
+    assert constraints.compiler_for(tiny_tokenizer) is compiler
+    before = compiler.timeout_s
+    try:
+        constraints.compiler_for(tiny_tokenizer, 5.0)  # the config's bound, at start-up and parse
+        constraints.compiler_for(tiny_tokenizer)  # the engine's look-up must not reset it
+        assert compiler.timeout_s == 5.0
+    finally:
+        compiler.timeout_s = before
 
 
 # --- Request fields ------------------------------------------------------------------------------
