@@ -18,6 +18,7 @@ on, the client's api_key is TorchServe's inference key (sent as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -83,12 +84,10 @@ def run(
     Raises:
         torchserve.ClientError: the server refused the request or could not be reached.
     """
-    import openai  # only this demo needs the client
-
     client = _client(inference_url, model_name, api_key)
     out.write(f">>> {MESSAGES[-1]['content']}\n\n")
     parts, usage, speculative = [], None, None
-    try:
+    with _client_errors(client):
         stream = client.chat.completions.create(
             model=model_name,
             messages=MESSAGES,
@@ -104,12 +103,6 @@ def run(
                     out.flush()
             speculative = (chunk.model_extra or {}).get("speculative", speculative)
             usage = chunk.usage or usage
-    except openai.APIStatusError as error:
-        raise torchserve.ClientError(
-            f"{client.base_url}: HTTP {error.status_code}: {error.message}", error.status_code
-        ) from None
-    except openai.APIError as error:
-        raise torchserve.ClientError(f"no answer from {client.base_url}: {error}") from None
     summary = [f"{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens"] if usage else []
     if speculative:
         summary.append(f"acceptance {speculative['acceptance_rate']:.0%}")
@@ -129,6 +122,21 @@ def _client(inference_url: str, model_name: str, api_key: str | None):
     )
 
 
+@contextlib.contextmanager
+def _client_errors(client):
+    """The openai client's errors as torchserve.ClientError, as the other scripts report them."""
+    import openai
+
+    try:
+        yield
+    except openai.APIStatusError as error:
+        raise torchserve.ClientError(
+            f"{client.base_url}: HTTP {error.status_code}: {error.message}", error.status_code
+        ) from None
+    except openai.APIError as error:
+        raise torchserve.ClientError(f"no answer from {client.base_url}: {error}") from None
+
+
 def run_structured(inference_url: str, model_name: str, api_key: str | None, out: TextIO = sys.stdout) -> tuple:
     """One tool call and one JSON-schema answer through the openai client; returns (tool_calls, parsed JSON).
 
@@ -137,10 +145,8 @@ def run_structured(inference_url: str, model_name: str, api_key: str | None, out
     """
     import json
 
-    import openai
-
     client = _client(inference_url, model_name, api_key)
-    try:
+    with _client_errors(client):
         question = "What's the weather in Lisbon right now, in celsius?"
         out.write(f">>> {question}  [tools: get_weather, tool_choice: required, one call]\n")
         # One call: with parallel calls allowed, the demo target (which writes its calls as ```json
@@ -167,12 +173,6 @@ def run_structured(inference_url: str, model_name: str, api_key: str | None, out
         )
         record = json.loads(answer.choices[0].message.content)
         out.write(f"{json.dumps(record)}\n")
-    except openai.APIStatusError as error:
-        raise torchserve.ClientError(
-            f"{client.base_url}: HTTP {error.status_code}: {error.message}", error.status_code
-        ) from None
-    except openai.APIError as error:
-        raise torchserve.ClientError(f"no answer from {client.base_url}: {error}") from None
     return calls, record
 
 
