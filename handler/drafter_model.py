@@ -14,7 +14,8 @@ from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 
-from handler.kv_cache import RaggedCache, left_pad, prefill
+from handler.kv_cache import RaggedCache, left_pad
+from handler.prefix_cache import PrefixCache, prefill_with_cache
 from handler.rollback import draft_rollback
 from handler.sampler import sample_from_probs, warp_logits_to_probs
 
@@ -39,8 +40,9 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, model, vocab_size: int, pad_token_id: int) -> None:
-        """`vocab_size` is the target's: draft distributions are put on it."""
+    def __init__(self, model, vocab_size: int, pad_token_id: int, prefix_cache: PrefixCache | None = None) -> None:
+        """`vocab_size` is the target's: draft distributions are put on it. `prefix_cache` holds
+        the draft model's KV of earlier prompts and completions (keyed by the ids it was fed)."""
         self.model = model
         self.vocab_size = vocab_size
         self.draft_vocab_size = model.config.get_text_config().vocab_size
@@ -53,6 +55,8 @@ class ModelDrafter:
         self.fed: dict[Hashable, list[int]] = {}
         # Pending tokens the last proposal fed, in case the row then commits nothing.
         self.fed_pending: dict[Hashable, list[int]] = {}
+        self.prefix_cache = prefix_cache
+        self.prefix_handles: dict[Hashable, object] = {}  # locked prefix-cache nodes, by request id
 
     def add(self, prompts: Mapping[Hashable, Sequence[int]]) -> None:
         """Prefills the new requests' prompts, all but the last token, and appends their rows."""
@@ -60,12 +64,15 @@ class ModelDrafter:
         if not ids:
             return
         prefixes = [self._draft_ids(prompts[request_id][:-1]) for request_id in ids]
-        new_cache = prefill(self.model, prefixes, self.pad_token_id)
+        filled = prefill_with_cache(self.model, self.prefix_cache, prefixes, self.pad_token_id)
+        new_cache = filled.cache
         if self.cache is None:
             self.cache = new_cache
         else:
             self.cache.extend(new_cache)
-        for request_id in ids:
+        for request_id, handle in zip(ids, filled.handles):
+            if handle is not None:
+                self.prefix_handles[request_id] = handle
             self.order.append(request_id)
             self.pending[request_id] = list(prompts[request_id][-1:])
             self.fed[request_id] = []
@@ -75,10 +82,34 @@ class ModelDrafter:
     def num_rows(self) -> int:
         return len(self.order)
 
-    def remove(self, request_ids: Sequence[Hashable]) -> None:
+    def remove(
+        self, request_ids: Sequence[Hashable], sequences: Mapping[Hashable, Sequence[int]] | None = None
+    ) -> None:
+        """Drops the rows of `request_ids`.
+
+        Args:
+            sequences: request id -> prompt + completion, for rows whose cache is
+                consistent (after a step): what the draft cache holds of it goes
+                into the prefix cache. None after a failed step.
+        """
         gone = set(request_ids) & set(self.order)
         if not gone:
             return
+        if self.prefix_cache is not None:
+            for slot, request_id in enumerate(self.order):
+                if request_id not in gone:
+                    continue
+                if sequences is not None and request_id in sequences:
+                    # The cache holds the sequence but for its pending tokens, the last one at least.
+                    tokens = self._draft_ids(list(sequences[request_id]))
+                    num_cached = min(int(self.cache.lengths[slot]), len(tokens) - 1)
+                    if num_cached > 0:
+                        self.prefix_cache.insert(
+                            tokens[:num_cached], lambda start, end, slot=slot: self.cache.row_kv(slot, start, end)
+                        )
+                handle = self.prefix_handles.pop(request_id, None)
+                if handle is not None:
+                    self.prefix_cache.unlock(handle)
         keep = [slot for slot, request_id in enumerate(self.order) if request_id not in gone]
         self.order = [self.order[slot] for slot in keep]
         for request_id in gone:

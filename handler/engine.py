@@ -42,8 +42,9 @@ from handler.config import HandlerConfig, SamplingParams
 from handler.constraints import Constraint, RowGrammar, compiler_for
 from handler.drafter_model import ModelDrafter
 from handler.drafter_ngram import NgramDrafter
-from handler.kv_cache import RaggedCache, prefill
+from handler.kv_cache import RaggedCache, kv_bytes_per_token
 from handler.logits_processors import process_row_logits, token_counts, token_mask
+from handler.prefix_cache import PrefixCache, PrefixCacheStats, prefill_with_cache
 from handler.rollback import target_lengths_after_verify
 from handler.sampler import (
     coupled_verify,
@@ -171,6 +172,8 @@ class GenerationResult:
     prompt_tokens: int
     stats: SpeculativeStats
     logprobs: list[TokenLogprob] | None = None
+    # Prompt tokens whose target KV came from the prefix cache (OpenAI's cached_tokens).
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -212,6 +215,8 @@ class _Row:
         self.output_counts: torch.Tensor | None = None  # [vocab] float
         self.seen: torch.Tensor | None = None  # [vocab] bool
         self.drafted: list[int] = []  # the draft model's drafts so far in this step (penalties)
+        self.cached_tokens = 0  # prompt tokens found in the target's prefix cache
+        self.prefix_handle = None  # the target prefix-cache node this row keeps locked
         self.steps_without_drafts = 0
         self.stats = SpeculativeStats(
             num_speculative_tokens=request.num_speculative_tokens, drafter=drafter, constrained=bool(request.constraint)
@@ -318,6 +323,7 @@ class _Row:
             prompt_tokens=len(self.request.prompt_ids),
             stats=self.stats,
             logprobs=self.logprobs,
+            cached_tokens=self.cached_tokens,
         )
 
 
@@ -338,6 +344,7 @@ class SpeculativeEngine:
         prompt_lookup_max: int = 4,
         prompt_lookup_num_tokens: int = 0,
         grammar_drafts: bool = True,
+        prefix_cache_max_bytes: int | None = None,
     ) -> None:
         """
         Args:
@@ -353,6 +360,8 @@ class SpeculativeEngine:
                 A look-up costs no draft pass, only verify width, so it may exceed k.
             grammar_drafts: propose the tokens a constraint forces as drafts (off only to
                 measure what they bring).
+            prefix_cache_max_bytes: keep the KV of earlier prompts and completions, up to this
+                many bytes for both models together (`handler.prefix_cache`); None: no prefix cache.
         """
         self.target = target
         self.tokenizer = tokenizer
@@ -361,9 +370,18 @@ class SpeculativeEngine:
         self.device = next(target.parameters()).device
         self.vocab_size = target.config.get_text_config().vocab_size
         self.cost_table = cost_table
+        self.prefix_cache, draft_prefix_cache = None, None
+        if prefix_cache_max_bytes is not None:
+            # Split in proportion to each model's KV bytes per token: both then hold about as many tokens.
+            target_share = kv_bytes_per_token(target)
+            draft_share = kv_bytes_per_token(draft) if draft is not None else 0
+            target_bytes = prefix_cache_max_bytes * target_share // (target_share + draft_share)
+            self.prefix_cache = PrefixCache(target_bytes)
+            if draft is not None:
+                draft_prefix_cache = PrefixCache(prefix_cache_max_bytes - target_bytes)
         self.model_drafter = None
         if draft is not None:
-            self.model_drafter = ModelDrafter(draft, self.vocab_size, pad_token_id)
+            self.model_drafter = ModelDrafter(draft, self.vocab_size, pad_token_id, draft_prefix_cache)
         self.ngram_drafter = NgramDrafter(prompt_lookup_min, prompt_lookup_max)
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.grammar_drafts = grammar_drafts
@@ -397,6 +415,19 @@ class SpeculativeEngine:
             prompt_lookup_num_tokens=config.prompt_lookup_num_tokens,
             **options,
         )
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The target's queries and hits (prompt tokens); bytes, tokens and evictions of both models' caches."""
+        if self.prefix_cache is None:
+            return None
+        total = dataclasses.replace(self.prefix_cache.stats)
+        if self.model_drafter is not None and self.model_drafter.prefix_cache is not None:
+            draft = self.model_drafter.prefix_cache.stats
+            total.num_bytes += draft.num_bytes
+            total.evictions += draft.evictions
+            total.evicted_tokens += draft.evicted_tokens
+        return total
 
     @property
     def draft(self):
@@ -522,7 +553,7 @@ class SpeculativeEngine:
         """Drops every request in flight, e.g. after a failed step left the caches undefined."""
         self.waiting = []
         self.aborted.clear()
-        self._drop(list(self.rows))
+        self._drop(list(self.rows), consistent=False)
 
     # ---------------------------------------------------------------- internals
 
@@ -531,7 +562,12 @@ class SpeculativeEngine:
         if not self.waiting:
             return
         new_rows, self.waiting = self.waiting, []
-        new_cache = prefill(self.target, [row.request.prompt_ids[:-1] for row in new_rows], self.pad_token_id)
+        filled = prefill_with_cache(
+            self.target, self.prefix_cache, [row.request.prompt_ids[:-1] for row in new_rows], self.pad_token_id
+        )
+        for row, num_cached, handle in zip(new_rows, filled.num_cached, filled.handles):
+            row.cached_tokens, row.prefix_handle = num_cached, handle
+        new_cache = filled.cache
         if self.target_cache is None:
             self.target_cache = new_cache
         else:
@@ -543,11 +579,18 @@ class SpeculativeEngine:
         if self.model_drafter is not None:
             self.model_drafter.add({r.request_id: r.request.prompt_ids for r in drafting if r.drafter != DRAFTER_NGRAM})
 
-    def _drop(self, rows: list[_Row]) -> None:
-        """Removes rows from the batch and from every drafter."""
+    def _drop(self, rows: list[_Row], consistent: bool = True) -> None:
+        """Removes rows from the batch and from every drafter.
+
+        `consistent`: the caches hold what the rows committed (between steps), so their
+        prompts and completions go into the prefix caches; False after a failed step.
+        """
         if not rows:
             return
         gone = {row.request_id for row in rows}
+        sequences = {row.request_id: (*row.request.prompt_ids, *row.token_ids) for row in rows} if consistent else None
+        if self.prefix_cache is not None:
+            self._release_prefixes(rows, sequences)
         keep = [slot for slot, row in enumerate(self.rows) if row.request_id not in gone]
         self.rows = [self.rows[slot] for slot in keep]
         if not self.rows:
@@ -556,7 +599,25 @@ class SpeculativeEngine:
             self.target_cache.select_rows(keep)
         self.ngram_drafter.remove(list(gone))
         if self.model_drafter is not None:
-            self.model_drafter.remove(list(gone))
+            self.model_drafter.remove(list(gone), sequences)
+
+    def _release_prefixes(self, rows: list[_Row], sequences: dict | None) -> None:
+        """Caches what the target cache holds of the leaving rows' sequences, and unlocks their prompts."""
+        slot_of = {row.request_id: slot for slot, row in enumerate(self.rows)}
+        for row in rows:
+            slot = slot_of.get(row.request_id)
+            if sequences is not None and slot is not None:
+                # The target cache holds the sequence but for the pending last token (and, after an
+                # early stop, perhaps accepted drafts beyond it).
+                tokens = sequences[row.request_id]
+                num_cached = min(int(self.target_cache.lengths[slot]), len(tokens) - 1)
+                if num_cached > 0:
+                    self.prefix_cache.insert(
+                        tokens[:num_cached], lambda start, end, slot=slot: self.target_cache.row_kv(slot, start, end)
+                    )
+            if row.prefix_handle is not None:
+                self.prefix_cache.unlock(row.prefix_handle)
+                row.prefix_handle = None
 
     def _proposals(self, rows: list[_Row]) -> tuple[list[list[int]], list[str]]:
         """Each row's look-up drafts ([] where the draft model drafts) and who proposes them.

@@ -53,6 +53,17 @@ def check_cache_support(model: torch.nn.Module) -> None:
         )
 
 
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of keys and values one token takes in the model's cache, over all layers."""
+    config = model.config.get_text_config()
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    # The model's dtype, not a parameter's: an int8-quantised model still caches in its float dtype.
+    element_size = torch.empty((), dtype=model.dtype).element_size()
+    return config.num_hidden_layers * 2 * num_kv_heads * head_dim * element_size
+
+
 def left_pad(token_lists: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns input_ids [batch, width] and mask [batch, width], real tokens right-aligned."""
     width = max(len(tokens) for tokens in token_lists)
@@ -109,6 +120,42 @@ class RaggedCache:
             logits_to_keep=logits_to_keep,
         )
         return output.logits
+
+    @classmethod
+    def from_kv(cls, model: torch.nn.Module, kvs: Sequence[torch.Tensor | None]) -> RaggedCache:
+        """A cache whose row b holds `kvs[b]` ([layers, 2, heads, tokens, head_dim], or None: nothing)."""
+        cache = cls(model, len(kvs))
+        lengths = [0 if kv is None else kv.shape[3] for kv in kvs]
+        width = max(lengths, default=0)
+        if width == 0:
+            return cache
+        like = next(kv for kv in kvs if kv is not None and kv.shape[3])
+        num_layers, _, heads, _, head_dim = like.shape
+        assert num_layers == len(cache.cache.layers), (num_layers, len(cache.cache.layers))
+        states = like.new_zeros((num_layers, 2, len(kvs), heads, width, head_dim))
+        cache.mask = torch.zeros((len(kvs), width), dtype=torch.long)
+        for row, (kv, length) in enumerate(zip(kvs, lengths)):
+            if length:  # right-aligned: the holes are left padding
+                states[:, :, row, :, width - length :] = kv
+                cache.mask[row, width - length :] = 1
+        cache.lengths = torch.tensor(lengths, dtype=torch.long)
+        for index, layer in enumerate(cache.cache.layers):
+            layer.keys, layer.values = states[index, 0], states[index, 1]  # [rows, heads, width, head_dim]
+            layer.dtype, layer.device, layer.is_initialized = states.dtype, states.device, True
+        return cache
+
+    def row_kv(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """A copy of row `slot`'s KV for its valid tokens start..end-1: [layers, 2, heads, end - start, head_dim]."""
+        assert 0 <= start < end <= int(self.lengths[slot]), (start, end, self.lengths[slot])
+        columns = self.mask[slot].nonzero()[start:end, 0]
+        first, last = int(columns[0]), int(columns[-1])
+        if last - first + 1 == end - start:  # no holes in between: a slice
+            index = slice(first, last + 1)
+        else:
+            index = columns.to(self.device)
+        return torch.stack(
+            [torch.stack([layer.keys[slot, :, index], layer.values[slot, :, index]]) for layer in self.cache.layers]
+        )
 
     def rollback(self, lengths: torch.Tensor) -> None:  # [batch] long, CPU
         """Keeps each row's first `lengths[b]` valid tokens; drops the rest."""
@@ -176,17 +223,31 @@ class RaggedCache:
             layer.values = layer.values.gather(2, index)
 
 
-def prefill(model: torch.nn.Module, prefixes: Sequence[Sequence[int]], pad_id: int) -> RaggedCache:
+def prefill(
+    model: torch.nn.Module,
+    prefixes: Sequence[Sequence[int]],
+    pad_id: int,
+    cached: Sequence[torch.Tensor | None] | None = None,
+) -> RaggedCache:
     """A cache holding each prefix, one row each in order, for rows about to join a batch.
+
+    Args:
+        cached: per row, the KV of the prefix's first tokens, found in a prefix cache
+            ([layers, 2, heads, tokens, head_dim]), or None; only the rest is computed.
 
     Rows with an empty prefix take no part in the forward pass (a row of nothing
     but padding would attend to nothing at all) and join with no valid tokens.
     """
+    cached = list(cached) if cached is not None else [None] * len(prefixes)
+    num_cached = [0 if kv is None else kv.shape[3] for kv in cached]
+    assert all(n <= len(prefix) for n, prefix in zip(num_cached, prefixes))
     filled = [row for row, prefix in enumerate(prefixes) if prefix]
     empty = [row for row, prefix in enumerate(prefixes) if not prefix]
-    cache = RaggedCache(model, len(filled))
-    if filled:
-        input_ids, chunk_mask = left_pad([prefixes[row] for row in filled], pad_id)
+    cache = RaggedCache.from_kv(model, [cached[row] for row in filled])
+    suffixes = [prefixes[row][num_cached[row] :] for row in filled]
+    if any(suffixes):
+        # A row found whole in the cache takes an all-padding chunk; it attends to its cached tokens.
+        input_ids, chunk_mask = left_pad(suffixes, pad_id)
         cache.forward(input_ids, chunk_mask, logits_to_keep=1)
     if empty:
         cache.extend(RaggedCache(model, len(empty)))
