@@ -395,6 +395,9 @@ class SpeculativeEngine:
         # The last step's duration and the part of it spent on grammar masks (structured output).
         self.last_step_seconds = 0.0
         self.last_step_mask_seconds = 0.0
+        # Prompt tokens admitted, and those of them whose target KV came from the prefix cache.
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
 
     @classmethod
     def from_config(cls, models, config: HandlerConfig, cost_table=None, **options) -> SpeculativeEngine:
@@ -418,10 +421,13 @@ class SpeculativeEngine:
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """The target's queries and hits (prompt tokens); bytes, tokens and evictions of both models' caches."""
+        """Since start-up: prompt tokens queried and found in the target's cache (vLLM's
+        prefix_cache_queries and prefix_cache_hits); bytes, tokens and evictions of both models' caches."""
         if self.prefix_cache is None:
             return None
-        total = dataclasses.replace(self.prefix_cache.stats)
+        total = dataclasses.replace(
+            self.prefix_cache.stats, queries=self.num_prompt_tokens, hits=self.num_cached_tokens
+        )
         if self.model_drafter is not None and self.model_drafter.prefix_cache is not None:
             draft = self.model_drafter.prefix_cache.stats
             total.num_bytes += draft.num_bytes
@@ -567,6 +573,8 @@ class SpeculativeEngine:
         )
         for row, num_cached, handle in zip(new_rows, filled.num_cached, filled.handles):
             row.cached_tokens, row.prefix_handle = num_cached, handle
+            self.num_prompt_tokens += len(row.request.prompt_ids)
+            self.num_cached_tokens += num_cached
         new_cache = filled.cache
         if self.target_cache is None:
             self.target_cache = new_cache
