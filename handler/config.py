@@ -7,7 +7,9 @@ stops the worker at registration instead of being silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +22,20 @@ DRAFTERS = ("model", "ngram", "hybrid")
 MAX_PROMPT_LOOKUP = 16
 # Largest K the engine supports; a config may lower it, never raise it.
 MAX_K = 32
+# The units of a byte count written as a string: SI (powers of 1000) and IEC (powers of 1024).
+BYTE_UNITS = {
+    "B": 1,
+    "kB": 1000,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "KiB": 1024,
+    "MiB": 1024**2,
+    "GiB": 1024**3,
+    "TiB": 1024**4,
+}
+_BYTE_COUNT = re.compile(r"(\d+(?:\.\d+)?)\s*([A-Za-z]+)")
 
 
 def _check_keys(section: str, given: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
@@ -57,6 +73,24 @@ def _bool(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"model-config.yaml: {key} must be true or false, got {value!r}")
     return value
+
+
+def _bytes(key: str, value: Any) -> int:
+    """A byte count: an integer >= 0, or a string with a unit ("512MiB", "4GiB", "2GB", "1.5 GiB")."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        match = _BYTE_COUNT.fullmatch(value.strip())
+        if match and match.group(2) in BYTE_UNITS:
+            # Exact decimal arithmetic: "1.5 GiB" is 1610612736 bytes, not a float's rounding of it.
+            # A fraction of a byte is dropped; an amount that leaves none would read as 0 (automatic).
+            amount = decimal.Decimal(match.group(1)) * BYTE_UNITS[match.group(2)]
+            if amount == 0 or amount >= 1:
+                return int(amount)
+    raise ValueError(
+        f"model-config.yaml: {key} must be a byte count, 0 for automatic: an integer >= 0 or a number "
+        f"with a unit ({', '.join(BYTE_UNITS)}) such as 512MiB, 4GiB or 2GB; got {value!r}"
+    )
 
 
 # OpenAI's ranges for the penalties and the logit bias; a repetition penalty (a multiplier)
@@ -221,6 +255,12 @@ class HandlerConfig:
     # The most seconds one structured-output constraint may take to compile; a request
     # over it gets a 400 (compiling runs while the batch waits).
     grammar_compile_timeout_s: float = 2.0
+    # Keep the KV of earlier prompts and completions for the requests that share their
+    # prefix (handler.prefix_cache, docs/prefix-caching.md).
+    prefix_cache: bool = True
+    # Bytes the prefix cache holds, both models together. 0 = automatic: a quarter of the
+    # memory available at start-up (handler.memory_budget). YAML may write "4GiB" or "2GB".
+    prefix_cache_max_bytes: int = 0
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
     @property
@@ -295,7 +335,7 @@ class HandlerConfig:
             1,
             values["max_new_tokens_limit"],
         )
-        for key in ("adaptive_k", "allow_pickle_weights", "cpu_packed_weights"):
+        for key in ("adaptive_k", "allow_pickle_weights", "cpu_packed_weights", "prefix_cache"):
             values[key] = _bool(f"handler.{key}", raw.get(key, getattr(default, key)))
         values["cpu_threads"] = _int("handler.cpu_threads", raw.get("cpu_threads", default.cpu_threads), 0, 1024)
         values["max_batch_tokens"] = _int(
@@ -307,6 +347,9 @@ class HandlerConfig:
         if not 0 < timeout <= 60:
             raise ValueError(f"model-config.yaml: handler.grammar_compile_timeout_s must be in (0, 60], got {timeout}")
         values["grammar_compile_timeout_s"] = timeout
+        values["prefix_cache_max_bytes"] = _bytes(
+            "handler.prefix_cache_max_bytes", raw.get("prefix_cache_max_bytes", default.prefix_cache_max_bytes)
+        )
         quantization = raw.get("draft_quantization", default.draft_quantization)
         if quantization not in DRAFT_QUANTIZATIONS:
             raise ValueError(

@@ -44,6 +44,7 @@ from handler.drafter_model import ModelDrafter
 from handler.drafter_ngram import NgramDrafter
 from handler.kv_cache import RaggedCache, kv_bytes_per_token
 from handler.logits_processors import process_row_logits, token_counts, token_mask
+from handler.memory_budget import prefix_cache_budget
 from handler.prefix_cache import PrefixCache, PrefixCacheStats, prefill_with_cache
 from handler.rollback import target_lengths_after_verify
 from handler.sampler import (
@@ -404,7 +405,12 @@ class SpeculativeEngine:
         """The engine that a handler config describes, on models loaded by `handler.loading.load_models`.
 
         `options` are further keyword arguments of the constructor (a benchmark's `grammar_drafts`).
+        The prefix cache's budget comes from the config (`handler.memory_budget`) unless `options`
+        give `prefix_cache_max_bytes`.
         """
+        if "prefix_cache_max_bytes" not in options:
+            budget = prefix_cache_budget(config, next(models.target.parameters()).device)
+            options["prefix_cache_max_bytes"] = None if budget is None else budget.num_bytes
         return cls(
             models.target,
             models.draft,

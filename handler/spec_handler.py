@@ -26,7 +26,8 @@ from handler.constraints import compiler_for
 from handler.cost_table import measure_cost_table
 from handler.engine import SpeculativeEngine
 from handler.loading import load_models
-from handler.metrics import MetricsRecorder
+from handler.memory_budget import describe, prefix_cache_budget
+from handler.metrics import MetricsRecorder, PrefixCacheTally
 from handler.serving import ContinuousBatcher, Reply, StaticBatch, parse_entry
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,9 @@ class SpeculativeHandler(BaseHandler):
         self.config = handler_config_from_yaml_config(context.model_yaml_config)
         self.models = load_models(self.config, properties.get("model_dir"), properties.get("gpu_id"))
         self.device = self.models.device
+        # Measured now, with the models loaded and before anything else takes memory.
+        budget = prefix_cache_budget(self.config, next(self.models.target.parameters()).device)
+        logger.info("prefix cache: %s", describe(budget))
         cost_table = None
         if self.config.adaptive_k:
             # Measured here, on the device and dtype that serve, and cached in the model dir.
@@ -56,7 +60,10 @@ class SpeculativeHandler(BaseHandler):
                 model_identity=f"{context.model_name}/{(self.manifest or {}).get('model', {}).get('modelVersion', '')}",
             )
             logger.info("adaptive k: measured cost table\n%s", cost_table.format())
-        self.engine = SpeculativeEngine.from_config(self.models, self.config, cost_table)
+        self.engine = SpeculativeEngine.from_config(
+            self.models, self.config, cost_table, prefix_cache_max_bytes=None if budget is None else budget.num_bytes
+        )
+        self.prefix_cache_tally = PrefixCacheTally()
         # The grammar engine's view of the vocabulary (about 1 s for 150k tokens), built now
         # rather than inside the first structured request while the batch waits.
         compiler_for(self.models.tokenizer, self.config.grammar_compile_timeout_s)
@@ -88,6 +95,9 @@ class SpeculativeHandler(BaseHandler):
             replies = self.batcher.run_call(request_ids, new_requests, metrics)
         else:
             replies = self.static_batch.run(self.preprocess(data), self._send_chunk, metrics)
+        # The cache's counters move at admission and its bytes when requests leave: once per call
+        # covers every step (one per call in continuous batching, the whole batch otherwise).
+        self.prefix_cache_tally.record(metrics, self.engine.prefix_cache_stats)
         return self._answer(replies)
 
     def preprocess(self, data):

@@ -194,3 +194,41 @@ def test_logit_bias_is_sorted_pairs_and_hashable():
 def test_bad_sampling_params_name_the_field(fields, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         SamplingParams(**fields)
+
+
+@pytest.mark.parametrize(
+    "value, num_bytes",
+    [
+        (0, 0),
+        (123456, 123456),
+        ("512MiB", 512 * 2**20),
+        ("4GiB", 4 * 2**30),
+        ("2GB", 2 * 10**9),
+        ("1.5 GiB", 3 * 2**29),
+        ("64 kB", 64_000),
+        ("0 GiB", 0),
+        ("1.1 KiB", 1126),  # 1126.4 bytes: the fraction of a byte is dropped
+    ],
+)
+def test_prefix_cache_max_bytes_takes_a_count_or_a_size_with_a_unit(value, num_bytes):
+    config = HandlerConfig.from_dict({"prefix_cache_max_bytes": value})
+    assert config.prefix_cache_max_bytes == num_bytes and config.prefix_cache is True
+
+
+@pytest.mark.parametrize(
+    "value",
+    [-1, True, 1.5, None, "1024", "4 gib", "4G", "-1GiB", "1e9 B", "GiB", "1,5 GiB", "0.1 B", "4GiB of RAM"],
+)
+def test_a_bad_prefix_cache_size_names_the_key(value):
+    with pytest.raises(ValueError, match="handler.prefix_cache_max_bytes must be a byte count"):
+        HandlerConfig.from_dict({"prefix_cache_max_bytes": value})
+
+
+def test_prefix_cache_is_on_by_default_and_a_boolean():
+    assert HandlerConfig().prefix_cache is True and HandlerConfig().prefix_cache_max_bytes == 0
+    assert HandlerConfig.from_dict({"prefix_cache": False}).prefix_cache is False
+    with pytest.raises(ValueError, match="handler.prefix_cache must be true or false"):
+        HandlerConfig.from_dict({"prefix_cache": "off"})
+    for name in ("model-config.yaml", "qwen-coder.yaml"):
+        raw = yaml.safe_load((REPO_ROOT / "model-config" / name).read_text())
+        assert {"prefix_cache", "prefix_cache_max_bytes"} <= set(raw["handler"]), name
