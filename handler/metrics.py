@@ -6,10 +6,12 @@ per-response `speculative` stats, so dashboards can derive the acceptance rate
 (accepted / draft tokens) and the mean accepted length (generated tokens /
 target passes). Latencies are histograms in seconds.
 
-The `spec_decode_*` counters carry vLLM's names and meanings, so that vLLM
+The `spec_decode_*` and `prefix_cache_*` counters carry vLLM's names and meanings, so that vLLM
 dashboards work unchanged: a draft is one proposal of k > 0 tokens for one
 request at one step, and `spec_decode_num_accepted_tokens_per_pos` counts the
 accepted drafts at each position (label `position`, 0 = first draft token).
+`prefix_cache_queries` counts the prompt tokens of the requests that joined the
+batch, `prefix_cache_hits` those of them whose KV the prefix cache held.
 """
 
 from __future__ import annotations
@@ -38,14 +40,18 @@ COUNTERS = {
     "SpecDrafterDraftTokens": "draft tokens proposed, by the drafter that proposed them (label drafter)",
     "SpecDrafterAcceptedTokens": "draft tokens accepted, by the drafter that proposed them (label drafter)",
     "SpecConstrainedRequests": "requests whose output followed a constraint (json_schema, regex, grammar, tools)",
+    "prefix_cache_queries": "prompt tokens looked up in the prefix cache, as vLLM counts them",
+    "prefix_cache_hits": "prompt tokens whose KV came from the prefix cache, as vLLM counts them",
+    "SpecPrefixCacheEvictions": "cached token runs evicted from the prefix cache (both models)",
 }
 GAUGES = {
     "SpecBatchOccupancy": "rows in the engine's running batch at the last step (a request, or an OpenAI choice)",
+    "SpecPrefixCacheBytes": "KV bytes the prefix cache holds (both models)",
 }
 HISTOGRAMS = {
     "SpecRequestLatencySeconds": "handler time from the request's arrival to its last token",
     "SpecTimePerOutputTokenSeconds": "request latency divided by completion tokens",
-    "SpecTimeToFirstTokenSeconds": "streamed requests: arrival in the handler to the first chunk",
+    "SpecTimeToFirstTokenSeconds": "arrival in the handler to the first step that emitted a token, once per request",
     "SpecQueueWaitSeconds": "time a request waited in the handler for room in the batch (max_batch_tokens)",
     "SpecGrammarMaskSecondsPerStep": "constrained requests: time in grammar masks per target pass, on average",
 }
@@ -59,6 +65,7 @@ LABELLED_COUNTERS = {
 }
 COUNT_UNIT = "Count"
 SECONDS_UNIT = "Seconds"
+BYTES_UNIT = "Bytes"
 
 
 class MetricsRecorder:
@@ -76,7 +83,8 @@ class MetricsRecorder:
         except Exception:  # metrics must never cost a request its answer
             logger.exception("could not record metric %s", name)
 
-    def record_result(self, stats, latency_seconds: float, first_token_seconds: float | None = None) -> None:
+    def record_result(self, stats, latency_seconds: float) -> None:
+        """One finished row's figures (a request, or one choice of an OpenAI request)."""
         counter, histogram = MetricTypes.COUNTER, MetricTypes.HISTOGRAM
         self._add("SpecRequests", 1, COUNT_UNIT, counter)
         self._add("SpecDraftTokens", stats.draft_tokens, COUNT_UNIT, counter)
@@ -95,8 +103,6 @@ class MetricsRecorder:
             self._add(
                 "SpecTimePerOutputTokenSeconds", latency_seconds / stats.completion_tokens, SECONDS_UNIT, histogram
             )
-        if first_token_seconds is not None:
-            self._add("SpecTimeToFirstTokenSeconds", first_token_seconds, SECONDS_UNIT, histogram)
         if getattr(stats, "constrained", False):
             # Forced-token drafts are SpecDrafterDraftTokens{drafter="grammar"}.
             self._add("SpecConstrainedRequests", 1, COUNT_UNIT, counter)
@@ -104,11 +110,33 @@ class MetricsRecorder:
                 per_step = stats.mask_seconds / stats.target_forward_passes
                 self._add("SpecGrammarMaskSecondsPerStep", per_step, SECONDS_UNIT, histogram)
 
+    def record_time_to_first_token(self, seconds: float) -> None:
+        """Once per request, all its choices together: arrival to the first step that emitted a token."""
+        self._add("SpecTimeToFirstTokenSeconds", seconds, SECONDS_UNIT, MetricTypes.HISTOGRAM)
+
     def record_rejected(self) -> None:
         self._add("SpecRejectedRequests", 1, COUNT_UNIT, MetricTypes.COUNTER)
 
     def record_aborted(self) -> None:
         self._add("SpecAbortedRequests", 1, COUNT_UNIT, MetricTypes.COUNTER)
+
+    def record_prefix_cache(self, num_queries: int, num_hits: int, num_evictions: int, num_bytes: int | None) -> None:
+        """The prefix cache's figures since the last recording (`PrefixCacheTally`).
+
+        Args:
+            num_queries, num_hits: prompt tokens looked up, and found cached.
+            num_evictions: cached token runs evicted.
+            num_bytes: the bytes it holds now; None when unchanged.
+        """
+        for name, value in (
+            ("prefix_cache_queries", num_queries),
+            ("prefix_cache_hits", num_hits),
+            ("SpecPrefixCacheEvictions", num_evictions),
+        ):
+            if value > 0:
+                self._add(name, value, COUNT_UNIT, MetricTypes.COUNTER)
+        if num_bytes is not None:
+            self._add("SpecPrefixCacheBytes", num_bytes, BYTES_UNIT, MetricTypes.GAUGE)
 
     def record_batch_occupancy(self, num_requests: int) -> None:
         self._add("SpecBatchOccupancy", num_requests, COUNT_UNIT, MetricTypes.GAUGE)
@@ -144,3 +172,30 @@ class MetricsRecorder:
             if count:
                 dimension = Dimension(POSITION_DIMENSION, str(position))
                 self._add("spec_decode_num_accepted_tokens_per_pos", count, COUNT_UNIT, counter, [dimension])
+
+
+class PrefixCacheTally:
+    """Turns the engine's prefix-cache figures since start-up into what changed since the last recording.
+
+    TorchServe's counters add what they are given, so each recording sends the
+    increase of `queries`, `hits` and `evictions`; the gauge goes out when the
+    bytes held changed (one worker-log line per metric: not every step).
+    Nothing is sent while the cache is off.
+    """
+
+    def __init__(self) -> None:
+        self.queries = self.hits = self.evictions = 0
+        self.num_bytes: int | None = None
+
+    def record(self, metrics: MetricsRecorder, stats) -> None:
+        """Args: stats: `SpeculativeEngine.prefix_cache_stats`, a `PrefixCacheStats` or None (cache off)."""
+        if stats is None:
+            return
+        metrics.record_prefix_cache(
+            stats.queries - self.queries,
+            stats.hits - self.hits,
+            stats.evictions - self.evictions,
+            None if stats.num_bytes == self.num_bytes else stats.num_bytes,
+        )
+        self.queries, self.hits = stats.queries, stats.hits
+        self.evictions, self.num_bytes = stats.evictions, stats.num_bytes

@@ -219,6 +219,7 @@ class StaticBatch:
         if tracked.started:
             # Chunks already went out: a retry would send them again.
             return RequestError("server: generation failed mid-stream", status=500)
+        tracked.first_token_at = None  # the failed batch's tokens are gone; the answer's come from the retry
 
         def on_tokens(row: int, _new_token_ids: list[int], output) -> None:
             tally.add_step(output)
@@ -231,7 +232,10 @@ class StaticBatch:
             return failure_error(error)
 
     def _on_tokens(self, index: int, row: int, output, send_chunk) -> None:
+        """After a step that emitted tokens for this row."""
         tracked = self.tracked[index]
+        if tracked.first_token_at is None:
+            tracked.first_token_at = self.clock()
         if output.finish_reason is not None:
             tracked.finished_at = self.clock()  # the last row's time is the request's
             text = tracked.answer.on_row_finished(row, output.result)
@@ -239,8 +243,6 @@ class StaticBatch:
             text = tracked.answer.on_tokens(row, output)
         if not text:
             return
-        if tracked.first_chunk_at is None:
-            tracked.first_chunk_at = self.clock()
         tracked.started = True
         send_chunk(index, text, tracked.answer.content_type)
 
@@ -259,14 +261,10 @@ class StaticBatch:
             status, body = tracked.answer.error(outcome)
             return Reply(body, status=status, content_type=JSON_CONTENT_TYPE)
         finished_at = tracked.finished_at or self.clock()
-        content_type = None
-        if not tracked.started:
-            content_type = tracked.answer.content_type
-            if tracked.answer.stream:
-                tracked.first_chunk_at = self.clock()  # the final answer is the first chunk
-        first_chunk = None if tracked.first_chunk_at is None else tracked.first_chunk_at - tracked.arrived_at
+        content_type = None if tracked.started else tracked.answer.content_type
+        metrics.record_time_to_first_token((tracked.first_token_at or finished_at) - tracked.arrived_at)
         for result in outcome:
-            metrics.record_result(result.stats, finished_at - tracked.arrived_at, first_chunk)
+            metrics.record_result(result.stats, finished_at - tracked.arrived_at)
         return Reply(tracked.answer.final(outcome), content_type=content_type)
 
 
@@ -279,7 +277,8 @@ class _Tracked:
         self.num_tokens = request_tokens(answer.generations)
         self.results: list[GenerationResult | None] = [None] * len(answer.generations)  # per row, once finished
         self.started = False  # a chunk (and so the HTTP status) went out
-        self.first_chunk_at: float | None = None
+        # The end of the first step that emitted a token for it, streamed or not (any of its rows).
+        self.first_token_at: float | None = None
         self.finished_at: float | None = None
 
     @property
@@ -445,6 +444,8 @@ class ContinuousBatcher:
             if tracked is None:
                 continue  # aborted this call
             tally.add_step(output)
+            if output.new_token_ids and tracked.first_token_at is None:
+                tracked.first_token_at = now
             if output.finish_reason is None:
                 text = tracked.answer.on_tokens(row, output)
             else:
@@ -452,10 +453,10 @@ class ContinuousBatcher:
                 assert result is not None, "a finished step output carries its result"
                 tracked.results[row] = result
                 tally.add_final(result.stats)
-                first_chunk = (tracked.first_chunk_at or now) - tracked.arrived_at if tracked.answer.stream else None
-                metrics.record_result(result.stats, now - tracked.arrived_at, first_chunk)
+                metrics.record_result(result.stats, now - tracked.arrived_at)
                 text = tracked.answer.on_row_finished(row, result)
                 if not tracked.unfinished_rows:
+                    metrics.record_time_to_first_token((tracked.first_token_at or now) - tracked.arrived_at)
                     del self.running[request_id]
                     finished[request_id] = (tracked, tracked.results)
             if text:
@@ -480,8 +481,6 @@ class ContinuousBatcher:
         """A request still waiting or running: its new streamed chunks, or an empty chunk."""
         content_type = None if tracked.started else tracked.answer.content_type
         tracked.started = True
-        if chunks and tracked.first_chunk_at is None:
-            tracked.first_chunk_at = self.clock()
         return Reply("".join(chunks), content_type=content_type, more=True)
 
     def _final_reply(

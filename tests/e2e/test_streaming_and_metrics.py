@@ -38,7 +38,9 @@ def check_stream_equals_plain(lines: list[dict], plain: dict) -> None:
     assert "".join(line["text_delta"] for line in lines) == plain["text"]
     assert sum((line["token_ids"] for line in lines), []) == plain["token_ids"]
     assert final["finish_reason"] == plain["finish_reason"]
-    assert final["usage"] == plain["usage"]
+    # cached_tokens depends on what the prefix cache held when each was sent.
+    for key in ("prompt_tokens", "completion_tokens"):
+        assert final["usage"][key] == plain["usage"][key]
 
 
 def test_stream_is_chunked_ndjson_equal_to_the_plain_answer(server):
@@ -103,5 +105,5 @@ def test_prometheus_counters_agree_with_the_responses(server):
     assert delta("SpecTargetForwardPasses") == sum(s["target_forward_passes"] for s in stats)
     assert delta("SpecGeneratedTokens") == sum(completions)
     assert delta("SpecRequestLatencySeconds_count") == 3
-    assert delta("SpecTimeToFirstTokenSeconds_count") == 1  # only the streamed request
+    assert delta("SpecTimeToFirstTokenSeconds_count") == 3  # every answered request, streamed or not
     assert delta("SpecRequestLatencySeconds_sum") > 0

@@ -144,7 +144,12 @@ def test_streamed_chunks_join_to_the_plain_answer_and_metrics_agree(handler, tin
     assert sum(metrics.values["SpecAcceptedTokens"]) == sum(s["accepted_tokens"] for s in stats)
     assert sum(metrics.values["SpecTargetForwardPasses"]) == sum(s["target_forward_passes"] for s in stats)
     assert sum(metrics.values["SpecGeneratedTokens"]) == sum(p["usage"]["completion_tokens"] for p in plain)
-    assert len(metrics.values["SpecTimeToFirstTokenSeconds"]) == 2  # streamed requests only
+    # Every request, streamed or not, and never later than its last token.
+    assert len(metrics.values["SpecTimeToFirstTokenSeconds"]) == 3
+    assert all(
+        0 < first <= last
+        for first, last in zip(metrics.values["SpecTimeToFirstTokenSeconds"], metrics.values["SpecRequestLatencySeconds"])
+    )
     assert all(v > 0 for v in metrics.values["SpecRequestLatencySeconds"])
 
 

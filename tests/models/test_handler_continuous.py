@@ -43,6 +43,7 @@ class Frontend:
         self.received: dict[str, list] = {}
         self.statuses: dict[str, int] = {}
         self.steps = 0
+        self.metrics = None  # TorchServe's metrics cache, or a test's stand-in
 
     def submit(self, request_id: str, body, url_path: str = "") -> None:
         """A new job; `url_path` is what TorchServe sets ("" on the native route, e.g. "v1/completions")."""
@@ -54,6 +55,7 @@ class Frontend:
         data = [{"body": self.in_flight[r]} if self.in_flight[r] is not None else {} for r in ids]
         context = make_context(self.model_dir, True)
         context.request_ids = dict(enumerate(ids))
+        context.metrics = self.metrics
         context.request_processor = [
             RequestProcessor({"body": {"content-type": "application/json"}, "url_path": self.url_paths[r]}) for r in ids
         ]

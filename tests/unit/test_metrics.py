@@ -1,9 +1,10 @@
-"""Per-drafter counters: each proposer's drafted and accepted tokens, labelled by drafter."""
+"""Per-drafter counters, labelled by drafter; the prefix cache's counters sent as increments."""
 
 from __future__ import annotations
 
 from handler.engine import SpeculativeStats
-from handler.metrics import DRAFTER_DIMENSION, MetricsRecorder
+from handler.metrics import DRAFTER_DIMENSION, MetricsRecorder, PrefixCacheTally
+from handler.prefix_cache import PrefixCacheStats
 
 
 class RecordingCache:
@@ -54,3 +55,33 @@ def test_an_unconstrained_request_records_no_grammar_metrics():
     cache = RecordingCache()
     MetricsRecorder(cache).record_result(stats, latency_seconds=1.0)
     assert not {"SpecConstrainedRequests", "SpecGrammarMaskSecondsPerStep"} & {name for name, _, _ in cache.calls}
+
+
+def test_prefix_cache_counters_go_out_as_increments_and_the_gauge_when_it_changes():
+    tally, cache = PrefixCacheTally(), RecordingCache()
+    recorder = MetricsRecorder(cache)
+
+    def recorded() -> dict:
+        values = {name: value for name, value, _ in cache.calls}
+        cache.calls.clear()
+        return values
+
+    tally.record(recorder, PrefixCacheStats(queries=40, hits=0, num_bytes=4096, num_tokens=39))
+    assert recorded() == {"prefix_cache_queries": 40, "SpecPrefixCacheBytes": 4096}
+    tally.record(recorder, PrefixCacheStats(queries=80, hits=39, num_bytes=4096, num_tokens=39))
+    assert recorded() == {"prefix_cache_queries": 40, "prefix_cache_hits": 39}, "same bytes: no gauge line"
+    tally.record(recorder, PrefixCacheStats(queries=80, hits=39, num_bytes=4096, num_tokens=39))
+    assert recorded() == {}, "nothing moved: nothing sent"
+    tally.record(recorder, PrefixCacheStats(queries=90, hits=45, evictions=2, evicted_tokens=30, num_bytes=1024))
+    assert recorded() == {
+        "prefix_cache_queries": 10,
+        "prefix_cache_hits": 6,
+        "SpecPrefixCacheEvictions": 2,
+        "SpecPrefixCacheBytes": 1024,
+    }
+
+
+def test_a_cache_that_is_off_records_nothing():
+    cache = RecordingCache()
+    PrefixCacheTally().record(MetricsRecorder(cache), None)
+    assert cache.calls == []

@@ -110,7 +110,7 @@ def test_a_non_streamed_request_is_one_json_answer_after_empty_chunks():
     assert all(r.body == "" for r in replies[:-1])
     answer = replies[-1].body
     assert answer["text"] == harness.engine.solo_text(parse(harness.bodies["a"]).generation)
-    assert answer["usage"] == {"prompt_tokens": 1, "completion_tokens": 7}
+    assert answer["usage"] == {"prompt_tokens": 1, "completion_tokens": 7, "cached_tokens": 0}
 
 
 def test_a_stream_sends_each_steps_tokens_and_the_lines_join_to_the_answer():
@@ -337,6 +337,67 @@ def test_static_batches_split_to_fit_max_batch_tokens_and_stream_through_the_cal
     assert replies[0].body["text"] == engine.solo_text(parsed[0].generation)
     assert all(r.more is None for r in replies)
     assert [v for v, _ in recorded.values["SpecBatchOccupancy"]] == [2, 1]
+
+
+class CachingEngine(FakeEngine):
+    """Reports every prompt token but the last as found in the prefix cache, as for a repeated prompt."""
+
+    def step(self):
+        outputs = super().step()
+        for output in outputs:
+            if output.result is not None:
+                output.result.cached_tokens = output.result.prompt_tokens - 1
+        return outputs
+
+
+def test_native_usage_reports_the_cached_prompt_tokens():
+    harness = Harness(engine=CachingEngine())
+    harness.submit("plain", {"prompt": "abcd", "max_new_tokens": 3})
+    harness.submit("stream", {"prompt": "abcdef", "max_new_tokens": 3, "stream": True})
+    harness.run_until_done()
+    assert answer_of(harness.received["plain"])["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 3,
+        "cached_tokens": 3,
+    }
+    assert stream_lines(harness.received["stream"])[-1]["usage"]["cached_tokens"] == 5
+
+
+def test_time_to_first_token_is_recorded_for_every_request_streamed_or_not():
+    # Each request holds 1 prompt token + 7 new ones = 8; the bound fits two: c waits for room.
+    harness = Harness(max_batch_tokens=17)
+    harness.submit("a", {"prompt": "a", "max_new_tokens": 7, "stream": True})
+    harness.submit("b", {"prompt": "b", "max_new_tokens": 7})
+    harness.submit("c", {"prompt": "c", "max_new_tokens": 7})
+    harness.run_until_done()
+    # One value per request, when it finishes: a and b had a token in their first call, c in its fifth.
+    first_tokens = [value for value, _ in harness.recorded.values["SpecTimeToFirstTokenSeconds"]]
+    assert first_tokens == [0.0, 0.0, 4.0]
+    assert [value for value, _ in harness.recorded.values["SpecRequestLatencySeconds"]] == [3.0, 3.0, 7.0]
+
+
+class ClockedEngine(FakeGenerateEngine):
+    """Each step takes one second of the clock the static batch reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+
+    def step(self):
+        self.now += 1.0
+        return super().step()
+
+
+def test_a_static_batch_records_time_to_first_token_for_every_request():
+    engine = ClockedEngine()
+    static = StaticBatch(engine, TOKENIZER, max_batch_tokens=8, clock=lambda: engine.now)
+    parsed = [parse({"prompt": "a", "max_new_tokens": 7, "stream": True}), parse({"prompt": "b", "max_new_tokens": 7})]
+    recorded = RecordingMetrics()
+    static.run(parsed, lambda index, line, _: None, MetricsRecorder(recorded))
+    assert engine.rows_per_step == [1] * 8, "one group after the other"
+    # The second group's first token came in the fifth step; it is not streamed, and counts too.
+    assert [value for value, _ in recorded.values["SpecTimeToFirstTokenSeconds"]] == [1.0, 5.0]
+    assert [value for value, _ in recorded.values["SpecRequestLatencySeconds"]] == [4.0, 8.0]
 
 
 @pytest.mark.parametrize("body", [{"prompt": "x", "max_new_tokens": 0}, {"prompt": ""}])
