@@ -82,7 +82,8 @@ SPECULATIVE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "accepted_per_position": list,  # [j]: steps whose draft j was accepted
 }
 SPECULATIVE_KEYS = frozenset(SPECULATIVE_FIELDS)
-USAGE_KEYS = ("prompt_tokens", "completion_tokens")
+# cached_tokens: of the prompt tokens, those whose KV came from the prefix cache.
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 ANSWER_KEYS = ("text", "token_ids", "finish_reason", "usage", "speculative")
 STREAM_CHUNK_KEYS = ("text_delta", "token_ids")
 ERROR_KEY = "error"
@@ -253,14 +254,25 @@ def decode_body(value: Any, content_type: str | None = None) -> dict:
 # --- Answer builders -----------------------------------------------------------------------------
 
 
-def answer(text: str, token_ids: Sequence[int], finish_reason: str, prompt_tokens: int, speculative: Mapping) -> dict:
-    """The JSON answer of a finished request (also the fields of a stream's last line)."""
+def answer(
+    text: str,
+    token_ids: Sequence[int],
+    finish_reason: str,
+    prompt_tokens: int,
+    speculative: Mapping,
+    cached_tokens: int = 0,
+) -> dict:
+    """The JSON answer of a finished request (also the fields of a stream's last line).
+
+    `cached_tokens`: the prompt tokens whose KV came from the prefix cache.
+    """
     assert finish_reason in FINISH_REASONS, finish_reason
+    assert 0 <= cached_tokens <= prompt_tokens, (cached_tokens, prompt_tokens)
     return {
         "text": text,
         "token_ids": list(token_ids),
         "finish_reason": finish_reason,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids)},
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids), "cached_tokens": cached_tokens},
         "speculative": dict(speculative),
     }
 

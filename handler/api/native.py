@@ -177,6 +177,7 @@ def result_to_json(result: GenerationResult) -> dict:
         finish_reason=result.finish_reason,
         prompt_tokens=result.prompt_tokens,
         speculative=result.stats.as_dict(),
+        cached_tokens=result.cached_tokens,
     )
 
 

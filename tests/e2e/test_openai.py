@@ -106,7 +106,11 @@ def test_streamed_text_equals_the_plain_text(client, server, route):
     chunks = list(
         create(model=server.model_name, **prompt, **fields, stream=True, stream_options={"include_usage": True})
     )
-    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump(exclude={"prompt_tokens_details"}) == (
+        plain.usage.model_dump(exclude={"prompt_tokens_details"})
+    )
+    # The plain request finished first: all the prompt it prefills (all but the last token) was cached.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == plain.usage.prompt_tokens - 1
     assert all(chunk.usage is None for chunk in chunks[:-1])
     assert len(chunks) > 3, "chunks while the rows run, not one block at the end"
     for choice in plain.choices:
@@ -333,3 +337,28 @@ def test_logprobs_equal_a_direct_forward_of_the_target(client, server, tiny_mode
     )
     streamed = [entry for chunk in chunks if chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
     assert [entry.token for entry in streamed] == [entry.token for entry in content]
+
+
+def test_a_second_chat_turn_reuses_the_first_and_the_metrics_count_it(client, server):
+    hits_before = counter(server, "prefix_cache_hits")
+    messages = [
+        {"role": "system", "content": "You review Python code and answer in one sentence."},
+        {"role": "user", "content": "What does `sorted(values)[len(values) // 2]` return for an odd length?"},
+    ]
+    first = chat(client, server, messages=messages, max_tokens=8)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And for an even length?"},
+    ]
+    second = chat(client, server, messages=messages, max_tokens=8)
+    # The first turn's prompt comes from the cache (but perhaps its last token, which the answer's
+    # first token can merge with when the turn is rendered again); the new question cannot.
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < first.usage.prompt_tokens - 1 <= cached < second.usage.prompt_tokens, (first.usage, second.usage)
+    # The worker's metrics reach the endpoint through its log: give the frontend a moment.
+    deadline = time.monotonic() + HTTP_TIMEOUT_S
+    while counter(server, "prefix_cache_hits") < hits_before + cached and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert counter(server, "prefix_cache_hits") >= hits_before + cached, server.log_tail()
+    assert counter(server, "prefix_cache_queries") >= counter(server, "prefix_cache_hits")
+    assert counter(server, "SpecPrefixCacheBytes") > 0

@@ -67,7 +67,10 @@ def test_plain_text_body_is_the_prompt(server, content_type):
     as_text = server.predict_ok(prompt.encode("utf-8"), headers=headers)
     as_json = server.predict_ok({"prompt": prompt})
     assert as_text["token_ids"] == as_json["token_ids"]
-    assert as_text["usage"] == as_json["usage"]
+    for key in ("prompt_tokens", "completion_tokens"):
+        assert as_text["usage"][key] == as_json["usage"][key]
+    # The same prompt again, after the first finished: all it prefills (all but its last token) was cached.
+    assert as_json["usage"]["cached_tokens"] == as_json["usage"]["prompt_tokens"] - 1
 
 
 def test_chat_messages(server):

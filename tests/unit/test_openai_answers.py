@@ -54,6 +54,7 @@ class FakeResult:
     prompt_tokens: int
     stats: SpeculativeStats
     logprobs: list[FakeLogprob] | None = None
+    cached_tokens: int = 0
 
 
 def stats(draft: int, accepted: int, passes: int, completion: int, fell_back: bool = False) -> SpeculativeStats:
@@ -88,7 +89,7 @@ def make_request(kind: str, num_choices: int = 1, n: int | None = None, **fields
     )
 
 
-HELLO = FakeResult([1, 2, 3, 4, 0], "Hello world", "eos", 3, stats(8, 4, 2, 5))
+HELLO = FakeResult([1, 2, 3, 4, 0], "Hello world", "eos", 3, stats(8, 4, 2, 5), cached_tokens=2)
 BANG = FakeResult([5, 5, 5], "!!!", "length", 3, stats(4, 1, 2, 3, fell_back=True))
 
 
@@ -103,7 +104,12 @@ def test_completion_body_validates_as_the_openai_type():
     assert parsed.object == "text_completion" and parsed.id == "cmpl-x" and parsed.model == "tiny-spec"
     assert parsed.choices[0].text == "Hello world" and parsed.choices[0].finish_reason == "stop"
     assert parsed.choices[0].logprobs is None
-    assert parsed.usage.model_dump(exclude_none=True) == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert parsed.usage.model_dump(exclude_none=True) == {
+        "prompt_tokens": 3,
+        "completion_tokens": 5,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
     assert body["speculative"] == HELLO.stats.as_dict()
 
 
@@ -119,8 +125,19 @@ def test_chat_body_validates_as_the_openai_type():
 
 def test_usage_counts_each_prompt_once_and_every_choice():
     request = make_request(ROUTE_COMPLETIONS, 4, n=2)  # 2 prompts x n=2
-    results = [HELLO, BANG, dataclasses.replace(BANG, prompt_tokens=7), dataclasses.replace(HELLO, prompt_tokens=7)]
-    assert usage(request, results) == {"prompt_tokens": 3 + 7, "completion_tokens": 5 + 3 + 3 + 5, "total_tokens": 26}
+    results = [
+        HELLO,
+        BANG,
+        dataclasses.replace(BANG, prompt_tokens=7, cached_tokens=6),
+        dataclasses.replace(HELLO, prompt_tokens=7, cached_tokens=6),
+    ]
+    assert usage(request, results) == {
+        "prompt_tokens": 3 + 7,
+        "completion_tokens": 5 + 3 + 3 + 5,
+        "total_tokens": 26,
+        # Cached prompt tokens count once per prompt too: the first choice's of each.
+        "prompt_tokens_details": {"cached_tokens": 2 + 6},
+    }
 
 
 def test_speculative_totals_add_up_the_choices():

@@ -13,7 +13,16 @@ from handler.config import HandlerConfig
 from handler.metrics import MetricsRecorder
 from handler.serving import JSON_CONTENT_TYPE, Reply, StaticBatch
 from tests.unit.fake_engine import FakeEngine
-from tests.unit.test_serving import MODEL, TOKENIZER, FakeGenerateEngine, Harness, RecordingMetrics, answer_of, parse
+from tests.unit.test_serving import (
+    MODEL,
+    TOKENIZER,
+    CachingEngine,
+    FakeGenerateEngine,
+    Harness,
+    RecordingMetrics,
+    answer_of,
+    parse,
+)
 
 COMPLETIONS, MODELS = "v1/completions", "v1/models"
 SSE_CONTENT_TYPE = "text/event-stream"
@@ -59,12 +68,29 @@ def test_a_stream_of_n_choices_sends_each_steps_chunks_then_usage_and_done():
         "prompt_tokens": 1,
         "completion_tokens": 14,
         "total_tokens": 15,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     for index in (0, 1):
         own = choice_chunks(events, index)
         assert "".join(c["text"] for c in own) == solo_text(harness.engine, body)
         assert [c["finish_reason"] for c in own] == [None, None, None, "length"]
     assert all(e["object"] == "text_completion" and e["model"] == MODEL for e in events[:-1])
+
+
+def test_usage_reports_cached_prompt_tokens_once_per_prompt_plain_and_streamed():
+    harness = Harness(engine=CachingEngine())
+    body = {"model": MODEL, "prompt": "abcd", "max_tokens": 3, "n": 2}
+    harness.submit("plain", body, COMPLETIONS)
+    harness.submit("stream", {**body, "stream": True, "stream_options": {"include_usage": True}}, COMPLETIONS)
+    harness.run_until_done()
+    expected = {
+        "prompt_tokens": 4,
+        "completion_tokens": 6,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
+    assert answer_of(harness.received["plain"])["usage"] == expected
+    assert sse_events(answer_of(harness.received["stream"])["chunks"])[-2]["usage"] == expected
 
 
 class ShortSecondChoice(FakeEngine):
@@ -106,9 +132,15 @@ def test_a_plain_request_of_n_choices_is_one_json_answer():
     assert answer["object"] == "text_completion" and answer["id"].startswith("cmpl-")
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
     assert all(c["text"] == solo_text(harness.engine, body) for c in answer["choices"])
-    assert answer["usage"] == {"prompt_tokens": 1, "completion_tokens": 15, "total_tokens": 16}
+    assert answer["usage"] == {
+        "prompt_tokens": 1,
+        "completion_tokens": 15,
+        "total_tokens": 16,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert answer["speculative"]["draft_tokens"] == 0  # the fake engine's stats are empty; they add up
     assert harness.recorded.total("SpecRequests") == 3, "figures per choice"
+    assert len(harness.recorded.values["SpecTimeToFirstTokenSeconds"]) == 1, "but one first token per request"
 
 
 def test_a_disconnected_client_aborts_all_its_choices_rows():

@@ -22,7 +22,7 @@ ANSWER = {
     "text": "ab",
     "token_ids": [1, 2],
     "finish_reason": "length",
-    "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 2},
     "speculative": SPECULATIVE,
 }
 STREAM_LINES = [
@@ -36,7 +36,7 @@ def test_validate_answer_accepts_the_contract_and_names_each_problem():
     broken = dict(ANSWER, finish_reason="done", token_ids=[1, "2"], usage={"prompt_tokens": 3})
     del broken["speculative"]
     problems = " | ".join(schema.validate_answer(broken))
-    for expected in ("finish_reason", "token_ids", "usage.completion_tokens", "speculative"):
+    for expected in ("finish_reason", "token_ids", "usage.completion_tokens", "usage.cached_tokens", "speculative"):
         assert expected in problems
     assert schema.validate_answer([ANSWER]) != []
 
@@ -52,7 +52,7 @@ def test_validate_stream_needs_a_final_line_with_finish_reason():
 
 
 def test_builders_make_what_the_validators_accept():
-    answer = schema.answer("ab", [1, 2], schema.FINISH_LENGTH, 3, SPECULATIVE)
+    answer = schema.answer("ab", [1, 2], schema.FINISH_LENGTH, 3, SPECULATIVE, cached_tokens=2)
     assert answer == ANSWER and tuple(answer) == schema.ANSWER_KEYS
     assert set(answer["speculative"]) == schema.SPECULATIVE_KEYS
     lines = [schema.stream_chunk("a", [1]), schema.final_stream_chunk(answer, "b", [2])]

@@ -49,13 +49,19 @@ def finish_reason(reason: str, made_tool_calls: bool = False) -> str:
 
 
 def usage(request: OpenAIRequest, results: Sequence[GenerationResult]) -> dict:
-    """Prompt tokens once per prompt, as OpenAI counts them for n > 1; completion tokens of every choice."""
-    prompt_tokens = sum(results[prompt * request.n].prompt_tokens for prompt in range(request.num_prompts))
+    """Prompt tokens once per prompt, as OpenAI counts them for n > 1; completion tokens of every choice.
+
+    `prompt_tokens_details.cached_tokens`: of the prompt tokens, those whose KV came from the
+    prefix cache, also once per prompt (its first choice's).
+    """
+    firsts = [results[prompt * request.n] for prompt in range(request.num_prompts)]
+    prompt_tokens = sum(result.prompt_tokens for result in firsts)
     completion_tokens = sum(len(result.token_ids) for result in results)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(result.cached_tokens for result in firsts)},
     }
 
 
