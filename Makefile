@@ -34,7 +34,7 @@ TORCH_SPEC_FILE := $(VENV)/.torch-spec
 TINY_MODELS := models/tiny
 
 .PHONY: help install check-java test test-fast lint tiny-models package serve dev-serve register \
-	unregister stop loadtest demo install-demo bench clean FORCE
+	unregister stop loadtest demo install-demo bench bench-prefix clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [VAR=value ...]"
@@ -124,6 +124,13 @@ BENCH_ARGS ?=
 
 bench: install-demo ## Benchmark against HF generate on both prompt sets (BENCH_ARGS; ~45 min on 2 cores)
 	$(PY) -m scripts.bench $(BENCH_ARGS)
+
+# The prefix cache off against on, the demo pair with model-config/qwen-coder.yaml: multi-turn chat
+# and a shared system prompt under Poisson load. Results in bench_results/prefix.json.
+BENCH_PREFIX_ARGS ?=
+
+bench-prefix: install-demo ## Benchmark the prefix cache, off against on (BENCH_PREFIX_ARGS)
+	$(PY) -m scripts.bench_prefix $(BENCH_PREFIX_ARGS)
 
 clean: ## Remove the tiny models, archives and no-archive folders in model_store/, and logs
 	rm -rf $(TINY_MODELS) logs

@@ -159,8 +159,10 @@ class Runner:
 
     def engine(self, planned: bool) -> SpeculativeEngine:
         if planned not in self.engines:
+            # No prefix cache: each prompt runs several times, and later runs would skip the prefill
+            # that the Hugging Face baselines pay for.
             self.engines[planned] = SpeculativeEngine.from_config(
-                self.models, self.config, self.cost_table if planned else None
+                self.models, self.config, self.cost_table if planned else None, prefix_cache_max_bytes=None
             )
         return self.engines[planned]
 

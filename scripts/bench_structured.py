@@ -311,7 +311,10 @@ def main(argv=None) -> int:
         compiler_for(tokenizer).compile(case.constraint)
 
     def engine(grammar_drafts: bool) -> SpeculativeEngine:
-        return SpeculativeEngine.from_config(models, config, cost_table, grammar_drafts=grammar_drafts)
+        # No prefix cache: each case runs several times, and later runs would skip their prefill.
+        return SpeculativeEngine.from_config(
+            models, config, cost_table, grammar_drafts=grammar_drafts, prefix_cache_max_bytes=None
+        )
 
     k = config.num_speculative_tokens
     methods = {
