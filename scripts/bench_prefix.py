@@ -218,17 +218,24 @@ class ChatRoute:
         return text
 
 
-def run_alone(engine: SpeculativeEngine, request: GenerationRequest) -> tuple[GenerationResult, float]:
-    """Runs one request alone in the engine: its result and its time to first token in seconds."""
-    ttft, result = None, None
+def run_alone(engine: SpeculativeEngine, request: GenerationRequest) -> tuple[GenerationResult, float, float | None]:
+    """Runs one request alone in the engine.
+
+    Returns:
+        its result, its time to first token in seconds, and its tokens/s after the first step
+        that emitted (None when that step emitted them all).
+    """
+    ttft, result, num_first = None, None, 0
     started = time.perf_counter()
     engine.add_request(0, request)
     while result is None:
         for output in engine.step():
             if ttft is None and output.new_token_ids:
-                ttft = time.perf_counter() - started
+                ttft, num_first = time.perf_counter() - started, len(output.new_token_ids)
             result = output.result or result
-    return result, ttft
+    decode_seconds = time.perf_counter() - started - ttft
+    num_decoded = len(result.token_ids) - num_first
+    return result, ttft, num_decoded / decode_seconds if num_decoded and decode_seconds > 0 else None
 
 
 def multi_turn(engine: SpeculativeEngine, route: ChatRoute, system: str, tools: list[dict], args) -> list[dict]:
@@ -237,7 +244,7 @@ def multi_turn(engine: SpeculativeEngine, route: ChatRoute, system: str, tools: 
     for user in USER_TURNS[: args.turns]:
         messages.append({"role": "user", "content": user})
         request = route.request(messages, tools, args.turn_tokens)
-        result, ttft = run_alone(engine, request)
+        result, ttft, decode_tokens_per_s = run_alone(engine, request)
         messages.append({"role": "assistant", "content": result.text})
         turns.append(
             {
@@ -245,6 +252,7 @@ def multi_turn(engine: SpeculativeEngine, route: ChatRoute, system: str, tools: 
                 "cached_tokens": result.cached_tokens,
                 "completion_tokens": len(result.token_ids),
                 "ttft_s": ttft,
+                "decode_tokens_per_s": decode_tokens_per_s,
                 "token_ids": result.token_ids,
             }
         )
@@ -321,6 +329,8 @@ def summarize_chat(runs: dict[str, list[list[dict]]]) -> dict:
                 "ttft_off_s": ttft_off,
                 "ttft_on_s": ttft_on,
                 "ratio": ttft_on / ttft_off,
+                "decode_off": _median([run[i]["decode_tokens_per_s"] for run in off]),
+                "decode_on": _median([run[i]["decode_tokens_per_s"] for run in on]),
                 "same_output": off[0][i]["token_ids"] == on[0][i]["token_ids"],
             }
         )
@@ -330,6 +340,9 @@ def summarize_chat(runs: dict[str, list[list[dict]]]) -> dict:
     return {
         "turns": rows,
         "median_ratio_later_turns": statistics.median(row["ratio"] for row in rows[1:]) if rows[1:] else None,
+        "decode_ratio": _ratio(
+            _median([row["decode_on"] for row in rows]), _median([row["decode_off"] for row in rows])
+        ),
         "hit_rate_later_turns": cached / hittable if hittable else None,
         "identical": all(row["same_output"] for row in rows),
         "runs": {mode: [[_without_ids(turn) for turn in run] for run in runs[mode]] for mode in MODES},
@@ -389,13 +402,14 @@ def markdown(report: dict) -> str:
         f"**Multi-turn chat**: system prompt and {_count(s['num_tools'], 'tool')} ({s['system_prompt_tokens']} "
         f"tokens), {_count(num_turns, 'user turn')} of up to {s['turn_tokens']} new tokens, greedy, one at a time.",
         "",
-        "| turn | prompt tokens | cached tokens | TTFT off (s) | TTFT on (s) | on/off |",
-        "|---|---|---|---|---|---|",
+        "| turn | prompt tokens | cached tokens | TTFT off (s) | TTFT on (s) | on/off "
+        "| decode tokens/s off | decode tokens/s on |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in chat["turns"]:
         lines.append(
             f"| {row['turn']} | {row['prompt_tokens']} | {row['cached_tokens']} | {row['ttft_off_s']:.3f} | "
-            f"{row['ttft_on_s']:.3f} | {row['ratio']:.2f}x |"
+            f"{row['ttft_on_s']:.3f} | {row['ratio']:.2f}x | {_fmt(row['decode_off'])} | {_fmt(row['decode_on'])} |"
         )
     same = sum(row["same_output"] for row in chat["turns"])
     lines += [
@@ -403,7 +417,8 @@ def markdown(report: dict) -> str:
         f"Turns 2-{num_turns}: median TTFT on/off {_fmt(chat['median_ratio_later_turns'], '{:.2f}x')}; hit rate "
         f"{_fmt(chat['hit_rate_later_turns'], '{:.1%}')} (cached tokens / the previous turn's prompt and "
         f"completion); greedy replies identical on and off: {'yes' if chat['identical'] else 'no'} "
-        f"({same}/{num_turns}).",
+        f"({same}/{num_turns}). Decoding after the first token, on/off: {_fmt(chat['decode_ratio'], '{:.2f}x')} "
+        "(median over the turns).",
         "",
         *header,
         f"**Shared system prompt under load**: {_count(s['users'], 'user')}, a {s['shared_prompt_tokens']}-token "
