@@ -123,9 +123,13 @@ def test_auto_dtype_rule(monkeypatch):
     assert choose_cpu_dtype(big, shapes, 5) == torch.bfloat16
     monkeypatch.setattr(cpu_speed, "measure_bf16_speedup", lambda *a, **k: 1.1)
     assert choose_cpu_dtype(big, shapes, 5) == torch.float32
-    # float32 that would not fit in memory: bf16 whatever the speed.
+    # float32 that would not fit in memory: bf16 whatever the speed, where oneDNN runs bf16 on this CPU.
     monkeypatch.setattr(cpu_speed, "_available_memory_bytes", lambda: 5 * 2**30)
+    monkeypatch.setattr(cpu_speed, "onednn_supports", lambda dtype: True)
     assert choose_cpu_dtype(big, shapes, 5) == torch.bfloat16
+    # Where it does not, the measured speed decides, as for models that fit.
+    monkeypatch.setattr(cpu_speed, "onednn_supports", lambda dtype: dtype == torch.float32)
+    assert choose_cpu_dtype(big, shapes, 5) == torch.float32
 
 
 def test_the_bf16_speedup_is_measured_on_real_layers():
