@@ -48,6 +48,18 @@ ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://pypi.org/simple
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"
 
+# --- arctic-inference wheel (the suffix drafter's C++ suffix tree) --------------
+# PyPI has only its source. Built here, with a compiler the serving image does not
+# keep, against the torch above (its isolated build would pull an unpinned torch).
+FROM base-${VARIANT} AS arctic
+ARG DEBIAN_FRONTEND=noninteractive
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/* \
+    && pip install --no-cache-dir setuptools==84.2.1 wheel==0.48.0 ninja==1.13.2 cmake==4.4.5 nanobind==2.9.2 \
+    && CMAKE_ARGS="-DPython_EXECUTABLE=/opt/venv/bin/python" pip wheel --no-cache-dir --no-build-isolation \
+        --no-deps --no-binary arctic-inference -w /wheels arctic-inference==0.3.0
+
 # --- Serving image -------------------------------------------------------------
 FROM base-${VARIANT} AS serve
 
@@ -61,6 +73,8 @@ RUN pip freeze | grep -i '^torch==' > /tmp/torch-constraint.txt \
     && pip install --no-cache-dir -c /tmp/torch-constraint.txt \
         -r /tmp/requirements.txt ${EXTRA_PIP_PACKAGES} \
     && rm /tmp/requirements.txt /tmp/torch-constraint.txt
+COPY --from=arctic /wheels /tmp/wheels
+RUN pip install --no-cache-dir --no-deps /tmp/wheels/*.whl && rm -r /tmp/wheels
 
 # A fixed UID, so that Kubernetes' runAsUser and fsGroup can name it.
 RUN groupadd --gid 1000 model-server \
