@@ -47,6 +47,8 @@ COUNTERS = {
 GAUGES = {
     "SpecBatchOccupancy": "rows in the engine's running batch at the last step (a request, or an OpenAI choice)",
     "SpecPrefixCacheBytes": "KV bytes the prefix cache holds (both models)",
+    "SpecSuffixTreeRequests": "completions held in the suffix drafter's tree shared across requests",
+    "SpecSuffixTreeTokens": "tokens of the completions held in the suffix drafter's shared tree",
 }
 HISTOGRAMS = {
     "SpecRequestLatencySeconds": "handler time from the request's arrival to its last token",
@@ -138,6 +140,11 @@ class MetricsRecorder:
         if num_bytes is not None:
             self._add("SpecPrefixCacheBytes", num_bytes, BYTES_UNIT, MetricTypes.GAUGE)
 
+    def record_suffix_tree(self, num_requests: int, num_tokens: int) -> None:
+        """The suffix drafter's shared tree: the completions it holds, and their tokens."""
+        self._add("SpecSuffixTreeRequests", num_requests, COUNT_UNIT, MetricTypes.GAUGE)
+        self._add("SpecSuffixTreeTokens", num_tokens, COUNT_UNIT, MetricTypes.GAUGE)
+
     def record_batch_occupancy(self, num_requests: int) -> None:
         self._add("SpecBatchOccupancy", num_requests, COUNT_UNIT, MetricTypes.GAUGE)
 
@@ -199,3 +206,16 @@ class PrefixCacheTally:
         )
         self.queries, self.hits = stats.queries, stats.hits
         self.evictions, self.num_bytes = stats.evictions, stats.num_bytes
+
+
+class SuffixTreeTally:
+    """Sends the suffix drafter's shared-tree size when it changed since the last recording."""
+
+    def __init__(self) -> None:
+        self.last = None
+
+    def record(self, metrics: MetricsRecorder, stats) -> None:
+        """Args: stats: `SpeculativeEngine.suffix_tree_stats`, a `SuffixTreeStats`."""
+        if stats != self.last:
+            metrics.record_suffix_tree(stats.num_requests, stats.num_tokens)
+            self.last = stats

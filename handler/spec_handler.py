@@ -27,7 +27,7 @@ from handler.cost_table import measure_cost_table
 from handler.engine import SpeculativeEngine
 from handler.loading import load_models
 from handler.memory_budget import describe, prefix_cache_budget
-from handler.metrics import MetricsRecorder, PrefixCacheTally
+from handler.metrics import MetricsRecorder, PrefixCacheTally, SuffixTreeTally
 from handler.serving import ContinuousBatcher, Reply, StaticBatch, parse_entry
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class SpeculativeHandler(BaseHandler):
             self.models, self.config, cost_table, prefix_cache_max_bytes=None if budget is None else budget.num_bytes
         )
         self.prefix_cache_tally = PrefixCacheTally()
+        self.suffix_tree_tally = SuffixTreeTally()
         # The grammar engine's view of the vocabulary (about 1 s for 150k tokens), built now
         # rather than inside the first structured request while the batch waits.
         compiler_for(self.models.tokenizer, self.config.grammar_compile_timeout_s)
@@ -95,9 +96,11 @@ class SpeculativeHandler(BaseHandler):
             replies = self.batcher.run_call(request_ids, new_requests, metrics)
         else:
             replies = self.static_batch.run(self.preprocess(data), self._send_chunk, metrics)
-        # The cache's counters move at admission and its bytes when requests leave: once per call
-        # covers every step (one per call in continuous batching, the whole batch otherwise).
+        # The cache's counters move at admission and its bytes when requests leave, the suffix tree
+        # with every step: once per call covers every step (one per call in continuous batching,
+        # the whole batch otherwise).
         self.prefix_cache_tally.record(metrics, self.engine.prefix_cache_stats)
+        self.suffix_tree_tally.record(metrics, self.engine.suffix_tree_stats)
         return self._answer(replies)
 
     def preprocess(self, data):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from handler.drafters.suffix import SuffixTreeStats
 from handler.engine import SpeculativeStats
-from handler.metrics import DRAFTER_DIMENSION, MetricsRecorder, PrefixCacheTally
+from handler.metrics import DRAFTER_DIMENSION, MetricsRecorder, PrefixCacheTally, SuffixTreeTally
 from handler.prefix_cache import PrefixCacheStats
 
 
@@ -85,3 +86,21 @@ def test_a_cache_that_is_off_records_nothing():
     cache = RecordingCache()
     PrefixCacheTally().record(MetricsRecorder(cache), None)
     assert cache.calls == []
+
+
+def test_the_suffix_tree_gauges_go_out_when_the_shared_tree_changes():
+    tally, cache = SuffixTreeTally(), RecordingCache()
+    recorder = MetricsRecorder(cache)
+    tally.record(recorder, SuffixTreeStats(num_requests=0, num_tokens=0))
+    assert [(name, value) for name, value, _ in cache.calls] == [
+        ("SpecSuffixTreeRequests", 0),
+        ("SpecSuffixTreeTokens", 0),
+    ]
+    cache.calls.clear()
+    tally.record(recorder, SuffixTreeStats(num_requests=0, num_tokens=0))
+    assert cache.calls == [], "unchanged: nothing sent"
+    tally.record(recorder, SuffixTreeStats(num_requests=2, num_tokens=70))
+    assert [(name, value) for name, value, _ in cache.calls] == [
+        ("SpecSuffixTreeRequests", 2),
+        ("SpecSuffixTreeTokens", 70),
+    ]
