@@ -58,15 +58,19 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
-def _expected_curve(estimate: float | AcceptanceTracker, max_k: int) -> list[float]:
-    """E(0..max_k) for a row: from its tracker's per-position estimate, or the geometric model of a rate."""
+def _expected_curve(estimate: float | AcceptanceTracker | Sequence[float], max_k: int) -> Sequence[float]:
+    """E(0..max_k) for a row: its tracker's per-position estimate, a curve given as it is (a suffix
+    look-up's tree probabilities), or the geometric model of a rate."""
     if isinstance(estimate, AcceptanceTracker):
         return estimate.expected_curve(max_k)
+    if isinstance(estimate, (list, tuple)):
+        assert len(estimate) > max_k, (estimate, max_k)
+        return estimate
     return [expected_tokens(estimate, k) for k in range(max_k + 1)]
 
 
 def plan_step_k(
-    acceptances: Sequence[float | AcceptanceTracker],
+    acceptances: Sequence[float | AcceptanceTracker | Sequence[float]],
     max_ks: Sequence[int],
     table: CostTable,
     model_max_k: int,
@@ -79,7 +83,8 @@ def plan_step_k(
     so k = 0 wins unless speculation is strictly faster.
 
     Args:
-        acceptances: each row's acceptance: its tracker, or a per-token rate in [0, 1].
+        acceptances: each row's acceptance: its tracker, its expected tokens E(0..max_k), or a
+            per-token rate in [0, 1].
         max_ks: each row's largest useful k (its request's k, capped by what remains).
         table: measured seconds per target forward and per draft step.
         model_max_k: the largest max_k among the rows the draft model drafts for (0: none does).
@@ -89,7 +94,7 @@ def plan_step_k(
     """
     assert len(acceptances) == len(max_ks) and len(max_ks) > 0, (acceptances, max_ks)
     assert min(max_ks) >= 0, max_ks
-    assert all(isinstance(a, AcceptanceTracker) or 0.0 <= a <= 1.0 for a in acceptances), acceptances
+    assert all(isinstance(a, (AcceptanceTracker, list, tuple)) or 0.0 <= a <= 1.0 for a in acceptances), acceptances
     batch_size = len(max_ks)
     draft_step = table.draft_seconds(batch_size) if model_max_k > 0 else 0.0
     curves = [_expected_curve(a, max_k) for a, max_k in zip(acceptances, max_ks)]

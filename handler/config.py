@@ -13,15 +13,18 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from handler.drafters import DRAFTERS, MODEL_FREE
+from handler.drafters.suffix import SuffixOptions
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFT_QUANTIZATIONS = ("none", "int8")
-# Who proposes drafts: a draft model, an n-gram look-up in the prompt and completion
-# (prompt lookup), or the look-up with the draft model where it finds nothing.
-DRAFTERS = ("model", "ngram", "hybrid")
+# Who proposes drafts (handler.drafters): DRAFTERS, of which MODEL_FREE need no draft model.
 # Longest n-gram the look-up matches; longer suffixes rarely add matches.
 MAX_PROMPT_LOOKUP = 16
 # Largest K the engine supports; a config may lower it, never raise it.
 MAX_K = 32
+# Deepest suffix tree: a proposal never outgrows the tree's depth.
+MAX_SUFFIX_DEPTH = 64
 # The units of a byte count written as a string: SI (powers of 1000) and IEC (powers of 1024).
 BYTE_UNITS = {
     "B": 1,
@@ -261,12 +264,30 @@ class HandlerConfig:
     # Bytes the prefix cache holds, both models together. 0 = automatic: a quarter of the
     # memory available at start-up (handler.memory_budget). YAML may write "4GiB" or "2GB".
     prefix_cache_max_bytes: int = 0
+    # The suffix drafter (handler.drafters.suffix): tree depth, the lowest estimated probability a
+    # proposal keeps, whether one request's output may be proposed for another's, and the bounds of
+    # the tree of recent outputs (0 requests: no such tree).
+    suffix_max_depth: int = SuffixOptions.max_depth
+    suffix_min_token_prob: float = SuffixOptions.min_token_prob
+    suffix_share_across_requests: bool = SuffixOptions.share_across_requests
+    suffix_max_cached_requests: int = SuffixOptions.max_cached_requests
+    suffix_max_cached_tokens: int = SuffixOptions.max_cached_tokens
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
     @property
     def drafters(self) -> tuple[str, ...]:
-        """The drafters this deployment can run: all three with a draft model, else the look-up only."""
-        return DRAFTERS if self.draft_model is not None else ("ngram",)
+        """The drafters this deployment can run: all with a draft model, else the look-ups only."""
+        return DRAFTERS if self.draft_model is not None else MODEL_FREE
+
+    @property
+    def suffix_options(self) -> SuffixOptions:
+        return SuffixOptions(
+            max_depth=self.suffix_max_depth,
+            min_token_prob=self.suffix_min_token_prob,
+            share_across_requests=self.suffix_share_across_requests and self.suffix_max_cached_requests > 0,
+            max_cached_requests=self.suffix_max_cached_requests,
+            max_cached_tokens=self.suffix_max_cached_tokens,
+        )
 
     @classmethod
     def from_dict(cls, raw: Any) -> HandlerConfig:
@@ -286,11 +307,11 @@ class HandlerConfig:
                 f"model-config.yaml: handler.drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}"
             )
         values["drafter"] = drafter
-        if drafter == "ngram":
+        if drafter in MODEL_FREE:
             if raw.get("draft_model") is not None:
                 raise ValueError(
-                    "model-config.yaml: handler.draft_model is set but handler.drafter is ngram, which uses no "
-                    "draft model; remove draft_model or choose drafter: model or hybrid"
+                    f"model-config.yaml: handler.draft_model is set but handler.drafter is {drafter}, which uses "
+                    "no draft model; remove draft_model or choose drafter: model or hybrid"
                 )
             values["draft_model"] = None
         else:
@@ -335,7 +356,13 @@ class HandlerConfig:
             1,
             values["max_new_tokens_limit"],
         )
-        for key in ("adaptive_k", "allow_pickle_weights", "cpu_packed_weights", "prefix_cache"):
+        for key in (
+            "adaptive_k",
+            "allow_pickle_weights",
+            "cpu_packed_weights",
+            "prefix_cache",
+            "suffix_share_across_requests",
+        ):
             values[key] = _bool(f"handler.{key}", raw.get(key, getattr(default, key)))
         values["cpu_threads"] = _int("handler.cpu_threads", raw.get("cpu_threads", default.cpu_threads), 0, 1024)
         values["max_batch_tokens"] = _int(
@@ -350,6 +377,15 @@ class HandlerConfig:
         values["prefix_cache_max_bytes"] = _bytes(
             "handler.prefix_cache_max_bytes", raw.get("prefix_cache_max_bytes", default.prefix_cache_max_bytes)
         )
+        values["suffix_max_depth"] = _int(
+            "handler.suffix_max_depth", raw.get("suffix_max_depth", default.suffix_max_depth), 1, MAX_SUFFIX_DEPTH
+        )
+        prob = _float("handler.suffix_min_token_prob", raw.get("suffix_min_token_prob", default.suffix_min_token_prob))
+        if not 0.0 <= prob <= 1.0:
+            raise ValueError(f"model-config.yaml: handler.suffix_min_token_prob must be in [0, 1], got {prob}")
+        values["suffix_min_token_prob"] = prob
+        for key in ("suffix_max_cached_requests", "suffix_max_cached_tokens"):
+            values[key] = _int(f"handler.{key}", raw.get(key, getattr(default, key)), 0)
         quantization = raw.get("draft_quantization", default.draft_quantization)
         if quantization not in DRAFT_QUANTIZATIONS:
             raise ValueError(

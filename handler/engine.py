@@ -40,8 +40,11 @@ import torch
 from handler.adaptive import MIN_STEPS_BEFORE_FALLBACK, PROBE_INTERVAL, AcceptanceTracker, plan_step_k
 from handler.config import HandlerConfig, SamplingParams
 from handler.constraints import Constraint, RowGrammar, compiler_for
-from handler.drafter_model import ModelDrafter
-from handler.drafter_ngram import NgramDrafter
+from handler.drafters import DRAFTERS, HYBRID, MODEL, MODEL_FREE, NGRAM, SUFFIX, Lookup
+from handler.drafters.hybrid import Candidate, choose
+from handler.drafters.model import ModelDrafter
+from handler.drafters.ngram import NgramDrafter
+from handler.drafters.suffix import SuffixDrafter, SuffixOptions, SuffixTreeStats
 from handler.kv_cache import RaggedCache, kv_bytes_per_token
 from handler.logits_processors import process_row_logits, token_counts, token_mask
 from handler.memory_budget import prefix_cache_budget
@@ -59,10 +62,11 @@ from handler.stopping import StopChecker
 
 logger = logging.getLogger(__name__)
 
-DRAFTER_MODEL = "model"
-DRAFTER_NGRAM = "ngram"
-DRAFTER_HYBRID = "hybrid"
-DRAFTERS = (DRAFTER_MODEL, DRAFTER_NGRAM, DRAFTER_HYBRID)
+DRAFTER_MODEL, DRAFTER_NGRAM, DRAFTER_SUFFIX, DRAFTER_HYBRID = MODEL, NGRAM, SUFFIX, HYBRID
+DEFAULT_SUFFIX_OPTIONS = SuffixOptions()
+# How the planner estimates a suffix look-up's acceptance per position: from the tree's
+# probabilities, or from the row's running acceptance tracker like the other drafters.
+SUFFIX_ESTIMATES = ("tree", "tracker")
 # Not a drafter a request picks: the tokens a constraint's grammar forces, proposed as drafts.
 PROPOSER_GRAMMAR = "grammar"
 
@@ -75,8 +79,12 @@ class GenerationRequest:
     num_speculative_tokens: int = 4
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    # "model" | "ngram" | "hybrid"; None means the engine's default drafter.
+    # "model" | "ngram" | "suffix" | "hybrid"; None means the engine's default drafter.
     drafter: str | None = None
+    # False: the suffix drafter neither adds this request's output to the tree it shares
+    # across requests nor drafts from that tree. None: the server's setting, which a request
+    # can only narrow.
+    suffix_share_across_requests: bool | None = None
     # None: no log-probabilities; N >= 0: each emitted token's, plus the top N.
     logprobs: int | None = None
     # What the output must match (handler.constraints); None: free text.
@@ -109,7 +117,7 @@ class SpeculativeStats:
     num_drafts: int = 0
     # The cost table found plain decoding faster for some steps and drafted nothing.
     fell_back: bool = False
-    # Proposed and accepted drafts per drafter that proposed them ("model", "ngram").
+    # Proposed and accepted drafts per drafter that proposed them ("model", "ngram", "suffix", "grammar").
     draft_tokens_by_drafter: dict[str, int] = dataclasses.field(default_factory=dict)
     accepted_tokens_by_drafter: dict[str, int] = dataclasses.field(default_factory=dict)
     # accepted_per_position[j]: steps whose draft j was accepted.
@@ -209,7 +217,7 @@ class _Row:
         self.stop_checker = StopChecker(tokenizer, request.stop) if request.stop else None
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
-        self.trackers = {name: AcceptanceTracker() for name in (DRAFTER_MODEL, DRAFTER_NGRAM, PROPOSER_GRAMMAR)}
+        self.trackers = {name: AcceptanceTracker() for name in (MODEL, NGRAM, SUFFIX, PROPOSER_GRAMMAR)}
         self.grammar: RowGrammar | None = None  # set by the engine for a constrained request
         # Penalties' history (set by the engine when the request has penalties): counts of the
         # generated tokens, and which tokens the prompt or the output holds.
@@ -346,6 +354,8 @@ class SpeculativeEngine:
         prompt_lookup_num_tokens: int = 0,
         grammar_drafts: bool = True,
         prefix_cache_max_bytes: int | None = None,
+        suffix: SuffixOptions = DEFAULT_SUFFIX_OPTIONS,
+        suffix_estimate: str = "tree",
     ) -> None:
         """
         Args:
@@ -363,7 +373,11 @@ class SpeculativeEngine:
                 measure what they bring).
             prefix_cache_max_bytes: keep the KV of earlier prompts and completions, up to this
                 many bytes for both models together (`handler.prefix_cache`); None: no prefix cache.
+            suffix: the suffix drafter's trees (`handler.drafters.suffix`).
+            suffix_estimate: "tree": the planner takes a suffix look-up's tree probabilities as
+                its acceptance per position; "tracker": the row's running acceptance, as for n-grams.
         """
+        assert suffix_estimate in SUFFIX_ESTIMATES, suffix_estimate
         self.target = target
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -384,10 +398,12 @@ class SpeculativeEngine:
         if draft is not None:
             self.model_drafter = ModelDrafter(draft, self.vocab_size, pad_token_id, draft_prefix_cache)
         self.ngram_drafter = NgramDrafter(prompt_lookup_min, prompt_lookup_max)
+        self.suffix_drafter = SuffixDrafter(suffix)
+        self.suffix_estimate = suffix_estimate
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.grammar_drafts = grammar_drafts
-        self.drafters = DRAFTERS if draft is not None else (DRAFTER_NGRAM,)
-        self.default_drafter = default_drafter or (DRAFTER_MODEL if draft is not None else DRAFTER_NGRAM)
+        self.drafters = DRAFTERS if draft is not None else MODEL_FREE
+        self.default_drafter = default_drafter or (MODEL if draft is not None else NGRAM)
         assert self.default_drafter in self.drafters, (self.default_drafter, self.drafters)
         self.target_cache: RaggedCache | None = None
         self.rows: list[_Row] = []  # in target cache row order
@@ -422,6 +438,7 @@ class SpeculativeEngine:
             prompt_lookup_min=config.prompt_lookup_min,
             prompt_lookup_max=config.prompt_lookup_max,
             prompt_lookup_num_tokens=config.prompt_lookup_num_tokens,
+            suffix=config.suffix_options,
             **options,
         )
 
@@ -442,6 +459,11 @@ class SpeculativeEngine:
         return total
 
     @property
+    def suffix_tree_stats(self) -> SuffixTreeStats:
+        """The size of the suffix drafter's tree of recent outputs, shared across requests."""
+        return self.suffix_drafter.stats
+
+    @property
     def draft(self):
         return None if self.model_drafter is None else self.model_drafter.model
 
@@ -454,6 +476,11 @@ class SpeculativeEngine:
         drafter = request.drafter or self.default_drafter
         if drafter not in self.drafters:
             raise ValueError(f"drafter: {drafter!r} is not available here; choose one of {', '.join(self.drafters)}")
+        if request.suffix_share_across_requests and not self.suffix_drafter.options.share_across_requests:
+            raise ValueError(
+                "suffix_share_across_requests: this server keeps each request's text to itself "
+                "(suffix_share_across_requests: false in model-config.yaml); a request can only opt out"
+            )
         assert request.prompt_ids, "a request needs at least one prompt token"
         row = _Row(request_id, request, drafter, self.tokenizer, self.eos_token_ids)
         if request.constraint is not None:
@@ -497,9 +524,9 @@ class SpeculativeEngine:
         started = time.perf_counter()
         mask_seconds_before = sum(row.stats.mask_seconds for row in rows)
         lookups, proposers = self._proposals(rows)
-        uses_model = [proposer == DRAFTER_MODEL for proposer in proposers]
-        max_ks = [row.cap() if uses_model[i] else len(lookups[i]) for i, row in enumerate(rows)]
-        step_ks = self._plan(rows, max_ks, proposers)
+        uses_model = [proposer == MODEL for proposer in proposers]
+        max_ks = [row.cap() if uses_model[i] else len(lookups[i].token_ids) for i, row in enumerate(rows)]
+        step_ks = self._plan(rows, max_ks, proposers, lookups)
         num_accepted, emitted, logits = self._verify(rows, step_ks, lookups, uses_model)
 
         outputs, finished, committed = [], [], {}
@@ -522,9 +549,8 @@ class SpeculativeEngine:
         # Roll back: the target keeps its pending token and the accepted drafts.
         kept_lengths = target_lengths_after_verify(self.target_cache.lengths.tolist(), step_ks, num_accepted)
         self.target_cache.rollback(torch.tensor(kept_lengths, dtype=torch.long))
-        self.ngram_drafter.observe(committed)
-        if self.model_drafter is not None:
-            self.model_drafter.observe(committed)
+        for drafter in self._all_drafters():
+            drafter.observe(committed)
         self._drop(finished)
         self.last_step_seconds = time.perf_counter() - started
         self.last_step_mask_seconds = sum(row.stats.mask_seconds for row in rows) - mask_seconds_before
@@ -589,9 +615,15 @@ class SpeculativeEngine:
         self.rows.extend(new_rows)
         # A row whose k is 0 never drafts: no drafter needs to read its prompt.
         drafting = [r for r in new_rows if r.request.num_speculative_tokens > 0]
-        self.ngram_drafter.add({r.request_id: r.request.prompt_ids for r in drafting if r.drafter != DRAFTER_MODEL})
+
+        def prompts(*drafters: str) -> dict:
+            return {r.request_id: r.request.prompt_ids for r in drafting if r.drafter in drafters}
+
+        self.ngram_drafter.add(prompts(NGRAM, HYBRID))
+        private = [r.request_id for r in drafting if r.request.suffix_share_across_requests is False]
+        self.suffix_drafter.add(prompts(SUFFIX, HYBRID), private=private)
         if self.model_drafter is not None:
-            self.model_drafter.add({r.request_id: r.request.prompt_ids for r in drafting if r.drafter != DRAFTER_NGRAM})
+            self.model_drafter.add(prompts(MODEL, HYBRID))
 
     def _drop(self, rows: list[_Row], consistent: bool = True) -> None:
         """Removes rows from the batch and from every drafter.
@@ -611,9 +643,12 @@ class SpeculativeEngine:
             self.target_cache = None  # an empty batch restarts from a fresh cache
         elif len(keep) < self.target_cache.lengths.shape[0]:
             self.target_cache.select_rows(keep)
-        self.ngram_drafter.remove(list(gone))
-        if self.model_drafter is not None:
-            self.model_drafter.remove(list(gone), sequences)
+        for drafter in self._all_drafters():
+            drafter.remove(list(gone), sequences)
+
+    def _all_drafters(self) -> list:
+        drafters = [self.ngram_drafter, self.suffix_drafter]
+        return drafters if self.model_drafter is None else [*drafters, self.model_drafter]
 
     def _release_prefixes(self, rows: list[_Row], sequences: dict | None) -> None:
         """Caches what the target cache holds of the leaving rows' sequences, and unlocks their prompts."""
@@ -633,43 +668,80 @@ class SpeculativeEngine:
                 self.prefix_cache.unlock(row.prefix_handle)
                 row.prefix_handle = None
 
-    def _proposals(self, rows: list[_Row]) -> tuple[list[list[int]], list[str]]:
-        """Each row's look-up drafts ([] where the draft model drafts) and who proposes them.
+    def _proposals(self, rows: list[_Row]) -> tuple[list[Lookup], list[str]]:
+        """Each row's look-up drafts (none where the draft model drafts) and who proposes them.
 
         A constrained row first takes the tokens its grammar forces (free one-hot drafts);
-        otherwise its look-up is cut at the first token the grammar refuses, and a
-        hybrid row whose look-up is left empty drafts with the model.
+        otherwise its look-ups are cut at the first token the grammar refuses. A hybrid
+        row takes the candidate that promises the most (`handler.drafters.hybrid`).
         """
         lookups, proposers = [], []
+        step_seconds = self._step_seconds(len(rows))
         for row in rows:
             cap = row.lookup_cap(self.prompt_lookup_num_tokens)
             forced = []
             if row.grammar is not None and cap and self.grammar_drafts:
                 forced = row.grammar_call("forced_tokens", cap)
             if forced:
-                lookups.append(forced)
+                lookups.append(Lookup(forced))
                 proposers.append(PROPOSER_GRAMMAR)
                 continue
-            lookup = self.ngram_drafter.lookup(row.request_id, cap) if row.drafter != DRAFTER_MODEL else []
-            if lookup and row.grammar is not None:
-                lookup = lookup[: row.grammar_call("num_valid", lookup)]
-            lookups.append(lookup)
-            model = row.drafter == DRAFTER_MODEL or (row.drafter == DRAFTER_HYBRID and not lookup)
-            proposers.append(DRAFTER_MODEL if model else DRAFTER_NGRAM)
+            if row.drafter == MODEL:
+                lookups.append(Lookup([]))
+                proposers.append(MODEL)
+                continue
+            candidates = []
+            for name, drafter in ((SUFFIX, self.suffix_drafter), (NGRAM, self.ngram_drafter)):
+                if row.drafter not in (name, HYBRID):
+                    continue
+                lookup = drafter.lookup(row.request_id, cap)
+                if lookup.token_ids and row.grammar is not None:
+                    lookup = _cut(lookup, row.grammar_call("num_valid", lookup.token_ids))
+                if row.drafter == name or lookup.token_ids:
+                    max_k = len(lookup.token_ids)
+                    candidates.append(Candidate(name, lookup, max_k, self._curve(row, name, lookup, max_k)))
+            if row.drafter == HYBRID:
+                max_k = row.cap()
+                candidates.append(Candidate(MODEL, Lookup([]), max_k, row.trackers[MODEL].expected_curve(max_k)))
+            best = choose(candidates, step_seconds)
+            lookups.append(best.lookup)
+            proposers.append(best.proposer)
         return lookups, proposers
 
-    def _plan(self, rows: list[_Row], max_ks: list[int], proposers: list[str]) -> list[int]:
+    def _curve(self, row: _Row, proposer: str, lookup: Lookup, max_k: int) -> list[float]:
+        """E(0..max_k) of a row's proposal: from a suffix look-up's tree probabilities, or its tracker."""
+        if proposer == SUFFIX and self.suffix_estimate == "tree" and lookup.probs is not None:
+            curve = [1.0]
+            for prob in lookup.probs[:max_k]:
+                curve.append(curve[-1] + prob)
+            return curve
+        return row.trackers[proposer].expected_curve(max_k)
+
+    def _step_seconds(self, batch_size: int) -> Callable[[int, bool], float] | None:
+        """(k, drafts with the model) -> the cost table's seconds for a step of the batch; None without a table."""
+        table = self.cost_table
+        if table is None:
+            return None
+
+        def seconds(k: int, model: bool) -> float:
+            return table.target_seconds(batch_size, k + 1) + (k * table.draft_seconds(batch_size) if model else 0.0)
+
+        return seconds
+
+    def _plan(self, rows: list[_Row], max_ks: list[int], proposers: list[str], lookups: list[Lookup]) -> list[int]:
         """Each row's number of drafts this step."""
         if self.cost_table is None:
             return list(max_ks)
+        estimates = [
+            self._curve(row, proposer, lookup, max_k) if proposer == SUFFIX else row.trackers[proposer]
+            for row, proposer, lookup, max_k in zip(rows, proposers, lookups, max_ks)
+        ]
         trackers = [row.trackers[proposer] for row, proposer in zip(rows, proposers)]
         k = plan_step_k(
-            trackers,
+            estimates,
             max_ks,
             self.cost_table,
-            model_max_k=max(
-                (max_k for max_k, proposer in zip(max_ks, proposers) if proposer == DRAFTER_MODEL), default=0
-            ),
+            model_max_k=max((max_k for max_k, proposer in zip(max_ks, proposers) if proposer == MODEL), default=0),
         )
         warming_up = any(tracker.num_steps < MIN_STEPS_BEFORE_FALLBACK for tracker in trackers)
         probing = any(row.steps_without_drafts >= PROBE_INTERVAL for row, max_k in zip(rows, max_ks) if max_k > 0)
@@ -682,7 +754,7 @@ class SpeculativeEngine:
         return step_ks
 
     def _verify(
-        self, rows: list[_Row], step_ks: list[int], lookups: list[list[int]], uses_model: list[bool]
+        self, rows: list[_Row], step_ks: list[int], lookups: list[Lookup], uses_model: list[bool]
     ) -> tuple[list[int], list[list[int]], torch.Tensor]:
         """Drafts and verifies one step.
 
@@ -737,7 +809,7 @@ class SpeculativeEngine:
         for slot in range(batch_size):
             if not uses_model[slot] and step_ks[slot] > 0:
                 # A look-up is deterministic: its draft distribution is one-hot.
-                proposal = torch.tensor(lookups[slot][: step_ks[slot]], dtype=torch.long)
+                proposal = torch.tensor(lookups[slot].token_ids[: step_ks[slot]], dtype=torch.long)
                 draft_token_ids[slot, : len(proposal)] = proposal
                 draft_probs[slot, torch.arange(len(proposal)), proposal.to(self.device)] = 1.0
         draft_lists = draft_token_ids.tolist()
@@ -807,3 +879,8 @@ class SpeculativeEngine:
             TokenLogprob(t, lp, tuple(zip(ids, values)))
             for t, lp, ids, values in zip(token_ids, chosen, top_ids, top_values)
         ]
+
+
+def _cut(lookup: Lookup, num: int) -> Lookup:
+    """A look-up's first `num` drafts."""
+    return Lookup(lookup.token_ids[:num], None if lookup.probs is None else lookup.probs[:num])

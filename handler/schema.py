@@ -42,6 +42,7 @@ REQUEST_FIELDS = (
     "stop",
     "stream",
     "drafter",
+    "suffix_share_across_requests",
     # Structured output, at most one of them (handler.constraints).
     "json_schema",
     "regex",
@@ -77,7 +78,7 @@ SPECULATIVE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "target_forward_passes": int,
     "mean_accepted_length": (int, float),
     "fell_back_to_target_only": bool,
-    "drafter": str,  # the request's drafter: model, ngram or hybrid
+    "drafter": str,  # the request's drafter: model, ngram, suffix or hybrid
     "by_drafter": dict,  # proposer -> {"draft_tokens", "accepted_tokens"}
     "accepted_per_position": list,  # [j]: steps whose draft j was accepted
 }
@@ -172,6 +173,14 @@ def stream_field(body: Mapping) -> bool:
     if not isinstance(stream, bool):
         raise RequestError(f"stream: must be true or false, got {json.dumps(stream)}")
     return stream
+
+
+def optional_bool_field(body: Mapping, key: str) -> bool | None:
+    """A field that is true, false, or absent (None)."""
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"{key}: must be true or false, got {json.dumps(value)}")
+    return value
 
 
 def stop_field(body: Mapping) -> tuple[str, ...]:

@@ -130,6 +130,12 @@ def parse_request(
             f"drafter: {json.dumps(drafter)} is not available in this model archive; choose one of "
             f"{', '.join(config.drafters)}"
         )
+    share = schema.optional_bool_field(body, "suffix_share_across_requests")
+    if share and not config.suffix_options.share_across_requests:
+        raise RequestError(
+            "suffix_share_across_requests: this model keeps each request's text to itself "
+            "(handler.suffix_share_across_requests is false); a request can only opt out"
+        )
     constraint = _constraint(body, tokenizer, config)
     prompt_ids = _prompt_ids(body, tokenizer, tools)
     if not prompt_ids:
@@ -148,6 +154,7 @@ def parse_request(
         seed=seed,
         stop=stop,
         drafter=drafter,
+        suffix_share_across_requests=share,
         constraint=constraint,
     )
     return ParsedRequest(generation=generation, stream=stream)

@@ -14,6 +14,7 @@ from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 
+from handler.drafters import MODEL
 from handler.kv_cache import RaggedCache, left_pad
 from handler.prefix_cache import PrefixCache, prefill_with_cache
 from handler.rollback import draft_rollback
@@ -38,7 +39,7 @@ class ModelDrafter:
     draft token.
     """
 
-    name = "model"
+    name = MODEL
 
     def __init__(self, model, vocab_size: int, pad_token_id: int, prefix_cache: PrefixCache | None = None) -> None:
         """`vocab_size` is the target's: draft distributions are put on it. `prefix_cache` holds

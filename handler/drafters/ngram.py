@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Hashable, Mapping, Sequence
 
+from handler.drafters import NGRAM, NO_LOOKUP, Lookup
+
 
 class NgramIndex:
     """One row's tokens and, per n-gram, the end of its earliest occurrence."""
@@ -54,7 +56,7 @@ class NgramIndex:
 class NgramDrafter:
     """Prompt-lookup proposals for every row it indexes."""
 
-    name = "ngram"
+    name = NGRAM
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n
@@ -65,12 +67,14 @@ class NgramDrafter:
         for request_id, prompt_ids in prompts.items():
             self.rows[request_id] = NgramIndex(prompt_ids, self.min_n, self.max_n)
 
-    def remove(self, request_ids: Sequence[Hashable]) -> None:
+    def remove(
+        self, request_ids: Sequence[Hashable], sequences: Mapping[Hashable, Sequence[int]] | None = None
+    ) -> None:
         for request_id in request_ids:
             self.rows.pop(request_id, None)
 
-    def lookup(self, request_id: Hashable, k: int) -> list[int]:
-        return self.rows[request_id].lookup(k) if k > 0 else []
+    def lookup(self, request_id: Hashable, max_tokens: int) -> Lookup:
+        return Lookup(self.rows[request_id].lookup(max_tokens)) if max_tokens > 0 else NO_LOOKUP
 
     def observe(self, committed: Mapping[Hashable, Sequence[int]]) -> None:
         for request_id, new_tokens in committed.items():

@@ -102,7 +102,7 @@ def check_matches(constraint: Constraint, text: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CONSTRAINTS))
-@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "suffix", "hybrid"])
 def test_greedy_constrained_speculation_equals_constrained_plain_decoding(tiny_pair, engine_for, name, drafter):
     _, _, tokenizer = tiny_pair
     constraint = CONSTRAINTS[name]
@@ -160,7 +160,7 @@ def test_a_seeded_constrained_request_depends_on_its_seed_and_the_target_alone(t
 
     reference = run(k=0)
     check_matches(constraint, reference.text)
-    for drafter in ("model", "ngram", "hybrid"):
+    for drafter in ("model", "ngram", "suffix", "hybrid"):
         for k in (1, 4):
             assert run(k=k, drafter=drafter).token_ids == reference.token_ids, (drafter, k)
 
@@ -205,7 +205,7 @@ def test_a_grammar_that_spells_a_special_token_literally_serves_exactly(tiny_pai
     constraint = Constraint.grammar('start: "<|im_start|>" /[a-z]{1,6}/')
     engine = engine_for()
     plain = engine.generate([request(tokenizer, p, constraint, k=0) for p in PROMPTS])
-    for drafter in ("model", "ngram", "hybrid"):
+    for drafter in ("model", "ngram", "suffix", "hybrid"):
         spec = engine.generate([request(tokenizer, p, constraint, drafter=drafter) for p in PROMPTS])
         assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     for result in plain:

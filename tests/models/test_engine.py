@@ -64,9 +64,7 @@ def test_draft_equal_to_target_accepts_everything(tiny_pair, sampling):
     target, _, tokenizer = tiny_pair
     # No EOS, so every request runs its full length.
     same = make_engine(target, target, tokenizer, eos_token_ids=())
-    results = same.generate(
-        [GenerationRequest(encode(tokenizer, p), 33, sampling, 4, seed=11) for p in PROMPTS[:3]]
-    )
+    results = same.generate([GenerationRequest(encode(tokenizer, p), 33, sampling, 4, seed=11) for p in PROMPTS[:3]])
     for result in results:
         assert result.stats.acceptance_rate == 1.0
         assert result.stats.draft_tokens > 0
@@ -173,7 +171,7 @@ def seeded_outputs(tiny_pair, engine) -> dict[str, list[int]]:
     outputs = {"plain": engine.generate([GenerationRequest(prompt_ids, 24, SAMPLED, 0, seed=7)])[0].token_ids}
     for name, each in (("float draft", engine), ("int8 draft", int8_engine), ("planned", planned)):
         for k in (1, 3, 6):
-            for drafter in ("model", "ngram", "hybrid"):
+            for drafter in ("model", "ngram", "suffix", "hybrid"):
                 request = GenerationRequest(prompt_ids, 24, SAMPLED, k, seed=7, drafter=drafter)
                 outputs[f"{name}, k={k}, {drafter}"] = each.generate([request])[0].token_ids
             request = GenerationRequest(prompt_ids, 24, SAMPLED, k, seed=7)

@@ -203,14 +203,15 @@ def test_requests_pick_a_drafter_the_archive_can_run(handler, tiny_models_dir):
         {"prompt": "def add(a, b):", "max_new_tokens": 10, "drafter": "ngram"},
         {"prompt": "def add(a, b):", "max_new_tokens": 10, "drafter": "hybrid"},
         {"prompt": "def add(a, b):", "max_new_tokens": 10},
+        {"prompt": "def add(a, b):", "max_new_tokens": 10, "drafter": "suffix", "suffix_share_across_requests": False},
         {"prompt": "def add(a, b):", "max_new_tokens": 10, "drafter": "eagle"},
     ]
     answers, statuses = call(handler, tiny_models_dir, bodies)
-    assert statuses == [200, 200, 200, 400]
-    assert [a["speculative"]["drafter"] for a in answers[:3]] == ["ngram", "hybrid", "model"]
+    assert statuses == [200, 200, 200, 200, 400]
+    assert [a["speculative"]["drafter"] for a in answers[:4]] == ["ngram", "hybrid", "model", "suffix"]
     # Greedy output does not depend on who drafted it.
-    assert answers[0]["token_ids"] == answers[1]["token_ids"] == answers[2]["token_ids"]
-    assert "drafter" in answers[3]["error"] and "ngram" in answers[3]["error"]
+    assert len({tuple(a["token_ids"]) for a in answers[:4]}) == 1
+    assert "drafter" in answers[4]["error"] and "suffix" in answers[4]["error"]
 
 
 def test_an_ngram_archive_serves_without_a_draft_model(tiny_models_dir):

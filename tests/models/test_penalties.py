@@ -41,7 +41,7 @@ def request(tokenizer, prompt, sampling, k=4, drafter="model", seed=None, constr
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
-@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "suffix", "hybrid"])
 def test_greedy_speculation_with_penalties_equals_plain_decoding_with_them(tiny_pair, no_eos_engine, name, drafter):
     _, _, tokenizer = tiny_pair
     engine = no_eos_engine

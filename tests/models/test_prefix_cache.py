@@ -17,7 +17,7 @@ from handler.loading import collect_eos_token_ids
 from .test_engine import GREEDY
 from .test_step_api import SAMPLED, run_staggered
 
-DRAFTERS = ["model", "ngram", "hybrid"]
+DRAFTERS = ["model", "ngram", "suffix", "hybrid"]
 MIB = 2**20
 
 
@@ -228,12 +228,14 @@ def test_every_cached_prefix_holds_the_kv_a_fresh_prefill_computes(tiny_pair, dr
     arrivals = {0: [("a", requests[0]), ("b", requests[1])], 3: [("c", requests[2])], 4: [("d", requests[3])]}
     first = run_staggered(engine, arrivals)
     turns = {
-        key: GenerationRequest(r.prompt_ids + tuple(first[key].token_ids) + (11, 12), 12, r.sampling, 3, seed=r.seed, drafter=drafter)
+        key: GenerationRequest(
+            r.prompt_ids + tuple(first[key].token_ids) + (11, 12), 12, r.sampling, 3, seed=r.seed, drafter=drafter
+        )
         for key, r in zip("abcd", requests)
     }
     run_staggered(engine, {0: [("a2", turns["a"])], 2: [("b2", turns["b"]), ("c2", turns["c"])]})
     caches = [(engine.target, engine.prefix_cache)]
-    if drafter == "ngram":  # no row used the draft model
+    if drafter in ("ngram", "suffix"):  # no row used the draft model
         assert len(engine.model_drafter.prefix_cache) == 0
     else:
         caches.append((engine.model_drafter.model, engine.model_drafter.prefix_cache))

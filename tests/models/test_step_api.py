@@ -11,6 +11,7 @@ import torch
 
 from handler.adaptive import CostModel
 from handler.config import SamplingParams
+from handler.drafters import Lookup
 from handler.engine import GenerationRequest
 
 from .conftest import make_engine
@@ -35,7 +36,7 @@ def run_staggered(engine, arrivals: dict[int, list[tuple[str, GenerationRequest]
     return results
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "suffix", "hybrid"])
 def test_staggered_arrivals_equal_solo_outputs(tiny_pair, engine, drafter):
     target, _, tokenizer = tiny_pair
     requests = {
@@ -57,7 +58,10 @@ def test_staggered_arrivals_equal_solo_outputs(tiny_pair, engine, drafter):
     for name, result in results.items():
         assert result.token_ids == solo[name].token_ids, name
         assert result.finish_reason == solo[name].finish_reason, name
-    assert solo["long"].token_ids == reference_greedy(target, requests["long"].prompt_ids, 60)[: len(solo["long"].token_ids)]
+    assert (
+        solo["long"].token_ids
+        == reference_greedy(target, requests["long"].prompt_ids, 60)[: len(solo["long"].token_ids)]
+    )
 
 
 def test_abort_frees_the_row_and_leaves_the_others_untouched(engine, tiny_pair):
@@ -85,7 +89,7 @@ def test_duplicate_request_ids_and_unknown_drafters_are_refused(engine, tiny_pai
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "hybrid"])
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "hybrid"])
 def test_lookup_drafters_keep_greedy_output_exact(tiny_pair, engine, drafter):
     target, _, tokenizer = tiny_pair
     for prompt in PROMPTS:
@@ -99,7 +103,7 @@ def test_lookup_drafters_keep_greedy_output_exact(tiny_pair, engine, drafter):
 def test_ngram_only_engine_needs_no_draft_model(tiny_pair):
     target, _, tokenizer = tiny_pair
     lookup_only = make_engine(target, None, tokenizer)
-    assert lookup_only.drafters == ("ngram",) and lookup_only.default_drafter == "ngram"
+    assert lookup_only.drafters == ("ngram", "suffix") and lookup_only.default_drafter == "ngram"
     # The greedy continuation copied into the prompt: look-up drafts get accepted.
     prompt_ids = encode(tokenizer, PROMPTS[0])
     continuation = reference_greedy(target, prompt_ids, 24)
@@ -123,7 +127,7 @@ def test_hybrid_uses_the_lookup_where_it_matches_and_the_model_elsewhere(tiny_pa
     assert result.token_ids == reference_greedy(target, grounded, 40)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "hybrid"])
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "hybrid"])
 def test_look_ups_propose_up_to_their_own_cap_and_stay_exact(tiny_pair, drafter, monkeypatch):
     target, draft, tokenizer = tiny_pair
     engine = make_engine(target, draft, tokenizer)
@@ -138,14 +142,20 @@ def test_look_ups_propose_up_to_their_own_cap_and_stay_exact(tiny_pair, drafter,
     def oracle(request_id, cap):
         caps.append(cap)
         done = len(next(row for row in engine.rows if row.request_id == request_id).token_ids)
-        return list(expected[done : done + cap])
+        return Lookup(list(expected[done : done + cap]))
 
-    propose, add, index = engine.model_drafter.propose, engine.model_drafter.add, engine.ngram_drafter.add
+    # The suffix drafter is the oracle where it is the row's drafter; under hybrid it finds nothing.
+    lookup = engine.suffix_drafter if drafter == "suffix" else engine.ngram_drafter
+    propose, add, index = engine.model_drafter.propose, engine.model_drafter.add, lookup.add
     indexed_rows = []
-    monkeypatch.setattr(engine.ngram_drafter, "lookup", oracle)
-    monkeypatch.setattr(engine.ngram_drafter, "add", lambda prompts: indexed_rows.extend(prompts) or index(prompts))
+    monkeypatch.setattr(lookup, "lookup", oracle)
+    monkeypatch.setattr(lookup, "add", lambda prompts, **kw: indexed_rows.extend(prompts) or index(prompts, **kw))
+    if drafter == "hybrid":
+        monkeypatch.setattr(engine.suffix_drafter, "lookup", lambda request_id, cap: Lookup([]))
     monkeypatch.setattr(engine.model_drafter, "propose", lambda rows: model_ks.append(rows) or propose(rows))
-    monkeypatch.setattr(engine.model_drafter, "add", lambda prompts, **kw: fed_rows.extend(prompts) or add(prompts, **kw))
+    monkeypatch.setattr(
+        engine.model_drafter, "add", lambda prompts, **kw: fed_rows.extend(prompts) or add(prompts, **kw)
+    )
     result = engine.generate([GenerationRequest(prompt_ids, 24, GREEDY, 2, drafter=drafter)])[0]
     assert result.token_ids == expected
     # 6 drafts per pass although the request's k is 2; the cap shrinks as max_new_tokens nears.
@@ -214,7 +224,9 @@ def test_a_row_that_fell_back_probes_with_one_draft_every_interval(tiny_pair):
     planned.cost_table = CostModel(draft_step=0.05, target_step=1.0, target_per_extra_token=1.0)
     prompt_ids = encode(tokenizer, PROMPTS[1])
     result = planned.generate([GenerationRequest(prompt_ids, 120, GREEDY, 4)])[0]
-    plain = make_engine(target, draft, tokenizer, eos_token_ids=()).generate([GenerationRequest(prompt_ids, 120, GREEDY, 0)])
+    plain = make_engine(target, draft, tokenizer, eos_token_ids=()).generate(
+        [GenerationRequest(prompt_ids, 120, GREEDY, 0)]
+    )
     assert result.token_ids == plain[0].token_ids
     num_probes = result.stats.num_drafts - MIN_STEPS_BEFORE_FALLBACK
     assert 1 <= num_probes <= 120 // PROBE_INTERVAL

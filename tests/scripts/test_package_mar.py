@@ -19,7 +19,7 @@ def test_ngram_archive_packs_the_target_alone(tiny_models_dir, tmp_path):
     output = package("lookup", tiny_models_dir / "target", None, config, tmp_path / "store", "no-archive")
     assert (output / "target" / "config.json").is_file()
     assert not (output / "draft").exists()
-    assert (output / "handler" / "drafter_ngram.py").is_file()
+    assert (output / "handler" / "drafters" / "ngram.py").is_file()
 
 
 def test_draft_rules_name_the_flag(tiny_models_dir, tmp_path):

@@ -1,6 +1,6 @@
 """Look-up drafts keep sampling exact: the first sampled token follows the target's distribution.
 
-An n-gram proposal is deterministic, so its draft distribution is one-hot: the
+An n-gram or suffix-tree proposal is deterministic, so its draft distribution is one-hot: the
 draft token x is accepted with probability target_probs[x], and a rejection
 samples from target_probs with x removed. Seeded requests are coupled instead
 (`handler.sampler.coupled_verify`) and must follow the same distribution. The
@@ -38,7 +38,8 @@ def lookup_setup(tiny_models_dir):
     engine = make_engine(target, None, tokenizer, eos_token_ids=())
     temperature = torch.tensor([SAMPLING.temperature])
     best = None
-    # Prompt (a, b, x, c, a, b): the suffix (a, b) proposes x. Pick the x the target likes most.
+    # Prompt (a, b, x, c, a, b): the suffix (a, b) proposes x (for the suffix tree, with probability
+    # 1/2: (a, b) occurs twice, once followed by x). Pick the x the target likes most.
     for x in range(10, 340):
         prompt_ids = (20, 21, x, 22, 20, 21)
         with torch.no_grad():
@@ -49,28 +50,34 @@ def lookup_setup(tiny_models_dir):
     return engine, best
 
 
-def first_tokens(setup, seeded: bool) -> torch.Tensor:
+def first_tokens(setup, seeded: bool, drafter: str) -> torch.Tensor:
     engine, (prompt_ids, _, _) = setup
     tokens = []
     for start in range(0, NUM_SAMPLES, BATCH):
         requests = [
-            GenerationRequest(prompt_ids, 2, SAMPLING, 1, seed=start + i if seeded else None) for i in range(BATCH)
+            GenerationRequest(prompt_ids, 2, SAMPLING, 1, seed=start + i if seeded else None, drafter=drafter)
+            for i in range(BATCH)
         ]
-        tokens.extend(result.token_ids[0] for result in engine.generate(requests))
+        results = engine.generate(requests)
+        # The drafter under test proposed the first token of every row.
+        assert all(result.stats.draft_tokens_by_drafter == {drafter: 1} for result in results)
+        tokens.extend(result.token_ids[0] for result in results)
     return torch.tensor(tokens)
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
 @pytest.mark.parametrize("seeded", [False, True], ids=["rejection_sampling", "coupled"])
-def test_lookup_samples_follow_the_target(lookup_setup, seeded, reproducible_unseeded):
+def test_lookup_samples_follow_the_target(lookup_setup, seeded, drafter, reproducible_unseeded):
     _, (_, x, probs) = lookup_setup
     assert 0.05 < float(probs[x]) < 0.95, "the proposal must be accepted sometimes and rejected sometimes"
-    tokens = first_tokens(lookup_setup, seeded)
+    tokens = first_tokens(lookup_setup, seeded, drafter)
     counts = torch.bincount(tokens, minlength=probs.numel())
     assert 0 < counts[x] < NUM_SAMPLES
     assert chi_square_p_value(counts, probs) > PASS_P_VALUE
 
 
-def test_the_check_catches_a_non_one_hot_draft_distribution(lookup_setup, monkeypatch, reproducible_unseeded):
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_the_check_catches_a_non_one_hot_draft_distribution(lookup_setup, drafter, monkeypatch, reproducible_unseeded):
     _, (_, _, probs) = lookup_setup
 
     def uniform_draft(target_probs, draft_probs, draft_token_ids, num_draft_tokens, uniforms):
@@ -78,6 +85,6 @@ def test_the_check_catches_a_non_one_hot_draft_distribution(lookup_setup, monkey
         return rejection_sample(target_probs, uniform, draft_token_ids, num_draft_tokens, uniforms)
 
     monkeypatch.setattr(engine_module, "rejection_sample", uniform_draft)
-    tokens = first_tokens(lookup_setup, seeded=False)
+    tokens = first_tokens(lookup_setup, seeded=False, drafter=drafter)
     counts = torch.bincount(tokens, minlength=probs.numel())
     assert chi_square_p_value(counts, probs) < BUG_P_VALUE

@@ -125,13 +125,18 @@ def test_cpu_threads_zero_means_every_available_core():
 
 
 def test_drafter_keys():
-    assert HandlerConfig().drafters == ("model", "ngram", "hybrid")
+    assert HandlerConfig().drafters == ("model", "ngram", "suffix", "hybrid")
     lookup = HandlerConfig.from_dict({"drafter": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5})
-    assert lookup.draft_model is None and lookup.drafters == ("ngram",)
+    assert lookup.draft_model is None and lookup.drafters == ("ngram", "suffix")
     assert (lookup.prompt_lookup_min, lookup.prompt_lookup_max) == (2, 5)
     assert lookup.prompt_lookup_num_tokens == 0  # the request's k
     wide = HandlerConfig.from_dict({"prompt_lookup_num_tokens": 8, "max_num_speculative_tokens": 8})
     assert wide.prompt_lookup_num_tokens == 8
+    suffix = HandlerConfig.from_dict({"drafter": "suffix", "suffix_max_depth": 32, "suffix_min_token_prob": 0.2})
+    assert suffix.draft_model is None and suffix.drafter == "suffix" and suffix.drafters == ("ngram", "suffix")
+    assert (suffix.suffix_options.max_depth, suffix.suffix_options.min_token_prob) == (32, 0.2)
+    # No room for a single answer: nothing is shared.
+    assert not HandlerConfig.from_dict({"suffix_max_cached_requests": 0}).suffix_options.share_across_requests
     hybrid = HandlerConfig.from_dict({"drafter": "hybrid", "draft_model": "small"})
     assert hybrid.draft_model == "small" and "hybrid" in hybrid.drafters
 
@@ -146,6 +151,14 @@ def test_drafter_keys():
         # The cost table and the verify pass go no wider than max_num_speculative_tokens + 1.
         ({"prompt_lookup_num_tokens": 9, "max_num_speculative_tokens": 8}, "handler.prompt_lookup_num_tokens"),
         ({"prompt_lookup_num_tokens": -1}, "handler.prompt_lookup_num_tokens"),
+        ({"drafter": "suffix", "draft_model": "draft"}, "handler.draft_model"),
+        ({"suffix_max_depth": 0}, "handler.suffix_max_depth"),
+        ({"suffix_max_depth": 65}, "handler.suffix_max_depth"),
+        ({"suffix_min_token_prob": 1.5}, "handler.suffix_min_token_prob"),
+        ({"suffix_min_token_prob": "high"}, "handler.suffix_min_token_prob"),
+        ({"suffix_share_across_requests": "yes"}, "handler.suffix_share_across_requests"),
+        ({"suffix_max_cached_requests": -1}, "handler.suffix_max_cached_requests"),
+        ({"suffix_max_cached_tokens": 1.5}, "handler.suffix_max_cached_tokens"),
     ],
 )
 def test_bad_drafter_settings_name_the_key(raw, key):

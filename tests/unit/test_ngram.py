@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from handler.drafter_ngram import NgramDrafter, NgramIndex
+from handler.drafters.ngram import NgramDrafter, NgramIndex
 
 
 def test_proposes_what_followed_the_longest_matching_suffix():
@@ -50,10 +50,10 @@ def test_index_work_per_token_is_bounded_by_max_n():
 def test_drafter_tracks_rows_by_request_id():
     drafter = NgramDrafter(1, 3)
     drafter.add({"a": [1, 2, 3, 1], "b": [4, 5]})
-    assert drafter.lookup("a", 2) == [2, 3]
-    assert drafter.lookup("b", 2) == []
+    assert drafter.lookup("a", 2).token_ids == [2, 3]
+    assert drafter.lookup("b", 2).token_ids == []
     drafter.observe({"b": [4]})
-    assert drafter.lookup("b", 2) == [5, 4]
-    assert drafter.lookup("a", 0) == []
+    assert drafter.lookup("b", 2).token_ids == [5, 4]
+    assert drafter.lookup("a", 0).token_ids == []
     drafter.remove(["a"])
     assert "a" not in drafter.rows

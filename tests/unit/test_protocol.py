@@ -202,3 +202,18 @@ def test_decode_body_rejects_what_is_not_a_request(value, content_type, message)
         decode_body(value, content_type)
     assert error.value.status == 400
     json.dumps({"error": str(error.value)})  # the message must be JSON-serialisable
+
+
+def test_a_request_may_opt_out_of_the_shared_suffix_tree_but_not_into_one_the_server_closed(tokenizer):
+    assert parse({"prompt": "a"}, tokenizer).generation.suffix_share_across_requests is None
+    for value in (False, True):
+        request = parse({"prompt": "a", "suffix_share_across_requests": value}, tokenizer).generation
+        assert request.suffix_share_across_requests is value
+    with pytest.raises(RequestError, match="suffix_share_across_requests"):
+        parse({"prompt": "a", "suffix_share_across_requests": "no"}, tokenizer)
+    closed = dataclasses.replace(CONFIG, suffix_share_across_requests=False)
+    assert parse({"prompt": "a", "suffix_share_across_requests": False}, tokenizer, closed).generation
+    with pytest.raises(RequestError, match="suffix_share_across_requests") as error:
+        parse({"prompt": "a", "suffix_share_across_requests": True}, tokenizer, closed)
+    assert error.value.status == 400 and "opt out" in str(error.value)
+    assert parse({"prompt": "a", "drafter": "suffix"}, tokenizer).generation.drafter == "suffix"

@@ -81,6 +81,7 @@ SHARED_FIELDS = (
     "repetition_penalty",
     "num_speculative_tokens",
     "drafter",
+    "suffix_share_across_requests",
 )
 # Shared fields that go to the native request as they are (stop and stream are translated).
 PASSED_THROUGH = tuple(key for key in REQUEST_FIELDS if key in SHARED_FIELDS and key not in ("stop", "stream"))

@@ -1,0 +1,66 @@
+"""The drafters: who proposes the tokens that the target verifies.
+
+- `model` (`handler.drafters.model`): a small causal LM samples k drafts, one
+  forward pass each, with their draft distributions.
+- `ngram` (`handler.drafters.ngram`): prompt look-up; copies what followed the
+  longest matching n-gram earlier in the request's own prompt and output.
+- `suffix` (`handler.drafters.suffix`): suffix trees over the request's own
+  text and over recent completions of other requests, with counts; proposes the
+  most frequent continuation while its estimated probability stays high.
+- `hybrid` (`handler.drafters.hybrid`): per row and step, the proposal that
+  promises the most tokens per second: a look-up (suffix or n-gram) or the
+  draft model.
+
+Look-up drafts are one-hot (a deterministic proposal), so the rejection
+sampler accepts each with the target's own probability of it and the output
+stays the target's distribution whoever proposed it.
+
+Every drafter follows the rows of the engine's batch through the same calls:
+`add(prompts)` when requests join, `observe(committed)` after every step, and
+`remove(request_ids, sequences)` when they leave. Look-up drafters answer
+`lookup(request_id, max_tokens) -> Lookup`; the model drafter samples a whole
+batch in `propose`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Mapping, Protocol, Sequence
+
+MODEL = "model"
+NGRAM = "ngram"
+SUFFIX = "suffix"
+HYBRID = "hybrid"
+DRAFTERS = (MODEL, NGRAM, SUFFIX, HYBRID)
+# The drafters that need no draft model.
+MODEL_FREE = (NGRAM, SUFFIX)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    """A look-up's proposal for one row."""
+
+    token_ids: list[int]
+    # probs[j]: the estimated probability that drafts 0..j are all accepted (a suffix tree's
+    # counts along the path); None when the drafter has no estimate (the n-gram look-up).
+    probs: list[float] | None = None
+
+
+NO_LOOKUP = Lookup([])
+
+
+class Drafter(Protocol):
+    """What the engine calls on every drafter."""
+
+    name: str
+
+    def add(self, prompts: Mapping[Hashable, Sequence[int]]) -> None:
+        """Starts following the rows of new requests, by request id."""
+
+    def observe(self, committed: Mapping[Hashable, Sequence[int]]) -> None:
+        """Takes the tokens each row committed in the last step (absent: none)."""
+
+    def remove(
+        self, request_ids: Sequence[Hashable], sequences: Mapping[Hashable, Sequence[int]] | None = None
+    ) -> None:
+        """Stops following rows; `sequences` (prompt + completion) when their state is consistent."""
