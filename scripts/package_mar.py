@@ -105,19 +105,21 @@ def check_draft_needed(handler_config, draft: Path | None, path: Path) -> None:
     if handler_config.draft_model is not None and draft is None:
         raise PackagingError(
             f"--draft: {path} sets handler.drafter: {handler_config.drafter}, which needs a draft model; "
-            "pass --draft, or set handler.drafter: ngram (and no draft_model) to draft by prompt look-up"
+            "pass --draft, or set handler.drafter: ngram or suffix (and no draft_model) to draft without one"
         )
     if handler_config.draft_model is None and draft is not None:
         raise PackagingError(
-            f"--draft: {path} sets handler.drafter: ngram, which uses no draft model; drop --draft, "
+            f"--draft: {path} sets handler.drafter: {handler_config.drafter}, which uses no draft model; drop --draft, "
             "or set handler.drafter: model or hybrid with draft_model: draft"
         )
 
 
 def warn_about_model_paths(config: dict) -> None:
     """The archive holds target/ and draft/; say so if the config looks elsewhere."""
+    from handler.drafters import MODEL_FREE
+
     for key, packed_as in (("target_model", "target"), ("draft_model", "draft")):
-        if key not in config["handler"] and key == "draft_model" and config["handler"].get("drafter") == "ngram":
+        if key not in config["handler"] and key == "draft_model" and config["handler"].get("drafter") in MODEL_FREE:
             continue
         value = config["handler"].get(key)
         if value != packed_as:
