@@ -439,8 +439,14 @@ def test_dockerfile_copies_what_the_container_config_names():
 def test_dockerfile_copy_sources_exist():
     # A missing source fails `docker build`; requirements.txt and
     # model-config/metrics.yaml belong to the serving setup, not to deploy/.
+    # A copy from an earlier build stage must name a stage the file defines.
+    stages = {args.split()[-1] for args in instructions_named("FROM") if " AS " in args.upper()}
     for args in instructions_named("COPY"):
         source = args.split()[-2]
+        stage = re.search(r"--from=(\S+)", args)
+        if stage:
+            assert stage.group(1) in stages, f"COPY --from={stage.group(1)} names no build stage"
+            continue
         assert (REPO / source).exists(), f"COPY source {source} is missing: the image cannot build"
 
 
