@@ -34,7 +34,7 @@ TORCH_SPEC_FILE := $(VENV)/.torch-spec
 TINY_MODELS := models/tiny
 
 .PHONY: help install check-java test test-fast lint tiny-models package serve dev-serve register \
-	unregister stop loadtest demo install-demo bench bench-prefix clean FORCE
+	unregister stop loadtest demo install-demo bench bench-agentic bench-prefix clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [VAR=value ...]"
@@ -119,11 +119,18 @@ demo: install-demo ## Run the demo (scripts.demo)
 	$(PY) -m scripts.demo
 
 # The demo pair with model-config/qwen-coder.yaml; `make demo` fetches the models.
-# Results in bench_results/ (bench.json, bench.md, bench.png).
+# Results in bench_results/ (bench.json, bench.md, bench.png; agentic.json, agentic.md).
 BENCH_ARGS ?=
+BENCH_AGENTIC_ARGS ?=
 
-bench: install-demo ## Benchmark against HF generate on both prompt sets (BENCH_ARGS; ~45 min on 2 cores)
+bench: install-demo ## Benchmark against HF generate: open, grounded and agentic sets (~1.5 h on 2 cores)
 	$(PY) -m scripts.bench $(BENCH_ARGS)
+	$(PY) -m scripts.bench_agentic $(BENCH_AGENTIC_ARGS)
+
+# An agentic trace (SQL over one schema, coding tasks asked again, a tool loop, an edit
+# session), every drafter against HF generate. Results in bench_results/agentic.*.
+bench-agentic: install-demo ## Benchmark the agentic set alone (BENCH_AGENTIC_ARGS; ~45 min on 2 cores)
+	$(PY) -m scripts.bench_agentic $(BENCH_AGENTIC_ARGS)
 
 # The prefix cache off against on, the demo pair with model-config/qwen-coder.yaml: multi-turn chat
 # and a shared system prompt under Poisson load. Results in bench_results/prefix.json.
