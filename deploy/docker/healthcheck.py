@@ -13,8 +13,17 @@ alive (default)
     "the server runs", not "the models are loaded".
 --ready
     Also, every model in MODEL_NAMES has at least minWorkers (and at least one)
-    workers in state READY, as the management API describes them. This is what
-    decides whether a replica should get traffic.
+    workers in state READY, as the management API describes them, and the
+    container is not draining (no file at DRAIN_MARKER). This is what decides
+    whether a replica should get traffic.
+
+One action:
+
+--drain
+    Creates the drain marker, so that --ready fails from now on while the
+    server keeps serving what reaches it. The Kubernetes preStop hook runs it,
+    and entrypoint.sh does the same on SIGTERM; the entrypoint removes the
+    marker when the container starts.
 
 With token authorization on, TorchServe writes its keys to key_file.json in its
 working directory; the check sends the inference key to /ping and the
@@ -33,6 +42,8 @@ import urllib.request
 
 DEFAULT_KEY_FILE = "/home/model-server/key_file.json"
 DEFAULT_MODEL_NAMES = "qwen-coder-spec"
+# entrypoint.sh has the same default.
+DEFAULT_DRAIN_MARKER = "/tmp/torchserve-draining"
 
 
 class Unhealthy(Exception):
@@ -122,20 +133,44 @@ def check_ready(management_url, model_names, keys, timeout):
             raise Unhealthy(f"model {name}: {num_ready} of {num_wanted} workers READY")
 
 
+def check_not_draining(drain_marker):
+    # Before any HTTP call: a draining container answers at once, and opens no
+    # connection that the entrypoint would count as a request in flight.
+    if os.path.exists(drain_marker):
+        raise Unhealthy(f"draining: the container is stopping ({drain_marker} exists)")
+
+
+def mark_draining(drain_marker):
+    try:
+        with open(drain_marker, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise Unhealthy(f"cannot create the drain marker {drain_marker}: {e}") from e
+
+
 def parse_model_names(text):
     return [name for name in re.split(r"[\s,]+", text) if name]
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ready", action="store_true", help="also require the models' workers READY")
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--ready", action="store_true", help="also require the models' workers READY, not draining")
+    action.add_argument("--drain", action="store_true", help="mark the container as draining (preStop), then exit")
     parser.add_argument("--ping-url", default="http://127.0.0.1:8080/ping")
     parser.add_argument("--management-url", default="http://127.0.0.1:8081")
     parser.add_argument("--key-file", default=DEFAULT_KEY_FILE)
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per HTTP call")
     args = parser.parse_args(argv)
     model_names = parse_model_names(os.environ.get("MODEL_NAMES", DEFAULT_MODEL_NAMES))
+    drain_marker = os.environ.get("DRAIN_MARKER") or DEFAULT_DRAIN_MARKER
     try:
+        if args.drain:
+            mark_draining(drain_marker)
+            print(f"draining: {drain_marker} created; --ready fails from now on")
+            return 0
+        if args.ready:
+            check_not_draining(drain_marker)
         keys = read_keys(args.key_file)
         check_alive(args.ping_url, keys, args.timeout)
         if args.ready:

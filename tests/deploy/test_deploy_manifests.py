@@ -17,6 +17,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -323,9 +324,17 @@ def test_pods_run_as_the_image_user(name):
 @pytest.mark.parametrize("name", DEPLOYMENTS)
 def test_graceful_stop_fits_in_the_grace_period(name):
     d = manifest(name)
-    command = container(d)["lifecycle"]["preStop"]["exec"]["command"]
-    assert command[0] == "sleep"
-    assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > int(command[1])
+    c = container(d)
+    command = " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
+    # preStop marks the pod as draining (readiness fails), then waits for the endpoints to follow.
+    assert "healthcheck.py --drain" in command
+    prestop_wait_s = int(re.search(r"\bsleep (\d+)", command).group(1))
+    assert 5 <= prestop_wait_s <= 30
+    drain_timeout_s = int(env_of(c)["DRAIN_TIMEOUT_S"])
+    # TorchServe's own stop takes a few seconds after the drain.
+    stop_s = 10
+    grace_s = d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace_s >= prestop_wait_s + drain_timeout_s + stop_s
 
 
 def test_gpu_deployment_requests_a_gpu_on_gpu_nodes():
@@ -546,12 +555,15 @@ def entrypoint_env(tmp_path):
     store = tmp_path / "store"
     store.mkdir()
     config = tmp_path / "config.properties"
-    config.write_text("")
+    # Port 1: nothing is connected to it, so a drain ends at once.
+    config.write_text("inference_address=http://127.0.0.1:1\n")
     return {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "STUB_LOG": str(tmp_path / "calls.log"),
         "MODEL_STORE": str(store),
         "TS_CONFIG": str(config),
+        "DRAIN_MARKER": str(tmp_path / "draining"),
+        "DRAIN_QUIET_S": "0",
     }
 
 
@@ -646,6 +658,82 @@ def test_entrypoint_stops_torchserve_on_sigterm(entrypoint_env):
         if process.poll() is None:
             process.kill()
     assert [call[0] for call in stub_calls(entrypoint_env)] == ["--start", "--stop"]
+
+
+def start_entrypoint_and_wait_for_start(env: dict) -> subprocess.Popen:
+    Path(env["MODEL_STORE"], f"{DEFAULT_MODEL}.mar").write_bytes(b"")
+    process = subprocess.Popen(
+        [str(ENTRYPOINT)], env={**env, "STUB_WAIT": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 10
+    while not stub_calls(env) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stub_calls(env), "torchserve --start never ran"
+    return process
+
+
+@pytest.fixture
+def open_connection(entrypoint_env):
+    """A client connection to a stand-in inference port, named in the stub's TS_CONFIG."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    Path(entrypoint_env["TS_CONFIG"]).write_text(f"inference_address=http://127.0.0.1:{port}\n")
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    try:
+        yield client
+    finally:
+        for sock in (client, accepted, listener):
+            sock.close()
+
+
+def test_entrypoint_drains_until_the_inference_connections_close(entrypoint_env, open_connection):
+    process = start_entrypoint_and_wait_for_start(entrypoint_env)
+    try:
+        process.send_signal(signal.SIGTERM)
+        marker = Path(entrypoint_env["DRAIN_MARKER"])
+        deadline = time.monotonic() + 10
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert marker.exists(), "SIGTERM must mark the container as draining"
+        time.sleep(1.5)
+        assert [call[0] for call in stub_calls(entrypoint_env)] == ["--start"], "stopped with a connection open"
+        open_connection.close()
+        stdout, _ = process.communicate(timeout=10)
+        assert process.returncode == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert [call[0] for call in stub_calls(entrypoint_env)] == ["--start", "--stop"]
+    assert "drained" in stdout
+
+
+def test_entrypoint_stops_anyway_past_the_drain_timeout(entrypoint_env, open_connection):
+    # An idle keep-alive connection looks like a request in flight: only the deadline ends the drain.
+    process = start_entrypoint_and_wait_for_start({**entrypoint_env, "DRAIN_TIMEOUT_S": "1"})
+    try:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=10)
+        assert process.returncode == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert [call[0] for call in stub_calls(entrypoint_env)] == ["--start", "--stop"]
+    assert "DRAIN_TIMEOUT_S" in stderr and "1 connection(s)" in stderr
+
+
+def test_entrypoint_removes_a_stale_drain_marker(entrypoint_env):
+    # The previous container of the pod may have left it in /tmp (a volume that outlives it).
+    Path(entrypoint_env["MODEL_STORE"], f"{DEFAULT_MODEL}.mar").write_bytes(b"")
+    marker = Path(entrypoint_env["DRAIN_MARKER"])
+    marker.touch()
+    run_entrypoint(entrypoint_env, STUB_EXIT="0")
+    assert not marker.exists()
+
+
+def test_entrypoint_and_healthcheck_agree_on_the_drain_marker():
+    default = re.search(r'DRAIN_MARKER="\$\{DRAIN_MARKER:-([^}]+)\}"', ENTRYPOINT.read_text()).group(1)
+    assert default == load_healthcheck().DEFAULT_DRAIN_MARKER
 
 
 # --- healthcheck.py, run against a stand-in TorchServe -----------------------------------
@@ -743,6 +831,19 @@ def test_healthcheck_sends_the_keys_from_the_key_file(fake_server, tmp_path, cap
     key_file.write_text(json.dumps({"inference": {"key": "old", "expiration time": "2000-01-01T00:00:00Z"}}))
     assert run_healthcheck(url, key_file=key_file) == 1
     assert "expired" in capsys.readouterr().out
+
+
+def test_healthcheck_drain_makes_ready_fail_but_not_alive(fake_server, tmp_path, monkeypatch, capsys):
+    _, url = fake_server
+    marker = tmp_path / "draining"
+    monkeypatch.setenv("DRAIN_MARKER", str(marker))
+    assert run_healthcheck(url, "--ready") == 0
+    assert load_healthcheck().main(["--drain"]) == 0
+    assert marker.exists()
+    # No HTTP call at all while draining: the check must not count as a request in flight.
+    assert run_healthcheck("http://127.0.0.1:9", "--ready") == 1
+    assert "draining" in capsys.readouterr().out
+    assert run_healthcheck(url) == 0, "a draining server is still alive"
 
 
 def test_healthcheck_reports_an_unreachable_server(capsys):
