@@ -36,17 +36,60 @@ def select_device(gpu_id: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> int | None:
+    """The CPU limit of this process's cgroup in whole cores (rounded up), or None when unlimited.
+
+    A container's CPU limit (Kubernetes `resources.limits.cpu`, `docker run
+    --cpus`) is a CFS quota, not an affinity mask: the process still sees every
+    core of the node, and one thread per node core would be throttled to the
+    quota. cgroup v2 writes it as `cpu.max` ("QUOTA PERIOD" or "max PERIOD"),
+    cgroup v1 as `cpu.cfs_quota_us` and `cpu.cfs_period_us` (quota -1: none).
+    """
+
+    def read(*names: str) -> list[str] | None:
+        for name in names:
+            try:
+                with open(os.path.join(root, name), encoding="ascii") as f:
+                    return f.read().split()
+            except OSError:
+                continue
+        return None
+
+    v2 = read("cpu.max")
+    if v2 is not None and len(v2) == 2:
+        quota, period = v2
+    else:
+        v1_quota = read("cpu/cpu.cfs_quota_us", "cpu,cpuacct/cpu.cfs_quota_us")
+        v1_period = read("cpu/cpu.cfs_period_us", "cpu,cpuacct/cpu.cfs_period_us")
+        if not v1_quota or not v1_period:
+            return None
+        quota, period = v1_quota[0], v1_period[0]
+    try:
+        quota_us, period_us = int(quota), int(period)
+    except ValueError:  # "max": no limit
+        return None
+    if quota_us <= 0 or period_us <= 0:
+        return None
+    return max(1, -(-quota_us // period_us))
+
+
+def usable_cpu_cores() -> int:
+    """The cores this process may use: its affinity mask, bounded by its cgroup's CPU limit."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = cgroup_cpu_limit()
+    return cores if limit is None else min(cores, limit)
+
+
 def set_cpu_threads(requested: int) -> int:
     """Sets torch's CPU threads: `requested`, or every core this process may use when 0.
 
     torch takes its thread count from OMP_NUM_THREADS when the worker's
     environment sets it (TorchServe itself sets it only for torchrun workers),
     so a stray OMP_NUM_THREADS=1 would leave all but one core idle. One worker
-    holds both models, so by default it uses every core it may.
+    holds both models, so by default it uses every core it may: the affinity
+    mask, bounded by a container's CPU limit (`usable_cpu_cores`).
     """
-    threads = requested
-    if threads == 0:
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = requested or usable_cpu_cores()
     torch.set_num_threads(threads)
     return threads
 
