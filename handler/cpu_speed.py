@@ -264,6 +264,9 @@ def choose_cpu_dtype(fp32_bytes: int, weight_shapes: list[tuple[int, int]], max_
     if fp32_bytes < MIN_BYTES_FOR_BF16 or not weight_shapes:
         logger.info("dtype auto: float32 (%.0f MB of weights: too small for bfloat16 to pay)", fp32_bytes / 2**20)
         return torch.float32
+    if not onednn_supports(torch.bfloat16):
+        logger.info("dtype auto: float32 (oneDNN has no bfloat16 kernels on this CPU: bfloat16 would be slower)")
+        return torch.float32
     speedup = measure_bf16_speedup(weight_shapes, widths=tuple(sorted({1, max(1, max_width)})))
     dtype = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
     logger.info(

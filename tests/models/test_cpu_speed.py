@@ -118,7 +118,11 @@ def test_auto_dtype_rule(monkeypatch):
     # Small models stay float32 without measuring.
     monkeypatch.setattr(cpu_speed, "measure_bf16_speedup", lambda *a, **k: pytest.fail("measured a tiny model"))
     assert choose_cpu_dtype(10 * 2**20, shapes, 5) == torch.float32
+    # No bf16 kernels in oneDNN: float32, without measuring.
+    monkeypatch.setattr(cpu_speed, "onednn_supports", lambda dtype: dtype == torch.float32)
+    assert choose_cpu_dtype(4 * 2**30, shapes, 5) == torch.float32
     # Large models: bf16 only when it measures at least BF16_MIN_SPEEDUP faster.
+    monkeypatch.setattr(cpu_speed, "onednn_supports", lambda dtype: True)
     monkeypatch.setattr(cpu_speed, "measure_bf16_speedup", lambda *a, **k: 2.0)
     assert choose_cpu_dtype(big, shapes, 5) == torch.bfloat16
     monkeypatch.setattr(cpu_speed, "measure_bf16_speedup", lambda *a, **k: 1.1)
