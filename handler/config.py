@@ -18,6 +18,8 @@ from handler.drafters.suffix import SuffixOptions
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFT_QUANTIZATIONS = ("none", "int8")
+# handler.speculative_tree: trees of look-up candidates where the model allows ("auto"), or chains.
+SPECULATIVE_TREE_MODES = ("auto", "off")
 # Who proposes drafts (handler.drafters): DRAFTERS, of which MODEL_FREE need no draft model.
 # Longest n-gram the look-up matches; longer suffixes rarely add matches.
 MAX_PROMPT_LOOKUP = 16
@@ -272,6 +274,9 @@ class HandlerConfig:
     suffix_share_across_requests: bool = SuffixOptions.share_across_requests
     suffix_max_cached_requests: int = SuffixOptions.max_cached_requests
     suffix_max_cached_tokens: int = SuffixOptions.max_cached_tokens
+    # auto: look-ups propose trees of candidates, verified in one pass, and the planner sizes them
+    # from the cost table (handler.tree); off: chains only. A request may say off for itself.
+    speculative_tree: str = "auto"
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
     @property
@@ -393,6 +398,13 @@ class HandlerConfig:
                 f"got {quantization!r}"
             )
         values["draft_quantization"] = quantization
+        tree = raw.get("speculative_tree", default.speculative_tree)
+        if tree not in SPECULATIVE_TREE_MODES:
+            raise ValueError(
+                f"model-config.yaml: handler.speculative_tree must be one of {', '.join(SPECULATIVE_TREE_MODES)}, "
+                f"got {tree!r}"
+            )
+        values["speculative_tree"] = tree
         values["sampling"] = SamplingParams.from_dict(raw.get("sampling", {}))
         return cls(**values)
 

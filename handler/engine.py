@@ -38,14 +38,14 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from handler.adaptive import MIN_STEPS_BEFORE_FALLBACK, PROBE_INTERVAL, AcceptanceTracker, plan_step_k
-from handler.config import HandlerConfig, SamplingParams
+from handler.config import SPECULATIVE_TREE_MODES, HandlerConfig, SamplingParams
 from handler.constraints import Constraint, RowGrammar, compiler_for
 from handler.drafters import DRAFTERS, HYBRID, MODEL, MODEL_FREE, NGRAM, SUFFIX, Lookup
 from handler.drafters.hybrid import Candidate, choose
 from handler.drafters.model import ModelDrafter
 from handler.drafters.ngram import NgramDrafter
 from handler.drafters.suffix import SuffixDrafter, SuffixOptions, SuffixTreeStats
-from handler.kv_cache import RaggedCache, kv_bytes_per_token
+from handler.kv_cache import RaggedCache, kv_bytes_per_token, tree_attention_error
 from handler.logits_processors import process_row_logits, token_counts, token_mask
 from handler.memory_budget import prefix_cache_budget
 from handler.prefix_cache import PrefixCache, PrefixCacheStats, prefill_with_cache
@@ -59,6 +59,7 @@ from handler.sampler import (
 )
 from handler.schema import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from handler.stopping import StopChecker
+from handler.tree import ROOT, chunk_attention, depths, first_choice_path, order_best_first, verify_tree
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ class GenerationRequest:
     logprobs: int | None = None
     # What the output must match (handler.constraints); None: free text.
     constraint: Constraint | None = None
+    # False: this request's look-ups propose chains only. None: the server's speculative_tree.
+    speculative_tree: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +128,12 @@ class SpeculativeStats:
     # Structured output: whether a constraint applied, and the seconds spent on its masks.
     constrained: bool = False
     mask_seconds: float = 0.0
+    # Tree verification (`handler.tree`): steps that verified a tree with a branch, their nodes,
+    # their accepted depth, and the steps whose accepted path left the first-choice branch.
+    tree_steps: int = 0
+    tree_nodes: int = 0
+    tree_accepted_depth: int = 0
+    tree_other_branch: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -151,6 +160,13 @@ class SpeculativeStats:
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
 
+    def record_tree(self, num_nodes: int, depth: int, first_choice: bool) -> None:
+        """Counts one verified tree of `num_nodes` nodes whose accepted path is `depth` drafts deep."""
+        self.tree_steps += 1
+        self.tree_nodes += num_nodes
+        self.tree_accepted_depth += depth
+        self.tree_other_branch += int(not first_choice)
+
     def as_dict(self) -> dict:
         proposers = sorted(self.draft_tokens_by_drafter)
         return {
@@ -170,6 +186,12 @@ class SpeculativeStats:
                 for name in proposers
             },
             "accepted_per_position": list(self.accepted_per_position),
+            "tree": {
+                "steps": self.tree_steps,
+                "nodes": self.tree_nodes,
+                "accepted_depth": self.tree_accepted_depth,
+                "other_branch": self.tree_other_branch,
+            },
         }
 
 
@@ -356,6 +378,7 @@ class SpeculativeEngine:
         prefix_cache_max_bytes: int | None = None,
         suffix: SuffixOptions = DEFAULT_SUFFIX_OPTIONS,
         suffix_estimate: str = "tree",
+        speculative_tree: str = "auto",
     ) -> None:
         """
         Args:
@@ -376,8 +399,12 @@ class SpeculativeEngine:
             suffix: the suffix drafter's trees (`handler.drafters.suffix`).
             suffix_estimate: "tree": the planner takes a suffix look-up's tree probabilities as
                 its acceptance per position; "tracker": the row's running acceptance, as for n-grams.
+            speculative_tree: "auto": look-ups propose trees of candidates (`handler.tree`) where
+                the target accepts a custom 4D attention mask with its cache, checked here; "off":
+                chains only.
         """
         assert suffix_estimate in SUFFIX_ESTIMATES, suffix_estimate
+        assert speculative_tree in SPECULATIVE_TREE_MODES, speculative_tree
         self.target = target
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -400,6 +427,12 @@ class SpeculativeEngine:
         self.ngram_drafter = NgramDrafter(prompt_lookup_min, prompt_lookup_max)
         self.suffix_drafter = SuffixDrafter(suffix)
         self.suffix_estimate = suffix_estimate
+        self.trees = False
+        if speculative_tree == "auto":
+            error = tree_attention_error(target)
+            if error is not None:
+                logger.warning("speculative_tree: verifying chains only: %s", error)
+            self.trees = error is None
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.grammar_drafts = grammar_drafts
         self.drafters = DRAFTERS if draft is not None else MODEL_FREE
@@ -439,6 +472,7 @@ class SpeculativeEngine:
             prompt_lookup_max=config.prompt_lookup_max,
             prompt_lookup_num_tokens=config.prompt_lookup_num_tokens,
             suffix=config.suffix_options,
+            speculative_tree=config.speculative_tree,
             **options,
         )
 
@@ -523,30 +557,41 @@ class SpeculativeEngine:
         rows = self.rows
         started = time.perf_counter()
         mask_seconds_before = sum(row.stats.mask_seconds for row in rows)
-        lookups, proposers = self._proposals(rows)
+        lookups, proposers, curves = self._proposals(rows)
         uses_model = [proposer == MODEL for proposer in proposers]
         max_ks = [row.cap() if uses_model[i] else len(lookups[i].token_ids) for i, row in enumerate(rows)]
-        step_ks = self._plan(rows, max_ks, proposers, lookups)
-        num_accepted, emitted, logits = self._verify(rows, step_ks, lookups, uses_model)
+        step_ks = self._plan(rows, max_ks, proposers, curves)
+        lookups = [lookup.prefix(step_k) for lookup, step_k in zip(lookups, step_ks)]
+        num_accepted, emitted, logits, paths = self._verify(rows, step_ks, lookups, uses_model)
 
         outputs, finished, committed = [], [], {}
         for slot, row in enumerate(rows):
-            accepted = num_accepted[slot]
+            accepted, path, lookup = num_accepted[slot], paths[slot], lookups[slot]
             new_tokens = emitted[slot][: accepted + 1]
             proposer = proposers[slot]
             row.stats.record(proposer, step_ks[slot], accepted)
             row.steps_without_drafts = 0 if step_ks[slot] else row.steps_without_drafts + 1
-            row.trackers[proposer].update(accepted, step_ks[slot])
+            # Drafts reached: the accepted ones, and one more where the walk stopped at a node with children.
+            reached = step_ks[slot]
+            if not uses_model[slot] and lookup.is_tree:
+                reached = accepted + int(path[-1] - 1 in lookup.parents)
+                first_choice = path == first_choice_path(lookup.parents, accepted)
+                row.stats.record_tree(step_ks[slot], accepted, first_choice)
+            row.trackers[proposer].update(accepted, reached)
             kept = row.extend(new_tokens)
             row.commit(kept)
             if row.logprobs is not None and kept:
-                row.logprobs.extend(self._logprobs(logits[slot, : len(kept)], kept, row.request.logprobs))
+                columns = path[: len(kept)]
+                row.logprobs.extend(self._logprobs(logits[slot, columns], kept, row.request.logprobs))
             committed[row.request_id] = kept
             outputs.append(StepOutput(row.request_id, kept, row.token_ids, row.finish_reason, None))
             if row.finish_reason is not None:
                 outputs[-1].result = row.result()
                 finished.append(row)
-        # Roll back: the target keeps its pending token and the accepted drafts.
+        # Roll back: the target keeps its pending token and the accepted drafts (a tree's
+        # accepted path first moves to the front of the chunk).
+        if any(path != list(range(len(path))) for path in paths):
+            self.target_cache.keep_chunk_paths(max(step_ks) + 1, paths)
         kept_lengths = target_lengths_after_verify(self.target_cache.lengths.tolist(), step_ks, num_accepted)
         self.target_cache.rollback(torch.tensor(kept_lengths, dtype=torch.long))
         for drafter in self._all_drafters():
@@ -668,14 +713,15 @@ class SpeculativeEngine:
                 self.prefix_cache.unlock(row.prefix_handle)
                 row.prefix_handle = None
 
-    def _proposals(self, rows: list[_Row]) -> tuple[list[Lookup], list[str]]:
-        """Each row's look-up drafts (none where the draft model drafts) and who proposes them.
+    def _proposals(self, rows: list[_Row]) -> tuple[list[Lookup], list[str], list[list[float]]]:
+        """Each row's look-up drafts (none where the draft model drafts), who proposes them, and E(0..n).
 
         A constrained row first takes the tokens its grammar forces (free one-hot drafts);
         otherwise its look-ups are cut at the first token the grammar refuses. A hybrid
-        row takes the candidate that promises the most (`handler.drafters.hybrid`).
+        row takes the candidate that promises the most (`handler.drafters.hybrid`). A row
+        whose logits no rule shapes may take a tree of look-up candidates (`handler.tree`).
         """
-        lookups, proposers = [], []
+        lookups, proposers, curves = [], [], []
         step_seconds = self._step_seconds(len(rows))
         for row in rows:
             cap = row.lookup_cap(self.prompt_lookup_num_tokens)
@@ -685,37 +731,55 @@ class SpeculativeEngine:
             if forced:
                 lookups.append(Lookup(forced))
                 proposers.append(PROPOSER_GRAMMAR)
+                curves.append(row.trackers[PROPOSER_GRAMMAR].expected_curve(len(forced)))
                 continue
             if row.drafter == MODEL:
                 lookups.append(Lookup([]))
                 proposers.append(MODEL)
+                curves.append(row.trackers[MODEL].expected_curve(row.cap()))
                 continue
+            tree = self.trees and row.request.speculative_tree is not False and not row.shapes_logits
             candidates = []
             for name, drafter in ((SUFFIX, self.suffix_drafter), (NGRAM, self.ngram_drafter)):
                 if row.drafter not in (name, HYBRID):
                     continue
-                lookup = drafter.lookup(row.request_id, cap)
+                lookup = drafter.lookup(row.request_id, cap, tree=tree)
                 if lookup.token_ids and row.grammar is not None:
-                    lookup = _cut(lookup, row.grammar_call("num_valid", lookup.token_ids))
+                    lookup = lookup.prefix(row.grammar_call("num_valid", lookup.token_ids))
                 if row.drafter == name or lookup.token_ids:
-                    max_k = len(lookup.token_ids)
-                    candidates.append(Candidate(name, lookup, max_k, self._curve(row, name, lookup, max_k)))
+                    lookup, curve = self._estimate(row, name, lookup)
+                    candidates.append(Candidate(name, lookup, len(lookup.token_ids), curve))
             if row.drafter == HYBRID:
                 max_k = row.cap()
                 candidates.append(Candidate(MODEL, Lookup([]), max_k, row.trackers[MODEL].expected_curve(max_k)))
             best = choose(candidates, step_seconds)
             lookups.append(best.lookup)
             proposers.append(best.proposer)
-        return lookups, proposers
+            curves.append(best.curve)
+        return lookups, proposers, curves
 
-    def _curve(self, row: _Row, proposer: str, lookup: Lookup, max_k: int) -> list[float]:
-        """E(0..max_k) of a row's proposal: from a suffix look-up's tree probabilities, or its tracker."""
+    def _estimate(self, row: _Row, proposer: str, lookup: Lookup) -> tuple[Lookup, list[float]]:
+        """A look-up's proposal, best draft first, and E(0..n) for its first n drafts.
+
+        Each draft's estimate is the probability that it and its ancestors are accepted:
+        a suffix look-up's tree probabilities, or the row's tracker at the draft's depth
+        times the draft's share of the matched occurrences (1 along a chain).
+        """
+        num = len(lookup.token_ids)
         if proposer == SUFFIX and self.suffix_estimate == "tree" and lookup.probs is not None:
-            curve = [1.0]
-            for prob in lookup.probs[:max_k]:
-                curve.append(curve[-1] + prob)
-            return curve
-        return row.trackers[proposer].expected_curve(max_k)
+            scores = list(lookup.probs)  # a tree's come best first already
+        else:
+            node_depths = depths(lookup.parents) if lookup.parents is not None else list(range(1, num + 1))
+            tracker_curve = row.trackers[proposer].expected_curve(max(node_depths, default=0))
+            shares = lookup.shares or _relative_probs(lookup, node_depths) or [1.0] * num
+            scores = [share * (tracker_curve[d] - tracker_curve[d - 1]) for share, d in zip(shares, node_depths)]
+        if lookup.is_tree:
+            token_ids, parents, scores = order_best_first(lookup.token_ids, lookup.parents, scores)
+            lookup = Lookup(token_ids, scores, parents)
+        curve = [1.0]
+        for score in scores:
+            curve.append(curve[-1] + score)
+        return lookup, curve
 
     def _step_seconds(self, batch_size: int) -> Callable[[int, bool], float] | None:
         """(k, drafts with the model) -> the cost table's seconds for a step of the batch; None without a table."""
@@ -728,14 +792,11 @@ class SpeculativeEngine:
 
         return seconds
 
-    def _plan(self, rows: list[_Row], max_ks: list[int], proposers: list[str], lookups: list[Lookup]) -> list[int]:
-        """Each row's number of drafts this step."""
+    def _plan(self, rows: list[_Row], max_ks: list[int], proposers: list[str], curves: list[list[float]]) -> list[int]:
+        """Each row's number of drafts this step (a tree's: its first nodes, best first)."""
         if self.cost_table is None:
             return list(max_ks)
-        estimates = [
-            self._curve(row, proposer, lookup, max_k) if proposer == SUFFIX else row.trackers[proposer]
-            for row, proposer, lookup, max_k in zip(rows, proposers, lookups, max_ks)
-        ]
+        estimates = [curve[: max_k + 1] for curve, max_k in zip(curves, max_ks)]
         trackers = [row.trackers[proposer] for row, proposer in zip(rows, proposers)]
         k = plan_step_k(
             estimates,
@@ -755,14 +816,20 @@ class SpeculativeEngine:
 
     def _verify(
         self, rows: list[_Row], step_ks: list[int], lookups: list[Lookup], uses_model: list[bool]
-    ) -> tuple[list[int], list[list[int]], torch.Tensor]:
+    ) -> tuple[list[int], list[list[int]], torch.Tensor, list[list[int]]]:
         """Drafts and verifies one step.
 
+        `lookups` are the rows' drafts this step, `step_ks` long; where one is a tree, the
+        pass gives every draft its own ancestors only, and that row is verified by walking
+        the tree (`handler.tree.verify_tree`).
+
         Returns:
-            num_accepted per row, emitted tokens per row ([k + 1], -1 padded), and the
-            target's raw logits [batch, k + 1, vocab] at the verified positions.
+            num_accepted per row, emitted tokens per row ([k + 1], -1 padded), the target's
+            raw logits [batch, k + 1, vocab] at the verified chunk columns, and per row the
+            chunk columns of its pending token and accepted drafts (0, 1, ... for a chain).
         """
         batch_size, k = len(rows), max(step_ks)
+        tree_slots = [slot for slot in range(batch_size) if not uses_model[slot] and lookups[slot].is_tree]
         # An unseeded row draws for its own k only (`draw_step_uniforms`). A coupled row takes
         # each position's own uniform, for its draft there and for the target's token there.
         draft_uniforms, verify_uniforms = draw_step_uniforms([row.generator for row in rows], step_ks, k)
@@ -818,7 +885,14 @@ class SpeculativeEngine:
         pending = torch.tensor([[row.token_ids[-1] if row.token_ids else row.request.prompt_ids[-1]] for row in rows])
         input_ids = torch.cat([pending.to(self.device), draft_token_ids], dim=1)  # [batch, 1 + k]
         chunk_mask = torch.ones((batch_size, 1 + k), dtype=torch.long)
-        logits = self.target_cache.forward(input_ids, chunk_mask, logits_to_keep=k + 1)  # [batch, k + 1, vocab']
+        tree = None
+        if tree_slots:
+            parents = [
+                lookups[slot].parents if slot in tree_slots else list(range(ROOT, step_ks[slot] - 1))
+                for slot in range(batch_size)
+            ]
+            tree = chunk_attention(parents, k)
+        logits = self.target_cache.forward(input_ids, chunk_mask, logits_to_keep=k + 1, tree=tree)  # [b, k+1, v']
         logits = logits[..., : self.vocab_size]
         shaped = self._shape_target_logits(rows, logits, draft_lists, step_ks)
         target_probs = warp_logits_to_probs(shaped, temperature, top_k, top_p, min_p)
@@ -833,7 +907,24 @@ class SpeculativeEngine:
                 target_probs[index], draft_token_ids[index], num_draft_tokens[index], position_u.to(self.device)
             )
         # The step's one synchronisation point: the bookkeeping after it is plain Python.
-        return num_accepted.tolist(), output_token_ids.tolist(), logits
+        num_accepted, output_token_ids = num_accepted.tolist(), output_token_ids.tolist()
+        paths = [list(range(accepted + 1)) for accepted in num_accepted]
+        for slot in tree_slots:
+            paths[slot], emitted = verify_tree(
+                target_probs[slot], lookups[slot].token_ids, lookups[slot].parents, self._tree_uniforms(rows[slot], k)
+            )
+            num_accepted[slot] = len(emitted) - 1
+            output_token_ids[slot] = emitted + [-1] * (k + 1 - len(emitted))
+        return num_accepted, output_token_ids, logits, paths
+
+    @staticmethod
+    def _tree_uniforms(row: _Row, k: int) -> list[float]:
+        """A tree row's uniform per depth 0..k: zeros (greedy), its seed's per position, or fresh draws."""
+        if row.coupled:
+            return position_uniforms(row.request.seed, len(row.token_ids), k + 1).tolist()
+        if row.generator is not None:
+            return torch.rand(k + 1, generator=row.generator, dtype=torch.float64).tolist()
+        return [0.0] * (k + 1)
 
     def _shape_target_logits(
         self,
@@ -881,6 +972,11 @@ class SpeculativeEngine:
         ]
 
 
-def _cut(lookup: Lookup, num: int) -> Lookup:
-    """A look-up's first `num` drafts."""
-    return Lookup(lookup.token_ids[:num], None if lookup.probs is None else lookup.probs[:num])
+def _relative_probs(lookup: Lookup, node_depths: list[int]) -> list[float] | None:
+    """A suffix tree's probabilities relative to the likeliest draft at each depth (its branches' shares)."""
+    if lookup.probs is None or not lookup.is_tree:
+        return None
+    best: dict[int, float] = {}
+    for prob, depth in zip(lookup.probs, node_depths):
+        best[depth] = max(best.get(depth, 0.0), prob)
+    return [prob / best[depth] if best[depth] > 0 else 0.0 for prob, depth in zip(lookup.probs, node_depths)]

@@ -25,6 +25,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from handler.tree import chunk_attention
+
 # Hole columns tolerated beyond the longest row before re-packing the cache.
 COMPACT_SLACK = 16
 
@@ -51,6 +53,43 @@ def check_cache_support(model: torch.nn.Module) -> None:
             f"{type(model).__name__} uses cache layers {sorted(kinds)}; speculative decoding here needs "
             "full-attention layers (sliding-window and linear-attention caches cannot be rolled back)"
         )
+
+
+def tree_attention_error(model: torch.nn.Module) -> str | None:
+    """Why the model cannot verify draft trees, or None when it can.
+
+    Runs the model once on a tree of two branches with a custom 4D attention mask
+    and compares each branch's logits with those of the branch run alone as a
+    chain. A model that ignores or rejects the mask, or whose positions do not
+    follow `position_ids`, fails here rather than in a request.
+    """
+    vocab_size = model.config.get_text_config().vocab_size
+    context, pending = [1 % vocab_size, 2 % vocab_size], 3 % vocab_size
+    first, second = [4 % vocab_size, 5 % vocab_size], [6 % vocab_size]
+    try:
+        with torch.inference_mode():
+            chains = []
+            for branch in (first, second):
+                cache = prefill(model, [context], 0)
+                ids = torch.tensor([[pending, *branch]])
+                chains.append(cache.forward(ids, torch.ones_like(ids), logits_to_keep=ids.shape[1])[0].float())
+            cache = prefill(model, [context], 0)
+            ids = torch.tensor([[pending, *first, *second]])
+            tree = chunk_attention([[-1, 0, -1]], 3)
+            logits = cache.forward(ids, torch.ones_like(ids), logits_to_keep=4, tree=tree)[0].float()
+    except Exception as error:  # noqa: BLE001 - any failure means no trees, said at start-up
+        return f"{type(model).__name__} failed a forward pass with a custom 4D attention mask: {error}"
+    expected = torch.cat([chains[0], chains[1][1:]])  # [4, vocab]: root, first branch, second branch
+    scale = float(expected.abs().max()) or 1.0
+    # Float32 differs by rounding only; half precision by a few ulps of the logits' scale.
+    tolerance = 1e-4 if model.dtype == torch.float32 else 5e-2
+    error = float((logits - expected).abs().max()) / scale
+    if error > tolerance:
+        return (
+            f"{type(model).__name__} does not honour a custom 4D attention mask with its cache "
+            f"(a tree's logits differ from its chains' by {error:.2g} of their scale)"
+        )
+    return None
 
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
@@ -95,14 +134,23 @@ class RaggedCache:
         input_ids: torch.Tensor,  # [batch, width], on any device
         chunk_mask: torch.Tensor,  # [batch, width] long, CPU; 0 marks left padding
         logits_to_keep: int,
+        tree: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Appends a chunk of tokens to every row and returns the last logits.
+
+        Args:
+            tree: for a chunk of draft trees (`handler.tree.chunk_attention`): which chunk
+                columns each column sees ([batch, width, width] bool) and each column's depth
+                ([batch, width] long). The chunk has no padding then; a column's position is
+                the row's length plus its depth.
 
         Returns:
             logits: [batch, logits_to_keep, vocab] for the chunk's last columns.
         """
         assert input_ids.shape == chunk_mask.shape, (input_ids.shape, chunk_mask.shape)
         assert self.cache.get_seq_length() == self.num_columns, (self.cache.get_seq_length(), self.num_columns)
+        if tree is not None:
+            return self._forward_tree(input_ids, tree, logits_to_keep)
         # Each real token's position is the number of valid tokens before it in its row.
         position_ids = self.lengths[:, None] + chunk_mask.cumsum(dim=1) - 1  # [batch, width]
         position_ids = position_ids.clamp(min=0)
@@ -111,6 +159,25 @@ class RaggedCache:
         # Without holes (always so for one request) no mask is needed, and attention can take
         # its causal fast path instead of materialising a 4D mask on every pass.
         attention_mask = None if bool(self.mask.all()) else self.mask.to(self.device)
+        return self._run(input_ids, attention_mask, position_ids, logits_to_keep)
+
+    def _forward_tree(
+        self, input_ids: torch.Tensor, tree: tuple[torch.Tensor, torch.Tensor], logits_to_keep: int
+    ) -> torch.Tensor:
+        allowed, depth = tree  # [batch, width, width] bool, [batch, width] long
+        batch_size, width = input_ids.shape
+        assert allowed.shape == (batch_size, width, width) and depth.shape == (batch_size, width)
+        position_ids = self.lengths[:, None] + depth  # [batch, width]
+        # Each column sees the row's valid cached columns and its own ancestors in the chunk.
+        seen = torch.cat([self.mask.bool()[:, None, :].expand(-1, width, -1), allowed], dim=2)  # [b, w, cols]
+        self.mask = torch.cat([self.mask, torch.ones((batch_size, width), dtype=torch.long)], dim=1)
+        self.lengths = self.lengths + width
+        # An additive float mask: eager attention adds it to the scores, SDPA takes it as is.
+        dtype = self.model.dtype
+        attention_mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, torch.finfo(dtype).min)
+        return self._run(input_ids, attention_mask[:, None].to(self.device), position_ids, logits_to_keep)
+
+    def _run(self, input_ids, attention_mask, position_ids, logits_to_keep: int) -> torch.Tensor:
         output = self.model(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask,
@@ -165,6 +232,31 @@ class RaggedCache:
         self._crop_unused_columns()
         if self.num_columns - int(self.lengths.max()) > COMPACT_SLACK:
             self._compact()
+
+    def keep_chunk_paths(self, chunk_width: int, paths: Sequence[Sequence[int]]) -> None:
+        """After a tree pass: each row keeps its path's chunk columns, moved to the chunk's front.
+
+        Only the chunk's columns move (one gather per layer over `chunk_width` columns);
+        what follows a row's path becomes the end of the row, for `rollback` to drop.
+
+        Args:
+            chunk_width: the columns the last forward appended.
+            paths: per row, the chunk columns to keep, increasing (`handler.tree.verify_tree`).
+        """
+        start = self.num_columns - chunk_width
+        order = torch.arange(chunk_width).repeat(len(paths), 1)  # [batch, chunk_width]
+        for row, path in enumerate(paths):
+            assert list(path) == sorted(set(path)) and (not path or path[-1] < chunk_width), path
+            rest = [column for column in range(chunk_width) if column not in set(path)]
+            order[row] = torch.tensor([*path, *rest])
+        if bool((order == torch.arange(chunk_width)).all()):
+            return  # every path is a prefix: nothing moves
+        index = (start + order).to(self.device)
+        for layer in self.cache.layers:
+            batch, heads, _, head_dim = layer.keys.shape
+            gather = index[:, None, :, None].expand(batch, heads, chunk_width, head_dim)
+            layer.keys[:, :, start:] = layer.keys.gather(2, gather)
+            layer.values[:, :, start:] = layer.values.gather(2, gather)
 
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keeps only `rows`, in that order (finished requests leave the batch)."""

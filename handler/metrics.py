@@ -43,6 +43,10 @@ COUNTERS = {
     "prefix_cache_queries": "prompt tokens looked up in the prefix cache, as vLLM counts them",
     "prefix_cache_hits": "prompt tokens whose KV came from the prefix cache, as vLLM counts them",
     "SpecPrefixCacheEvictions": "cached token runs evicted from the prefix cache (both models)",
+    "SpecTreeSteps": "steps that verified a tree of look-up candidates with a branch (speculative_tree)",
+    "SpecTreeNodes": "draft tokens those trees held, all branches counted",
+    "SpecTreeAcceptedDepth": "draft tokens those trees' accepted paths held",
+    "SpecTreeOtherBranch": "tree steps whose accepted path left the first-choice branch",
 }
 GAUGES = {
     "SpecBatchOccupancy": "rows in the engine's running batch at the last step (a request, or an OpenAI choice)",
@@ -100,6 +104,14 @@ class MetricsRecorder:
             self._add("SpecDrafterDraftTokens", num_drafted, COUNT_UNIT, counter, label)
             num_accepted = stats.accepted_tokens_by_drafter.get(drafter, 0)
             self._add("SpecDrafterAcceptedTokens", num_accepted, COUNT_UNIT, counter, label)
+        if getattr(stats, "tree_steps", 0):
+            for name, value in (
+                ("SpecTreeSteps", stats.tree_steps),
+                ("SpecTreeNodes", stats.tree_nodes),
+                ("SpecTreeAcceptedDepth", stats.tree_accepted_depth),
+                ("SpecTreeOtherBranch", stats.tree_other_branch),
+            ):
+                self._add(name, value, COUNT_UNIT, counter)
         self._add("SpecRequestLatencySeconds", latency_seconds, SECONDS_UNIT, histogram)
         if stats.completion_tokens:
             self._add(

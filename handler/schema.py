@@ -43,6 +43,7 @@ REQUEST_FIELDS = (
     "stream",
     "drafter",
     "suffix_share_across_requests",
+    "speculative_tree",
     # Structured output, at most one of them (handler.constraints).
     "json_schema",
     "regex",
@@ -81,6 +82,7 @@ SPECULATIVE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "drafter": str,  # the request's drafter: model, ngram, suffix or hybrid
     "by_drafter": dict,  # proposer -> {"draft_tokens", "accepted_tokens"}
     "accepted_per_position": list,  # [j]: steps whose draft j was accepted
+    "tree": dict,  # steps, nodes, accepted_depth, other_branch of trees verified (docs/tree-verification.md)
 }
 SPECULATIVE_KEYS = frozenset(SPECULATIVE_FIELDS)
 # cached_tokens: of the prompt tokens, those whose KV came from the prefix cache.

@@ -91,7 +91,10 @@ DRAFTER_SUFFIX = "suffix"
 BASELINE, SHIPPED = "hf_target_only", "shipped"
 HF_ROWS = (BASELINE, "hf_prompt_lookup")
 DRAFTER_ROWS = (DRAFTER_MODEL, DRAFTER_NGRAM, DRAFTER_SUFFIX, DRAFTER_HYBRID)
-ROWS = (*HF_ROWS, *DRAFTER_ROWS, SHIPPED)
+# The look-up drafters with speculative_tree off: chains only, beside their rows with trees.
+CHAIN_SUFFIX = "_chain"
+CHAIN_ROWS = tuple(f"{drafter}{CHAIN_SUFFIX}" for drafter in (DRAFTER_NGRAM, DRAFTER_SUFFIX, DRAFTER_HYBRID))
+ROWS = (*HF_ROWS, *DRAFTER_ROWS, *CHAIN_ROWS, SHIPPED)
 # The rows `shipped` is compared with: the drafters a config could ship before the suffix drafter.
 SHIPPED_ALTERNATIVES = (DRAFTER_MODEL, DRAFTER_NGRAM, DRAFTER_HYBRID)
 HF_PROMPT_LOOKUP_TOKENS = 10
@@ -546,7 +549,7 @@ def row_methods(keys: list[str], config) -> list[bench.Method]:
         elif key in HF_ROWS:
             method = dataclasses.replace(bench.hf_prompt_lookup(HF_PROMPT_LOOKUP_TOKENS), key=key)
         else:
-            drafter = config.drafter if key == SHIPPED else key
+            drafter = config.drafter if key == SHIPPED else key.removesuffix(CHAIN_SUFFIX)
             # bench labels look-ups for the n-gram drafter; the suffix drafter's are drafted alike.
             method = bench.engine_method(
                 key, DRAFTER_NGRAM if drafter == DRAFTER_SUFFIX else drafter, k, planned, lookup
@@ -554,6 +557,10 @@ def row_methods(keys: list[str], config) -> list[bench.Method]:
             label = method.label.replace(f"{DRAFTER_NGRAM} drafter", f"{drafter} drafter")
             if key == SHIPPED:
                 label = label.replace("this engine,", "this engine as shipped,")
+            elif key in CHAIN_ROWS:
+                label += ", chains only (speculative_tree off)"
+            elif drafter != DRAFTER_MODEL and config.speculative_tree == "auto":
+                label += ", trees"
             method = dataclasses.replace(method, drafter=drafter, label=label)
         methods.append(method)
     return methods
@@ -561,10 +568,12 @@ def row_methods(keys: list[str], config) -> list[bench.Method]:
 
 def run_engine(engine: SpeculativeEngine, method: bench.Method, requests: list[GenerationRequest]) -> dict:
     """The trace through one fresh engine, one request at a time; `shipped` keeps each request's own drafter."""
-    run, by_drafter = bench.Run(), {}
+    run, by_drafter, trees = bench.Run(), {}, {}
     for request in requests:
         if method.key != SHIPPED:
             request = dataclasses.replace(request, drafter=method.drafter)
+        if method.key in CHAIN_ROWS:
+            request = dataclasses.replace(request, speculative_tree=False)
         started = time.perf_counter()
         [result] = engine.generate([request])
         run.seconds += time.perf_counter() - started
@@ -573,11 +582,13 @@ def run_engine(engine: SpeculativeEngine, method: bench.Method, requests: list[G
         run.draft_tokens += result.stats.draft_tokens
         run.accepted_tokens += result.stats.accepted_tokens
         run.target_passes += result.stats.target_forward_passes
+        for name, value in result.stats.as_dict()["tree"].items():
+            trees[name] = trees.get(name, 0) + value
         for proposer, counts in result.stats.as_dict().get("by_drafter", {}).items():
             total = by_drafter.setdefault(proposer, {"draft_tokens": 0, "accepted_tokens": 0})
             for name, value in counts.items():
                 total[name] += value
-    return {"run": run, "by_drafter": by_drafter}
+    return {"run": run, "by_drafter": by_drafter, "trees": trees}
 
 
 def measure(methods: list[bench.Method], trace: Trace, runner: bench.Runner, new_engine, args) -> dict[str, list]:
@@ -631,6 +642,7 @@ def summarize(methods: list[bench.Method], runs: dict[str, list[dict]], referenc
                     "accepted_tokens": r["run"].accepted_tokens,
                     "target_passes": r["run"].target_passes,
                     "by_drafter": r["by_drafter"],
+                    "trees": r.get("trees"),
                 }
                 for r in records
             ],
@@ -783,6 +795,8 @@ def main(argv=None) -> int:
             "adaptive_k": config.adaptive_k,
             "prompt_lookup_num_tokens": config.prompt_lookup_num_tokens,
             "suffix_estimate": args.suffix_estimate,
+            "speculative_tree": config.speculative_tree,
+            "trees_verified": reference_engine.trees,
         },
         "cost_table": None if cost_table is None else bench.describe_cost_table(cost_table),
         "trace": trace.describe(),

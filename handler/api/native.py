@@ -16,7 +16,13 @@ from collections.abc import Mapping
 from typing import Any, Sequence
 
 from handler import schema
-from handler.config import SAMPLING_NUMBER_FIELDS, HandlerConfig, SamplingParams, sampling_problem
+from handler.config import (
+    SAMPLING_NUMBER_FIELDS,
+    SPECULATIVE_TREE_MODES,
+    HandlerConfig,
+    SamplingParams,
+    sampling_problem,
+)
 from handler.constraints import Constraint, check_json_schema, compiler_for
 from handler.engine import GenerationRequest, GenerationResult
 
@@ -136,6 +142,9 @@ def parse_request(
             "suffix_share_across_requests: this model keeps each request's text to itself "
             "(handler.suffix_share_across_requests is false); a request can only opt out"
         )
+    tree = body.get("speculative_tree", config.speculative_tree)
+    if tree not in SPECULATIVE_TREE_MODES:
+        raise RequestError(f"speculative_tree: {json.dumps(tree)} is not one of {', '.join(SPECULATIVE_TREE_MODES)}")
     constraint = _constraint(body, tokenizer, config)
     prompt_ids = _prompt_ids(body, tokenizer, tools)
     if not prompt_ids:
@@ -155,6 +164,7 @@ def parse_request(
         stop=stop,
         drafter=drafter,
         suffix_share_across_requests=share,
+        speculative_tree=None if tree == "auto" else False,
         constraint=constraint,
     )
     return ParsedRequest(generation=generation, stream=stream)

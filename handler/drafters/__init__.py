@@ -18,7 +18,8 @@ stays the target's distribution whoever proposed it.
 Every drafter follows the rows of the engine's batch through the same calls:
 `add(prompts)` when requests join, `observe(committed)` after every step, and
 `remove(request_ids, sequences)` when they leave. Look-up drafters answer
-`lookup(request_id, max_tokens) -> Lookup`; the model drafter samples a whole
+`lookup(request_id, max_tokens, tree=False) -> Lookup`, a chain or, with
+`tree`, a tree of up to `max_tokens` drafts (`handler.tree`); the model drafter samples a whole
 batch in `propose`.
 """
 
@@ -44,6 +45,26 @@ class Lookup:
     # probs[j]: the estimated probability that drafts 0..j are all accepted (a suffix tree's
     # counts along the path); None when the drafter has no estimate (the n-gram look-up).
     probs: list[float] | None = None
+    # parents[j]: the index of draft j's parent, -1 for the row's pending token (`handler.tree`);
+    # None: a chain, each draft following the one before.
+    parents: list[int] | None = None
+    # shares[j]: the fraction of the matched occurrences whose continuation runs through draft j
+    # (an n-gram tree); None: all of them.
+    shares: list[float] | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        """Whether some draft does not follow the one before it."""
+        return self.parents is not None and any(parent != j - 1 for j, parent in enumerate(self.parents))
+
+    def prefix(self, num: int) -> Lookup:
+        """The first `num` drafts, a proposal again: parents come before their children."""
+        return Lookup(
+            self.token_ids[:num],
+            None if self.probs is None else self.probs[:num],
+            None if self.parents is None else self.parents[:num],
+            None if self.shares is None else self.shares[:num],
+        )
 
 
 NO_LOOKUP = Lookup([])

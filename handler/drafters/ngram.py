@@ -20,6 +20,10 @@ from __future__ import annotations
 from typing import Hashable, Mapping, Sequence
 
 from handler.drafters import NGRAM, NO_LOOKUP, Lookup
+from handler.tree import ROOT, order_best_first
+
+# The most occurrences of one n-gram a tree look-up follows: the earliest ones.
+MAX_OCCURRENCES = 8
 
 
 class NgramIndex:
@@ -33,6 +37,8 @@ class NgramIndex:
         # n-gram -> end index (exclusive) of its earliest occurrence; the current suffix enters
         # only once a token follows it.
         self.first_end: dict[tuple[int, ...], int] = {}
+        # n-gram -> ends of its next occurrences, up to MAX_OCCURRENCES in all (tree look-ups).
+        self.more_ends: dict[tuple[int, ...], list[int]] = {}
         self.extend(token_ids)
 
     def extend(self, token_ids: Sequence[int]) -> None:
@@ -40,7 +46,11 @@ class NgramIndex:
             # The suffix that ends at the current end becomes an earlier occurrence.
             end = len(self.tokens)
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.first_end.setdefault(tuple(self.tokens[end - n : end]), end)
+                ngram = tuple(self.tokens[end - n : end])
+                if self.first_end.setdefault(ngram, end) != end:
+                    more = self.more_ends.setdefault(ngram, [])
+                    if len(more) < MAX_OCCURRENCES - 1:
+                        more.append(end)
             self.tokens.append(token_id)
 
     def lookup(self, k: int) -> list[int]:
@@ -51,6 +61,44 @@ class NgramIndex:
             if start is not None:
                 return self.tokens[start : start + k]
         return []
+
+    def lookup_tree(self, max_nodes: int) -> Lookup:
+        """The continuations of the longest matching suffix's occurrences, merged into a tree.
+
+        Each node's share is the fraction of the occurrences whose continuation runs
+        through it; nodes come by decreasing share (ties: the shallower, then the
+        earlier occurrence's), and the first `max_nodes` are kept. With one occurrence this is the
+        chain `lookup` proposes.
+        """
+        end = len(self.tokens)
+        for n in range(min(self.max_n, end), self.min_n - 1, -1):
+            ngram = tuple(self.tokens[end - n : end])
+            first = self.first_end.get(ngram)
+            if first is None:
+                continue
+            starts = [first, *self.more_ends.get(ngram, ())]
+            token_ids, parents, counts = [], [], []
+            children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+            heads = [ROOT] * len(starts)  # each occurrence's node at the current depth
+            # Depth by depth, so that nodes are numbered shallow first (the tie-break below).
+            for depth in range(max_nodes):
+                for occurrence, start in enumerate(starts):
+                    if start + depth >= end or heads[occurrence] is None:
+                        heads[occurrence] = None
+                        continue
+                    key = (heads[occurrence], self.tokens[start + depth])
+                    node = children.get(key)
+                    if node is None:
+                        node = children[key] = len(token_ids)
+                        token_ids.append(key[1])
+                        parents.append(key[0])
+                        counts.append(0)
+                    counts[node] += 1
+                    heads[occurrence] = node
+            shares = [count / len(starts) for count in counts]
+            token_ids, parents, shares = order_best_first(token_ids, parents, shares)
+            return Lookup(token_ids[:max_nodes], None, parents[:max_nodes], shares[:max_nodes])
+        return NO_LOOKUP
 
 
 class NgramDrafter:
@@ -73,8 +121,12 @@ class NgramDrafter:
         for request_id in request_ids:
             self.rows.pop(request_id, None)
 
-    def lookup(self, request_id: Hashable, max_tokens: int) -> Lookup:
-        return Lookup(self.rows[request_id].lookup(max_tokens)) if max_tokens > 0 else NO_LOOKUP
+    def lookup(self, request_id: Hashable, max_tokens: int, tree: bool = False) -> Lookup:
+        if max_tokens <= 0:
+            return NO_LOOKUP
+        if tree:
+            return self.rows[request_id].lookup_tree(max_tokens)
+        return Lookup(self.rows[request_id].lookup(max_tokens))
 
     def observe(self, committed: Mapping[Hashable, Sequence[int]]) -> None:
         for request_id, new_tokens in committed.items():

@@ -142,15 +142,19 @@ class SuffixDrafter:
             if row is not None and row.seq_id is not None:
                 del self.owner[row.seq_id]
 
-    def lookup(self, request_id: Hashable, max_tokens: int) -> Lookup:
-        """The most likely continuation of the row's last tokens, up to `max_tokens` tokens."""
+    def lookup(self, request_id: Hashable, max_tokens: int, tree: bool = False) -> Lookup:
+        """The most likely continuation of the row's last tokens, up to `max_tokens` tokens.
+
+        With `tree`: the most likely continuations, a tree of up to `max_tokens` nodes,
+        best first (each node's probability is its path's).
+        """
         if max_tokens <= 0:
             return NO_LOOKUP
         row = self.rows[request_id]
         if not row.context:
             return NO_LOOKUP
         max_tokens = min(max_tokens, self.options.max_depth)
-        args = (row.context, max_tokens, SPEC_FACTOR, SPEC_OFFSET, self.options.min_token_prob, False)
+        args = (row.context, max_tokens, SPEC_FACTOR, SPEC_OFFSET, self.options.min_token_prob, tree)
         best = row.tree.speculate(*args)
         if row.shared and self.held:
             other = self.global_tree.speculate(*args)
@@ -158,7 +162,8 @@ class SuffixDrafter:
                 best = other
         if not best.token_ids:
             return NO_LOOKUP
-        return Lookup(list(best.token_ids), list(best.probs))
+        parents = list(best.parents) if tree else None
+        return Lookup(list(best.token_ids), list(best.probs), parents)
 
     def _hold(self, request_id: Hashable, row: _RowState, tokens: list[int]) -> None:
         """Appends a row's new output tokens to the global tree, evicting the oldest outputs beyond the bounds."""

@@ -139,7 +139,7 @@ def test_look_ups_propose_up_to_their_own_cap_and_stay_exact(tiny_pair, drafter,
     # knows the greedy continuation: every step then verifies as many drafts as allowed.
     caps, model_ks, fed_rows = [], [], []
 
-    def oracle(request_id, cap):
+    def oracle(request_id, cap, tree=False):
         caps.append(cap)
         done = len(next(row for row in engine.rows if row.request_id == request_id).token_ids)
         return Lookup(list(expected[done : done + cap]))
@@ -151,7 +151,7 @@ def test_look_ups_propose_up_to_their_own_cap_and_stay_exact(tiny_pair, drafter,
     monkeypatch.setattr(lookup, "lookup", oracle)
     monkeypatch.setattr(lookup, "add", lambda prompts, **kw: indexed_rows.extend(prompts) or index(prompts, **kw))
     if drafter == "hybrid":
-        monkeypatch.setattr(engine.suffix_drafter, "lookup", lambda request_id, cap: Lookup([]))
+        monkeypatch.setattr(engine.suffix_drafter, "lookup", lambda request_id, cap, tree=False: Lookup([]))
     monkeypatch.setattr(engine.model_drafter, "propose", lambda rows: model_ks.append(rows) or propose(rows))
     monkeypatch.setattr(
         engine.model_drafter, "add", lambda prompts, **kw: fed_rows.extend(prompts) or add(prompts, **kw)

@@ -104,3 +104,17 @@ def test_the_suffix_tree_gauges_go_out_when_the_shared_tree_changes():
         ("SpecSuffixTreeRequests", 2),
         ("SpecSuffixTreeTokens", 70),
     ]
+
+
+def test_tree_counters_go_out_only_for_requests_that_verified_trees():
+    stats = SpeculativeStats(num_speculative_tokens=4, drafter="suffix")
+    stats.record("suffix", 4, 1)
+    cache = RecordingCache()
+    MetricsRecorder(cache).record_result(stats, latency_seconds=1.0)
+    assert not any(name.startswith("SpecTree") for name, _, _ in cache.calls)
+    stats.record_tree(6, 3, first_choice=False)
+    stats.record_tree(4, 1, first_choice=True)
+    cache = RecordingCache()
+    MetricsRecorder(cache).record_result(stats, latency_seconds=1.0)
+    trees = {name: value for name, value, _ in cache.calls if name.startswith("SpecTree")}
+    assert trees == {"SpecTreeSteps": 2, "SpecTreeNodes": 10, "SpecTreeAcceptedDepth": 4, "SpecTreeOtherBranch": 1}

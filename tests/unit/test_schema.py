@@ -17,6 +17,7 @@ SPECULATIVE = {
     "drafter": "model",
     "by_drafter": {"model": {"draft_tokens": 4, "accepted_tokens": 3}},
     "accepted_per_position": [2, 1],
+    "tree": {"steps": 1, "nodes": 5, "accepted_depth": 2, "other_branch": 1},
 }
 ANSWER = {
     "text": "ab",

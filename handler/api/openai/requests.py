@@ -82,6 +82,7 @@ SHARED_FIELDS = (
     "num_speculative_tokens",
     "drafter",
     "suffix_share_across_requests",
+    "speculative_tree",
 )
 # Shared fields that go to the native request as they are (stop and stream are translated).
 PASSED_THROUGH = tuple(key for key in REQUEST_FIELDS if key in SHARED_FIELDS and key not in ("stop", "stream"))

@@ -1,0 +1,211 @@
+"""Tree verification on tiny random models in float32: the mask, the cache after a tree, exactness."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from handler.config import SamplingParams
+from handler.drafters import Lookup
+from handler.engine import GenerationRequest
+from handler.kv_cache import RaggedCache, prefill, tree_attention_error
+from handler.tree import ROOT, chunk_attention
+
+from .conftest import make_engine
+from .test_engine import GREEDY, PROMPTS, SAMPLED, encode, reference_greedy
+
+
+class OracleTrees:
+    """A look-up that knows each request's answer and hides it among wrong branches.
+
+    Per step: the root has a wrong child first and the true next token second; the
+    true token has a wrong child first and the true continuation second, then a chain.
+    A chain look-up (tree=False) proposes a wrong token, so that trees and chains differ.
+    """
+
+    name = "suffix"
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.answers: dict = {}  # prompt -> the target's greedy continuation
+        self.rows: dict = {}  # request id -> (answer, tokens emitted)
+
+    def add(self, prompts, private=()) -> None:
+        for request_id, prompt_ids in prompts.items():
+            self.rows[request_id] = (self.answers.get(tuple(prompt_ids), []), 0)
+
+    def observe(self, committed) -> None:
+        for request_id, tokens in committed.items():
+            if request_id in self.rows:
+                answer, emitted = self.rows[request_id]
+                self.rows[request_id] = (answer, emitted + len(tokens))
+
+    def remove(self, request_ids, sequences=None) -> None:
+        for request_id in request_ids:
+            self.rows.pop(request_id, None)
+
+    def lookup(self, request_id, max_tokens: int, tree: bool = False) -> Lookup:
+        answer, emitted = self.rows[request_id]
+        truth = answer[emitted : emitted + max_tokens]
+        if len(truth) < 2 or max_tokens < 1:
+            return Lookup([])
+        wrong = [(token + 1) % self.vocab_size for token in truth]
+        if not tree:
+            return Lookup([wrong[0], *truth[1:]][:max_tokens])
+        token_ids = [wrong[0], truth[0], wrong[1], *truth[1:]]
+        parents = [ROOT, ROOT, 1, 1, *range(3, len(token_ids) - 1)]
+        probs = [0.9 ** (index + 1) for index in range(len(token_ids))]
+        return Lookup(token_ids[:max_tokens], probs[:max_tokens], parents[:max_tokens])
+
+
+@pytest.fixture
+def oracle_engine(tiny_pair):
+    target, draft, tokenizer = tiny_pair
+    engine = make_engine(target, draft, tokenizer)
+    oracle = OracleTrees(target.config.vocab_size)
+    engine.suffix_drafter = oracle
+    for prompt in PROMPTS:
+        prompt_ids = encode(tokenizer, prompt)
+        oracle.answers[prompt_ids] = reference_greedy(target, prompt_ids, 30)
+    return engine, oracle
+
+
+def test_the_tiny_target_accepts_a_tree_mask(tiny_pair):
+    target, _, _ = tiny_pair
+    assert tree_attention_error(target) is None
+    assert make_engine(*tiny_pair).trees
+
+
+def test_a_model_that_ignores_the_mask_is_refused_at_start(tiny_pair, monkeypatch, caplog):
+    target, draft, tokenizer = tiny_pair
+    real_forward = target.forward
+
+    def without_mask(*args, **kwargs):
+        kwargs["attention_mask"] = None
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", without_mask)
+    error = tree_attention_error(target)
+    assert error is not None and "does not honour a custom 4D attention mask" in error
+    with caplog.at_level(logging.WARNING):
+        engine = make_engine(target, draft, tokenizer)
+    assert not engine.trees
+    assert "verifying chains only" in caplog.text
+
+
+def test_the_cache_after_a_tree_equals_the_cache_of_its_accepted_path(tiny_pair):
+    target, _, _ = tiny_pair
+    contexts = [[5, 6, 7, 8], [9, 10]]
+    # Row 0: pending 20, then 21 ─┬─ 22 ── 23   keeps columns 0, 1, 3: 20 21 24
+    #                             └─ 24
+    # Row 1: pending 40, then 30 and 31 ── 32 ── 33: keeps columns 0, 2, 3, 4: 40 31 32 33
+    trees = [([21, 22, 24, 23], [ROOT, 0, 0, 1]), ([30, 31, 32, 33], [ROOT, ROOT, 1, 2])]
+    paths = [[0, 1, 3], [0, 2, 3, 4]]
+    cache = prefill(target, contexts, 0)
+    ids = torch.tensor([[20, *trees[0][0]], [40, *trees[1][0]]])
+    cache.forward(ids, torch.ones_like(ids), 5, tree=chunk_attention([trees[0][1], trees[1][1]], 4))
+    cache.keep_chunk_paths(5, paths)
+    cache.rollback(cache.lengths - 5 + torch.tensor([len(path) for path in paths]))
+    after_tree = cache.forward(torch.tensor([[50], [51]]), torch.ones(2, 1, dtype=torch.long), 1)
+    kept = [[20, 21, 24], [40, 31, 32, 33]]
+    for row in range(2):
+        alone = RaggedCache(target, 1)
+        ids = torch.tensor([contexts[row] + kept[row] + [50 + row]])
+        expected = alone.forward(ids, torch.ones_like(ids), 1)
+        torch.testing.assert_close(after_tree[row], expected[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [2, 5, 8])
+def test_greedy_output_is_exact_with_trees_alone_and_batched(tiny_pair, oracle_engine, k):
+    engine, oracle = oracle_engine
+    _, _, tokenizer = tiny_pair
+    prompts = [encode(tokenizer, p) for p in PROMPTS]
+    alone = [engine.generate([GenerationRequest(p, 30, GREEDY, k, drafter="suffix")])[0] for p in prompts]
+    assert [r.token_ids for r in alone] == [oracle.answers[p] for p in prompts]
+    assert sum(r.stats.tree_steps for r in alone) > 0
+    assert sum(r.stats.tree_other_branch for r in alone) > 0
+    assert sum(r.stats.tree_accepted_depth for r in alone) > 0
+    mixed = [
+        GenerationRequest(prompts[0], 30, GREEDY, k, drafter="suffix"),
+        GenerationRequest(prompts[1], 30, GREEDY, k, drafter="model"),
+        GenerationRequest(prompts[2], 30, GREEDY, k, drafter="suffix", speculative_tree=False),
+        GenerationRequest(prompts[3], 30, GREEDY, k, drafter="ngram"),
+        GenerationRequest(prompts[4], 30, GREEDY, k, drafter="hybrid"),
+    ]
+    results = engine.generate(mixed)
+    assert [r.token_ids for r in results] == [oracle.answers[p] for p in prompts]
+    assert results[0].stats.tree_steps > 0 and results[2].stats.tree_steps == 0
+
+
+def test_greedy_output_is_exact_with_trees_and_continuous_joins(tiny_pair, oracle_engine):
+    engine, oracle = oracle_engine
+    _, _, tokenizer = tiny_pair
+    prompts = [encode(tokenizer, p) for p in PROMPTS]
+    results = {}
+    engine.add_request(0, GenerationRequest(prompts[0], 30, GREEDY, 6, drafter="suffix"))
+    next_id, steps = 1, 0
+    while engine.has_unfinished_requests() or next_id < len(prompts):
+        steps += 1
+        if next_id < len(prompts) and steps % 2 == 0:
+            engine.add_request(next_id, GenerationRequest(prompts[next_id], 30, GREEDY, 6, drafter="hybrid"))
+            next_id += 1
+        for output in engine.step():
+            if output.result is not None:
+                results[output.request_id] = output.result
+    assert {i: r.token_ids for i, r in results.items()} == {i: oracle.answers[p] for i, p in enumerate(prompts)}
+    assert sum(r.stats.tree_steps for r in results.values()) > 0
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "hybrid"])
+def test_greedy_output_is_exact_with_the_real_drafters_trees(tiny_pair, drafter):
+    """Prompts that end on a motif seen several times with different continuations: the look-ups branch."""
+    target, draft, tokenizer = tiny_pair
+    engine = make_engine(target, draft, tokenizer)
+    generator = torch.Generator().manual_seed(0)
+    tree_steps = 0
+    for trial in range(4):
+        motif = torch.randint(5, 300, (3,), generator=generator).tolist()
+        prompt = []
+        for _ in range(5):
+            prompt += motif + torch.randint(5, 300, (2,), generator=generator).tolist()
+        prompt = tuple(prompt + motif)
+        for k in (3, 8):
+            result = engine.generate([GenerationRequest(prompt, 24, GREEDY, k, drafter=drafter)])[0]
+            assert result.token_ids == reference_greedy(target, prompt, 24), (trial, k)
+            tree_steps += result.stats.tree_steps
+    assert tree_steps > 0
+
+
+def test_a_seeded_request_is_unchanged_by_the_tree_and_its_size(tiny_pair, oracle_engine):
+    engine, oracle = oracle_engine
+    _, _, tokenizer = tiny_pair
+    prompt_ids = encode(tokenizer, PROMPTS[0])
+    plain = engine.generate([GenerationRequest(prompt_ids, 30, SAMPLED, 0, seed=11)])[0].token_ids
+    # The oracle knows the greedy answer, which sampling soon leaves; make it know the sampled one.
+    oracle.answers[prompt_ids] = plain
+    other = GenerationRequest(encode(tokenizer, PROMPTS[1]), 20, SAMPLED, 4, drafter="suffix")
+    tree_steps = 0
+    for k in (1, 2, 5, 8):
+        for tree in (None, False):
+            request = GenerationRequest(prompt_ids, 30, SAMPLED, k, seed=11, drafter="suffix", speculative_tree=tree)
+            alone = engine.generate([request])[0]
+            batched = engine.generate([other, request])[1]
+            assert alone.token_ids == plain and batched.token_ids == plain, (k, tree)
+            tree_steps += alone.stats.tree_steps
+    assert tree_steps > 0
+
+
+def test_trees_off_in_the_engine_verifies_chains(tiny_pair):
+    target, draft, tokenizer = tiny_pair
+    from handler.engine import SpeculativeEngine
+
+    engine = SpeculativeEngine(target, draft, tokenizer, [], tokenizer.pad_token_id, speculative_tree="off")
+    oracle = OracleTrees(target.config.vocab_size)
+    engine.suffix_drafter = oracle
+    prompt_ids = encode(tokenizer, PROMPTS[0])
+    oracle.answers[prompt_ids] = reference_greedy(target, prompt_ids, 20)
+    result = engine.generate([GenerationRequest(prompt_ids, 20, GREEDY, 5, drafter="suffix")])[0]
+    assert result.token_ids == oracle.answers[prompt_ids]
+    assert result.stats.tree_steps == 0 and result.stats.draft_tokens > 0

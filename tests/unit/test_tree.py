@@ -1,0 +1,144 @@
+"""Draft trees on small hand-made trees: depths, ordering, the attention mask, the walk, n-gram trees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from handler.drafters import Lookup
+from handler.drafters.ngram import MAX_OCCURRENCES, NgramIndex
+from handler.tree import (
+    ROOT,
+    chunk_attention,
+    depths,
+    first_choice_path,
+    is_chain,
+    order_best_first,
+    verify_tree,
+)
+
+# root ─┬─ 0:a ─┬─ 2:c ── 4:e
+#       │       └─ 3:d
+#       └─ 1:b
+TOKENS = [10, 11, 12, 13, 14]
+PARENTS = [ROOT, ROOT, 0, 0, 2]
+
+
+def one_hot(token_ids: list[int], vocab: int = 16) -> torch.Tensor:  # [len, vocab]
+    probs = torch.zeros(len(token_ids), vocab)
+    probs[torch.arange(len(token_ids)), torch.tensor(token_ids)] = 1.0
+    return probs
+
+
+def test_depths_and_chains():
+    assert depths(PARENTS) == [1, 1, 2, 2, 3]
+    assert is_chain([ROOT, 0, 1]) and is_chain([])
+    assert not is_chain(PARENTS)
+    with pytest.raises(AssertionError):
+        depths([ROOT, 2, 0])  # a parent after its child
+
+
+def test_lookup_prefix_keeps_a_tree_and_knows_a_chain():
+    lookup = Lookup(TOKENS, [0.9, 0.5, 0.4, 0.3, 0.2], PARENTS)
+    assert lookup.is_tree
+    assert lookup.prefix(1) == Lookup([10], [0.9], [ROOT])
+    assert not lookup.prefix(1).is_tree
+    assert not Lookup([1, 2, 3]).is_tree
+
+
+def test_chunk_attention_sees_the_root_and_its_ancestors_only():
+    allowed, depth = chunk_attention([PARENTS], width=6)
+    # Column 1 + i is node i; column 0 the root; column 6 padding.
+    expected = {
+        0: {0},
+        1: {0, 1},
+        2: {0, 2},
+        3: {0, 1, 3},
+        4: {0, 1, 4},
+        5: {0, 1, 3, 5},
+        6: {0, 6},
+    }
+    for column, seen in expected.items():
+        assert set(allowed[0, column].nonzero().flatten().tolist()) == seen, column
+    assert depth[0].tolist() == [0, 1, 1, 2, 2, 3, 1]
+
+
+def test_a_chain_mask_is_causal():
+    allowed, depth = chunk_attention([[ROOT, 0, 1], [ROOT]], width=3)
+    assert torch.equal(allowed[0], torch.ones(4, 4, dtype=torch.bool).tril())
+    assert depth.tolist() == [[0, 1, 2, 3], [0, 1, 1, 1]]
+
+
+def test_order_best_first_puts_parents_first_and_the_likeliest_next():
+    token_ids, parents, scores = order_best_first(TOKENS, PARENTS, [0.3, 0.6, 0.2, 0.25, 0.1])
+    assert token_ids == [11, 10, 13, 12, 14]
+    assert parents == [ROOT, ROOT, 1, 1, 3]
+    assert scores == [0.6, 0.3, 0.25, 0.2, 0.1]
+    # A child scored above its parent still waits for it.
+    token_ids, parents, _ = order_best_first([1, 2], [ROOT, 0], [0.1, 0.9])
+    assert (token_ids, parents) == ([1, 2], [ROOT, 0])
+
+
+def test_greedy_walk_descends_while_the_target_agrees():
+    # The target wants a, then d, then 7: accepts a and d, emits 7 (d has no children).
+    target_probs = one_hot([10, 13, 9, 9, 7, 9])  # columns: root, a, b, c, d, e
+    path, emitted = verify_tree(target_probs, TOKENS, PARENTS, [0.0] * 4)
+    assert path == [0, 1, 4]
+    assert emitted == [10, 13, 7]
+
+
+def test_greedy_walk_takes_the_second_branch_and_stops_on_a_miss():
+    target_probs = one_hot([11, 9, 5, 9, 9, 9])
+    path, emitted = verify_tree(target_probs, TOKENS, PARENTS, [0.0] * 4)
+    assert (path, emitted) == ([0, 2], [11, 5])
+    path, emitted = verify_tree(one_hot([3, 9, 9, 9, 9, 9]), TOKENS, PARENTS, [0.0] * 4)
+    assert (path, emitted) == ([0], [3])
+
+
+def test_the_walk_uses_each_depth_own_uniform():
+    uniform_probs = torch.full((6, 16), 1 / 16)
+    # Depth 0 draws token 10 (uniform in [10/16, 11/16)), depth 1 draws 12, depth 2 draws 14.
+    uniforms = [10.5 / 16, 12.5 / 16, 14.5 / 16, 0.0]
+    path, emitted = verify_tree(uniform_probs, TOKENS, PARENTS, uniforms)
+    assert (path, emitted) == ([0, 1, 3, 5], [10, 12, 14, 0])
+
+
+def test_first_choice_path_follows_first_children():
+    assert first_choice_path(PARENTS, 3) == [0, 1, 3, 5]
+    assert first_choice_path(PARENTS, 1) == [0, 1]
+    assert first_choice_path([ROOT, 0], 5) == [0, 1, 2]
+
+
+def test_ngram_tree_merges_the_occurrences_continuations():
+    # (1, 2) occurs three times, followed by 3 4 5 / 3 7 8 / 3 4 9.
+    index = NgramIndex([1, 2, 3, 4, 5, 1, 2, 3, 7, 8, 1, 2, 3, 4, 9, 1, 2], 1, 4)
+    lookup = index.lookup_tree(8)
+    assert lookup.token_ids[0] == 3 and lookup.shares[0] == 1.0
+    paths = set()
+    for node in range(len(lookup.token_ids)):
+        tokens, parent = [], node
+        while parent != ROOT:
+            tokens.insert(0, lookup.token_ids[parent])
+            parent = lookup.parents[parent]
+        paths.add(tuple(tokens))
+    assert {(3, 4), (3, 7), (3, 4, 5), (3, 4, 9)} <= paths
+    shares = dict(zip(lookup.token_ids[:2], lookup.shares[:2]))
+    assert shares == {3: 1.0, 4: pytest.approx(2 / 3)}
+    assert lookup.shares == sorted(lookup.shares, reverse=True)
+    # Shallow nodes before deep ones of the same share: the alternatives fit a small budget.
+    assert index.lookup_tree(3).token_ids == [3, 4, 7]
+    # Parents come first, and the budget holds.
+    assert all(parent < node for node, parent in enumerate(lookup.parents))
+    assert len(index.lookup_tree(3).token_ids) == 3
+
+
+def test_ngram_tree_of_one_occurrence_is_the_chain():
+    index = NgramIndex([5, 6, 7, 8, 9, 5, 6], 1, 4)
+    assert index.lookup_tree(3) == Lookup([7, 8, 9], None, [ROOT, 0, 1], [1.0, 1.0, 1.0])
+    assert index.lookup(3) == [7, 8, 9]
+    assert index.lookup_tree(3).is_tree is False
+
+
+def test_ngram_tree_follows_at_most_max_occurrences():
+    index = NgramIndex([1, 2] * 20 + [1], 1, 1)
+    assert len(index.more_ends[(1,)]) == MAX_OCCURRENCES - 1
