@@ -91,6 +91,7 @@ class Method:
     prompt_lookup: int | None = None  # HF prompt_lookup_num_tokens
     drafter: str | None = None  # set for the engine's rows
     planned: bool = False  # the engine plans each step's k from the cost table
+    tree: bool = True  # False: the request says speculative_tree off (look-ups verify chains only)
 
     @property
     def is_engine(self) -> bool:
@@ -178,7 +179,12 @@ class Runner:
             start = time.perf_counter()
             if method.is_engine:
                 request = GenerationRequest(
-                    prompt_ids, max_new_tokens, GREEDY, num_speculative_tokens=method.k, drafter=method.drafter
+                    prompt_ids,
+                    max_new_tokens,
+                    GREEDY,
+                    num_speculative_tokens=method.k,
+                    drafter=method.drafter,
+                    speculative_tree=None if method.tree else False,
                 )
                 result = self.engine(method.planned).generate([request])[0]
                 tokens = result.token_ids
@@ -325,6 +331,10 @@ def table_methods(set_sweep: dict, sweep_result: dict, cap: int, draft_note: str
     ]
     if not sweep_result["hybrid_planned"]:
         methods.append(engine_method("engine_hybrid_fixed", DRAFTER_HYBRID, set_sweep["best_k"], False, lookup))
+    # The look-up rows again with speculative_tree off: trees against chains, same plan and cost table.
+    for method in [m for m in methods if m.key in ("engine_ngram", "engine_hybrid")]:
+        label = f"{method.label}, chains only"
+        methods.append(dataclasses.replace(method, key=f"{method.key}_chain", label=label, tree=False))
     return methods
 
 
@@ -700,6 +710,9 @@ def parse_args(argv):
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="overrides the config")
     parser.add_argument("--draft-quantization", choices=["none", "int8"], help="overrides the config")
     parser.add_argument("--prompts", default=str(REPO_ROOT / "scripts" / "bench_prompts.json"))
+    parser.add_argument(
+        "--sets", default=",".join(PROMPT_SETS), help=f"prompt sets, comma-separated: {', '.join(PROMPT_SETS)}"
+    )
     # The defaults take about 45 minutes on a 2-core CPU with the demo pair: 9 rows x 2 sets x 3 runs.
     parser.add_argument("--num-prompts", type=int, default=3, help="held-out prompts per set")
     # An edit's answer copies the code it edits, so it runs longer than a chat answer; 40 tokens of it
@@ -729,6 +742,9 @@ def parse_args(argv):
     parser.add_argument("--out-dir", default="bench_results")
     args = parser.parse_args(argv)
     args.sweep_ks = [int(k) for k in args.sweep_ks.split(",")]
+    args.sets = [name.strip() for name in args.sets.split(",") if name.strip()]
+    if not args.sets or set(args.sets) - set(PROMPT_SETS):
+        parser.error(f"--sets: choose from {', '.join(PROMPT_SETS)}")
     for name in ("max_new_tokens", "sweep_max_new_tokens"):
         try:
             setattr(args, name, _per_set(getattr(args, name)))
@@ -774,6 +790,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     started, load_at_start = time.perf_counter(), os.getloadavg()[0]
     sets = load_prompt_sets(pathlib.Path(args.prompts), args.num_prompts, args.sweep_prompts)
+    sets = {name: prompt_set for name, prompt_set in sets.items() if name in args.sets}
     if args.rest_only:
         return rest_only(args, sets)
 
@@ -838,7 +855,7 @@ def main(argv=None) -> int:
             }
             for name in sets
         },
-        "rest": measure_rest(args, sets["open"]["held_out"]) if args.rest_url else None,
+        "rest": measure_rest(args, sets["open"]["held_out"]) if args.rest_url and "open" in sets else None,
     }
     report["wall_seconds"] = time.perf_counter() - started
     out = pathlib.Path(args.out_dir)

@@ -35,6 +35,7 @@ import dataclasses
 from typing import Hashable, Mapping, Sequence
 
 from handler.drafters import NO_LOOKUP, SUFFIX, Lookup
+from handler.tree import ROOT, order_best_first
 
 # vLLM's defaults for `method: suffix`.
 DEFAULT_MAX_DEPTH = 24
@@ -156,10 +157,12 @@ class SuffixDrafter:
         max_tokens = min(max_tokens, self.options.max_depth)
         args = (row.context, max_tokens, SPEC_FACTOR, SPEC_OFFSET, self.options.min_token_prob, tree)
         best = row.tree.speculate(*args)
-        if row.shared and self.held:
-            other = self.global_tree.speculate(*args)
-            if other.score > best.score:
-                best = other
+        other = self.global_tree.speculate(*args) if row.shared and self.held else None
+        if tree and other is not None and other.token_ids:
+            # A tree can hold both trees' candidates: merged path by path, best first.
+            return _merge_drafts([best, other], max_tokens)
+        if other is not None and other.score > best.score:
+            best = other
         if not best.token_ids:
             return NO_LOOKUP
         parents = list(best.parents) if tree else None
@@ -190,3 +193,30 @@ class SuffixDrafter:
         if request_id is not None:
             # A running request whose output was evicted starts a new sequence with its next tokens.
             self.rows[request_id].seq_id = None
+
+
+def _merge_drafts(drafts, max_tokens: int) -> Lookup:
+    """Speculated trees merged into one: a path proposed twice keeps its higher probability.
+
+    Returns:
+        the merged tree's first `max_tokens` nodes, by decreasing probability (parents first).
+    """
+    token_ids, parents, probs = [], [], []
+    node_of: dict[tuple[int, int], int] = {}  # (parent in the merged tree, token) -> node
+    for draft in drafts:
+        mapped: list[int] = []
+        for token_id, parent, prob in zip(draft.token_ids, draft.parents, draft.probs):
+            key = (ROOT if parent == ROOT else mapped[parent], token_id)
+            node = node_of.get(key)
+            if node is None:
+                node = node_of[key] = len(token_ids)
+                token_ids.append(token_id)
+                parents.append(key[0])
+                probs.append(prob)
+            else:
+                probs[node] = max(probs[node], prob)
+            mapped.append(node)
+    if not token_ids:
+        return NO_LOOKUP
+    token_ids, parents, probs = order_best_first(token_ids, parents, probs)
+    return Lookup(token_ids[:max_tokens], probs[:max_tokens], parents[:max_tokens])

@@ -68,8 +68,10 @@ def test_bench_writes_json_markdown_and_plot(tiny_models_dir, tmp_path):
             "hf_target_only", "hf_assisted", "hf_prompt_lookup_3", "hf_prompt_lookup_10",
             "engine_k0", "engine_fixed", "engine_planned", "engine_ngram", "engine_hybrid",
         ]  # fmt: skip
-        # The hybrid drafter at a fixed k has a row of its own only when the sweep preferred it.
-        assert keys[9:] == ([] if report["sweep"]["hybrid_planned"] else ["engine_hybrid_fixed"])
+        # The hybrid drafter at a fixed k has a row of its own only when the sweep preferred it; then the
+        # look-up rows again with chains only.
+        fixed = [] if report["sweep"]["hybrid_planned"] else ["engine_hybrid_fixed"]
+        assert keys[9:] == [*fixed, "engine_ngram_chain", "engine_hybrid_chain"]
         for row in data["rows"]:
             assert len(row["runs_tokens_per_second"]) == 2
             assert row["same_outputs_every_run"]
@@ -80,3 +82,10 @@ def test_bench_writes_json_markdown_and_plot(tiny_models_dir, tmp_path):
     table = (out / "bench.md").read_text()
     assert "| method |" in table and "Cost table" in table and "**grounded**" in table
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sets_selects_the_prompt_sets_and_refuses_unknown_ones():
+    assert bench.parse_args(["--sets", "grounded"]).sets == ["grounded"]
+    assert bench.parse_args([]).sets == list(bench.PROMPT_SETS)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sets", "open,closed"])

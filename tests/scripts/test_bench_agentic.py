@@ -16,7 +16,7 @@ import pytest
 from scripts import bench_agentic
 from tests.conftest import REPO_ROOT
 
-ENGINE_ROWS = (*bench_agentic.DRAFTER_ROWS, bench_agentic.SHIPPED)
+ENGINE_ROWS = (*bench_agentic.DRAFTER_ROWS, *bench_agentic.CHAIN_ROWS, bench_agentic.SHIPPED)
 # Fits the tiny pair's 1,024-token context (its tokenizer spends about 3 tokens where Qwen's spends 1),
 # and makes one tool loop and one edit session of two requests each.
 NUM_TINY_REQUESTS = 8
@@ -125,6 +125,8 @@ def test_bench_agentic_reports_every_row_with_the_target_only_output(tiny_models
         assert row["same_as_reference"] == NUM_TINY_REQUESTS, key
         if key in ENGINE_ROWS:
             assert run["target_passes"] > 0 and isinstance(run["by_drafter"], dict), key
+            if key in bench_agentic.CHAIN_ROWS:
+                assert run["trees"]["steps"] == 0, key
             assert row["tokens_per_pass"] >= 1
         else:
             assert run["target_passes"] == 0 and row["tokens_per_pass"] is None, key

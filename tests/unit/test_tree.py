@@ -142,3 +142,24 @@ def test_ngram_tree_of_one_occurrence_is_the_chain():
 def test_ngram_tree_follows_at_most_max_occurrences():
     index = NgramIndex([1, 2] * 20 + [1], 1, 1)
     assert len(index.more_ends[(1,)]) == MAX_OCCURRENCES - 1
+
+
+def test_suffix_tree_look_up_merges_the_request_tree_and_the_shared_tree():
+    from handler.drafters.suffix import SuffixDrafter
+
+    drafter = SuffixDrafter()
+    # An earlier answer continued (1, 2, 3) with 7 8; this request's own text with 4 5.
+    drafter.add({"earlier": [9]})
+    drafter.observe({"earlier": [1, 2, 3, 7, 8, 1, 2, 3, 7, 8]})
+    drafter.remove(["earlier"])
+    drafter.add({"now": [1, 2, 3, 4, 5, 6, 1, 2, 3]})
+    chain = drafter.lookup("now", 4)
+    merged = drafter.lookup("now", 4, tree=True)
+    assert chain.parents is None and len(chain.token_ids) >= 1
+    assert merged.is_tree
+    roots = {token for token, parent in zip(merged.token_ids, merged.parents) if parent == ROOT}
+    assert roots == {4, 7}
+    assert merged.probs == sorted(merged.probs, reverse=True)
+    private = SuffixDrafter()
+    private.add({"now": [1, 2, 3, 4, 5, 6, 1, 2, 3]}, private=["now"])
+    assert not private.lookup("now", 4, tree=True).is_tree
