@@ -399,6 +399,8 @@ class HandlerConfig:
             )
         values["draft_quantization"] = quantization
         tree = raw.get("speculative_tree", default.speculative_tree)
+        if isinstance(tree, bool):  # YAML 1.1 reads an unquoted off (or on) as a boolean
+            tree = "auto" if tree else "off"
         if tree not in SPECULATIVE_TREE_MODES:
             raise ValueError(
                 f"model-config.yaml: handler.speculative_tree must be one of {', '.join(SPECULATIVE_TREE_MODES)}, "

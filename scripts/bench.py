@@ -55,6 +55,7 @@ import yaml
 
 from handler.config import HandlerConfig, SamplingParams, handler_config_from_yaml_config
 from handler.cost_table import CostTable, cpu_model_and_flags, measure_cost_table
+from handler.drafters.suffix import SuffixDrafter
 from handler.engine import DRAFTER_HYBRID, DRAFTER_MODEL, DRAFTER_NGRAM, GenerationRequest, SpeculativeEngine
 from handler.loading import load_models
 from scripts import torchserve
@@ -173,8 +174,15 @@ class Runner:
         return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def run(self, method: Method, prompts_ids: list[tuple[int, ...]], max_new_tokens: int) -> Run:
-        """Generates greedily for each prompt in turn; seconds count each whole call, prefill included."""
+        """Generates greedily for each prompt in turn; seconds count each whole call, prefill included.
+
+        An engine row's suffix trees start empty: the engine is shared between rows, and trees
+        that had learned the other rows' answers to the same prompts would propose them.
+        """
         run = Run()
+        if method.is_engine:
+            engine = self.engine(method.planned)
+            engine.suffix_drafter = SuffixDrafter(engine.suffix_drafter.options)
         for prompt_ids in prompts_ids:
             start = time.perf_counter()
             if method.is_engine:

@@ -89,3 +89,18 @@ def test_sets_selects_the_prompt_sets_and_refuses_unknown_ones():
     assert bench.parse_args([]).sets == list(bench.PROMPT_SETS)
     with pytest.raises(SystemExit):
         bench.parse_args(["--sets", "open,closed"])
+
+
+def test_an_engine_row_starts_with_empty_suffix_trees(monkeypatch):
+    """Rows share an engine: trees that learned another row's answers to the same prompts would propose them."""
+    from types import SimpleNamespace
+
+    from handler.drafters.suffix import SuffixDrafter
+
+    engine = SimpleNamespace(suffix_drafter=SuffixDrafter())
+    engine.suffix_drafter.add({"earlier": [1]})
+    engine.suffix_drafter.observe({"earlier": [2, 3, 4]})
+    runner = bench.Runner(models=None, config=None, cost_table=None)
+    runner.engines[True] = engine
+    runner.run(bench.engine_method("engine_hybrid", "hybrid", 4, planned=True), [], 8)
+    assert engine.suffix_drafter.stats.num_requests == 0

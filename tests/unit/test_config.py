@@ -179,6 +179,7 @@ def test_drafter_keys():
         ({"suffix_min_token_prob": 1.5}, "handler.suffix_min_token_prob"),
         ({"suffix_min_token_prob": "high"}, "handler.suffix_min_token_prob"),
         ({"suffix_share_across_requests": "yes"}, "handler.suffix_share_across_requests"),
+        ({"speculative_tree": "tree"}, "handler.speculative_tree"),
         ({"suffix_max_cached_requests": -1}, "handler.suffix_max_cached_requests"),
         ({"suffix_max_cached_tokens": 1.5}, "handler.suffix_max_cached_tokens"),
     ],
@@ -267,3 +268,9 @@ def test_prefix_cache_is_on_by_default_and_a_boolean():
     for name in ("model-config.yaml", "qwen-coder.yaml"):
         raw = yaml.safe_load((REPO_ROOT / "model-config" / name).read_text())
         assert {"prefix_cache", "prefix_cache_max_bytes"} <= set(raw["handler"]), name
+
+
+def test_speculative_tree_reads_yaml_off_and_defaults_to_auto():
+    assert HandlerConfig.from_dict({}).speculative_tree == "auto"
+    assert HandlerConfig.from_dict(yaml.safe_load("speculative_tree: off")).speculative_tree == "off"
+    assert HandlerConfig.from_dict(yaml.safe_load("speculative_tree: auto")).speculative_tree == "auto"

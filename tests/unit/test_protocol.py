@@ -217,3 +217,16 @@ def test_a_request_may_opt_out_of_the_shared_suffix_tree_but_not_into_one_the_se
         parse({"prompt": "a", "suffix_share_across_requests": True}, tokenizer, closed)
     assert error.value.status == 400 and "opt out" in str(error.value)
     assert parse({"prompt": "a", "drafter": "suffix"}, tokenizer).generation.drafter == "suffix"
+
+
+def test_speculative_tree_is_auto_or_off_and_off_only_narrows(tokenizer):
+    assert parse({"prompt": "a"}, tokenizer).generation.speculative_tree is None
+    assert parse({"prompt": "a", "speculative_tree": "auto"}, tokenizer).generation.speculative_tree is None
+    assert parse({"prompt": "a", "speculative_tree": "off"}, tokenizer).generation.speculative_tree is False
+    for bad in ("on", True, 1):
+        with pytest.raises(RequestError, match="speculative_tree") as error:
+            parse({"prompt": "a", "speculative_tree": bad}, tokenizer)
+        assert error.value.status == 400
+    # A server with trees off keeps them off: the request defaults to the config's setting.
+    chains = dataclasses.replace(CONFIG, speculative_tree="off")
+    assert parse({"prompt": "a"}, tokenizer, chains).generation.speculative_tree is False
