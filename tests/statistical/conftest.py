@@ -19,3 +19,14 @@ def reproducible_unseeded(monkeypatch):
 
     seeds = itertools.count()
     monkeypatch.setattr(engine_module, "unseeded_generator", lambda: torch.Generator().manual_seed(next(seeds)))
+
+
+def lookup_only_engine(tiny_models_dir):
+    """An engine over the tiny target with no draft model (look-ups only), and that target, in float32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.models.conftest import make_engine
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models_dir / "target")
+    target = AutoModelForCausalLM.from_pretrained(tiny_models_dir / "target", dtype=torch.float32).eval()
+    return make_engine(target, None, tokenizer, eos_token_ids=()), target

@@ -19,6 +19,7 @@ from handler.config import SamplingParams
 from handler.engine import GenerationRequest
 from handler.sampler import rejection_sample, warp_logits_to_probs
 
+from .conftest import lookup_only_engine
 from .test_distribution import BUG_P_VALUE, PASS_P_VALUE, chi_square_p_value
 
 NUM_SAMPLES = 3000
@@ -29,13 +30,7 @@ SAMPLING = SamplingParams(temperature=0.3, top_k=0, top_p=1.0)
 @pytest.fixture(scope="module")
 def lookup_setup(tiny_models_dir):
     """A lookup-only engine and a prompt whose look-up proposes a likely (not certain) token."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tests.models.conftest import make_engine
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_models_dir / "target")
-    target = AutoModelForCausalLM.from_pretrained(tiny_models_dir / "target", dtype=torch.float32).eval()
-    engine = make_engine(target, None, tokenizer, eos_token_ids=())
+    engine, target = lookup_only_engine(tiny_models_dir)
     temperature = torch.tensor([SAMPLING.temperature])
     best = None
     # Prompt (a, b, x, c, a, b): the suffix (a, b) proposes x (for the suffix tree, with probability

@@ -24,6 +24,7 @@ from handler.engine import GenerationRequest
 from handler.sampler import sample_from_probs, warp_logits_to_probs
 from handler.tree import ROOT
 
+from .conftest import lookup_only_engine
 from .test_distribution import BUG_P_VALUE, PASS_P_VALUE, chi_square_p_value
 
 VOCAB = 8
@@ -107,13 +108,7 @@ SAMPLING = SamplingParams(temperature=0.6, top_k=0, top_p=1.0)
 @pytest.fixture(scope="module")
 def tree_setup(tiny_models_dir):
     """A look-up-only engine and a prompt whose n-gram tree offers two likely first tokens."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tests.models.conftest import make_engine
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_models_dir / "target")
-    target = AutoModelForCausalLM.from_pretrained(tiny_models_dir / "target", dtype=torch.float32).eval()
-    engine = make_engine(target, None, tokenizer, eos_token_ids=())
+    engine, target = lookup_only_engine(tiny_models_dir)
     assert engine.trees
     temperature = torch.tensor([SAMPLING.temperature])
     # Prompt (a, b, x, c, a, b, y, d, a, b): the n-gram (a, b) was followed by x and by y. Pick the
