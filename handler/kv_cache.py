@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from handler.tree import chunk_attention
+from handler.tree import ROOT, chunk_attention
 
 # Hole columns tolerated beyond the longest row before re-packing the cache.
 COMPACT_SLACK = 16
@@ -75,7 +75,7 @@ def tree_attention_error(model: torch.nn.Module) -> str | None:
                 chains.append(cache.forward(ids, torch.ones_like(ids), logits_to_keep=ids.shape[1])[0].float())
             cache = prefill(model, [context], 0)
             ids = torch.tensor([[pending, *first, *second]])
-            tree = chunk_attention([[-1, 0, -1]], 3)
+            tree = chunk_attention([[ROOT, 0, ROOT]], 3)
             logits = cache.forward(ids, torch.ones_like(ids), logits_to_keep=4, tree=tree)[0].float()
     except Exception as error:  # noqa: BLE001 - any failure means no trees, said at start-up
         return f"{type(model).__name__} failed a forward pass with a custom 4D attention mask: {error}"
@@ -247,7 +247,8 @@ class RaggedCache:
         order = torch.arange(chunk_width).repeat(len(paths), 1)  # [batch, chunk_width]
         for row, path in enumerate(paths):
             assert list(path) == sorted(set(path)) and (not path or path[-1] < chunk_width), path
-            rest = [column for column in range(chunk_width) if column not in set(path)]
+            kept = set(path)
+            rest = [column for column in range(chunk_width) if column not in kept]
             order[row] = torch.tensor([*path, *rest])
         if bool((order == torch.arange(chunk_width)).all()):
             return  # every path is a prefix: nothing moves

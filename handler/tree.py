@@ -51,11 +51,6 @@ def depths(parents: Sequence[int]) -> list[int]:
     return result
 
 
-def prefix_tree(parents: Sequence[int], num_nodes: int) -> list[int]:
-    """The first `num_nodes` nodes' parents: a tree again, since parents come first."""
-    return list(parents[:num_nodes])
-
-
 def order_best_first(
     token_ids: Sequence[int], parents: Sequence[int], scores: Sequence[float]
 ) -> tuple[list[int], list[int], list[float]]:

@@ -28,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Hashable, Mapping, Protocol, Sequence
 
+from handler.tree import is_chain
+
 MODEL = "model"
 NGRAM = "ngram"
 SUFFIX = "suffix"
@@ -55,7 +57,7 @@ class Lookup:
     @property
     def is_tree(self) -> bool:
         """Whether some draft does not follow the one before it."""
-        return self.parents is not None and any(parent != j - 1 for j, parent in enumerate(self.parents))
+        return self.parents is not None and not is_chain(self.parents)
 
     def prefix(self, num: int) -> Lookup:
         """The first `num` drafts, a proposal again: parents come before their children."""
