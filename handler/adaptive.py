@@ -17,7 +17,7 @@ plans with the table measured at start-up.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 from handler.cost_table import CostTable
 
@@ -157,3 +157,110 @@ class AcceptanceTracker:
                 survive *= overall
             curve.append(curve[-1] + survive)
         return curve
+
+
+# Draft confidence: the draft model's own probability of each token it drafts (softmax of its
+# logits, before any warping). Hugging Face's assisted generation stops drafting below a fixed
+# cut-off; here a calibration maps confidence to the chance that the target accepts the draft,
+# and the cost table decides whether one more draft pays (`ConfidenceStop`).
+CONFIDENCE_BINS = 10
+# Per draft observed in a bin: about the last 200 drafts of each bin count.
+CONFIDENCE_DECAY = 0.995
+# Weight, in drafts, of each bin's prior: acceptance equal to the bin's mean confidence.
+CONFIDENCE_PRIOR = 4.0
+
+
+class ConfidenceCalibration:
+    """How often the target accepts a draft of a given confidence, from the drafts verified so far.
+
+    Confidence is cut into `CONFIDENCE_BINS` equal bins; each keeps decayed counts of
+    the drafts verified in it and of those accepted. A bin starts at its own mean
+    confidence (a calibrated draft whose argmax is the target's), with the weight of
+    `CONFIDENCE_PRIOR` drafts, so that empty bins stay sensible.
+    """
+
+    def __init__(self) -> None:
+        self.verified = [0.0] * CONFIDENCE_BINS
+        self.accepted = [0.0] * CONFIDENCE_BINS
+
+    @staticmethod
+    def _bin(confidence: float) -> int:
+        return min(max(int(confidence * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
+
+    def acceptance(self, confidence: float) -> float:
+        """The estimated chance that the target accepts a draft of this confidence."""
+        index = self._bin(confidence)
+        prior = (index + 0.5) / CONFIDENCE_BINS
+        return (self.accepted[index] + CONFIDENCE_PRIOR * prior) / (self.verified[index] + CONFIDENCE_PRIOR)
+
+    @property
+    def mean_acceptance(self) -> float:
+        """The chance that the target accepts a draft whose confidence is not known yet: over every
+        draft judged so far, with the weight of `CONFIDENCE_PRIOR` drafts at one half."""
+        return (sum(self.accepted) + CONFIDENCE_PRIOR * 0.5) / (sum(self.verified) + CONFIDENCE_PRIOR)
+
+    def update(self, confidences: Sequence[float], num_accepted: int) -> None:
+        """Takes one verified chain: drafts 0..num_accepted-1 accepted, the next one (if any) rejected.
+
+        Drafts after the first rejection were never judged and are left out.
+        """
+        assert 0 <= num_accepted <= len(confidences), (num_accepted, len(confidences))
+        for position, confidence in enumerate(confidences[: num_accepted + 1]):
+            index = self._bin(confidence)
+            self.verified[index] = CONFIDENCE_DECAY * self.verified[index] + 1.0
+            self.accepted[index] = CONFIDENCE_DECAY * self.accepted[index] + float(position < num_accepted)
+
+
+class ConfidenceStop:
+    """Decides, draft by draft, whether the draft model drafts one more token for the batch.
+
+    After each draft pass, each drafting row's survival (the chance that all its drafts
+    so far are accepted) is multiplied by its calibrated acceptance of the token just
+    drafted, and the expected tokens of the step grow by that survival. One more draft
+    pays when it raises the step's expected tokens per second:
+
+        gain / extra_seconds > tokens / seconds,
+
+    where gain is the sum over rows of survival x the row's acceptance of a draft not yet
+    seen, and extra_seconds is one more draft pass and one more verified column. The
+    decision looks at the drafts only, never at the target, so the output stays the
+    target's whatever it decides.
+    """
+
+    def __init__(
+        self,
+        calibrations: Sequence[ConfidenceCalibration],
+        next_acceptances: Sequence[float],
+        max_drafts: int,
+        other_tokens: float,
+        step_seconds: Callable[[int], float],
+    ) -> None:
+        """
+        Args:
+            calibrations: per drafting row, the calibration of its kind of request.
+            next_acceptances: per drafting row, its acceptance of a draft whose confidence is unknown.
+            max_drafts: the most drafts any row may take this step.
+            other_tokens: the expected tokens of the step's other rows (look-ups, plain decoding).
+            step_seconds: n -> seconds of the step when the draft model drafts n tokens.
+        """
+        assert len(calibrations) == len(next_acceptances) and max_drafts >= 1
+        self.calibrations = calibrations
+        self.next_acceptances = next_acceptances
+        self.max_drafts = max_drafts
+        self.step_seconds = step_seconds
+        self.survival = [1.0] * len(calibrations)
+        # Each drafting row emits at least one token (the recovered or bonus one).
+        self.tokens = other_tokens + len(calibrations)
+
+    def __call__(self, num_drafted: int, confidences: Sequence[float]) -> bool:
+        """Takes the confidences of the rows' latest drafts; True: draft one more token."""
+        assert len(confidences) == len(self.survival), (len(confidences), len(self.survival))
+        for row, (calibration, confidence) in enumerate(zip(self.calibrations, confidences)):
+            self.survival[row] *= calibration.acceptance(confidence)
+            self.tokens += self.survival[row]
+        if num_drafted >= self.max_drafts:
+            return False
+        gain = sum(s * a for s, a in zip(self.survival, self.next_acceptances))
+        seconds = self.step_seconds(num_drafted)
+        extra = self.step_seconds(num_drafted + 1) - seconds
+        return gain * seconds > self.tokens * extra

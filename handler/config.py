@@ -250,6 +250,9 @@ class HandlerConfig:
     max_new_tokens: int = 128
     max_new_tokens_limit: int = 2048
     adaptive_k: bool = False
+    # With adaptive_k, the draft model drafts up to the request's k and stops where its own
+    # calibrated confidence says one more draft does not pay (handler.adaptive.ConfidenceStop).
+    draft_confidence: bool = True
     draft_quantization: str = "none"
     allow_pickle_weights: bool = False
     cpu_threads: int = 0
@@ -363,6 +366,7 @@ class HandlerConfig:
         )
         for key in (
             "adaptive_k",
+            "draft_confidence",
             "allow_pickle_weights",
             "cpu_packed_weights",
             "prefix_cache",

@@ -37,7 +37,14 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from handler.adaptive import MIN_STEPS_BEFORE_FALLBACK, PROBE_INTERVAL, AcceptanceTracker, plan_step_k
+from handler.adaptive import (
+    MIN_STEPS_BEFORE_FALLBACK,
+    PROBE_INTERVAL,
+    AcceptanceTracker,
+    ConfidenceCalibration,
+    ConfidenceStop,
+    plan_step_k,
+)
 from handler.config import SPECULATIVE_TREE_MODES, HandlerConfig, SamplingParams
 from handler.constraints import Constraint, RowGrammar, compiler_for
 from handler.drafters import DRAFTERS, HYBRID, MODEL, MODEL_FREE, NGRAM, SUFFIX, Lookup
@@ -379,6 +386,7 @@ class SpeculativeEngine:
         suffix: SuffixOptions = DEFAULT_SUFFIX_OPTIONS,
         suffix_estimate: str = "tree",
         speculative_tree: str = "auto",
+        draft_confidence: bool = False,
     ) -> None:
         """
         Args:
@@ -402,6 +410,9 @@ class SpeculativeEngine:
             speculative_tree: "auto": look-ups propose trees of candidates (`handler.tree`) where
                 the target accepts a custom 4D attention mask with its cache, checked here; "off":
                 chains only.
+            draft_confidence: with a cost table, the draft model drafts up to its rows' k and stops
+                where the draft's calibrated confidence says one more draft does not pay
+                (`handler.adaptive.ConfidenceStop`); False: it drafts the planned k.
         """
         assert suffix_estimate in SUFFIX_ESTIMATES, suffix_estimate
         assert speculative_tree in SPECULATIVE_TREE_MODES, speculative_tree
@@ -435,6 +446,9 @@ class SpeculativeEngine:
             self.trees = error is None
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.grammar_drafts = grammar_drafts
+        self.draft_confidence = draft_confidence and draft is not None
+        # The draft's confidence -> the target's acceptance, for greedy (True) and sampled rows.
+        self.calibrations = {True: ConfidenceCalibration(), False: ConfidenceCalibration()}
         self.drafters = DRAFTERS if draft is not None else MODEL_FREE
         self.default_drafter = default_drafter or (MODEL if draft is not None else NGRAM)
         assert self.default_drafter in self.drafters, (self.default_drafter, self.drafters)
@@ -473,6 +487,7 @@ class SpeculativeEngine:
             prompt_lookup_num_tokens=config.prompt_lookup_num_tokens,
             suffix=config.suffix_options,
             speculative_tree=config.speculative_tree,
+            draft_confidence=config.draft_confidence,
             **options,
         )
 
@@ -562,7 +577,10 @@ class SpeculativeEngine:
         max_ks = [row.cap() if uses_model[i] else len(lookups[i].token_ids) for i, row in enumerate(rows)]
         step_ks = self._plan(rows, max_ks, proposers, curves)
         lookups = [lookup.prefix(step_k) for lookup, step_k in zip(lookups, step_ks)]
-        num_accepted, emitted, logits, paths = self._verify(rows, step_ks, lookups, uses_model)
+        keep_drafting = self._confidence_stop(rows, step_ks, uses_model, curves)
+        num_accepted, emitted, logits, paths, confidences = self._verify(
+            rows, step_ks, lookups, uses_model, keep_drafting
+        )
 
         outputs, finished, committed = [], [], {}
         for slot, row in enumerate(rows):
@@ -578,6 +596,8 @@ class SpeculativeEngine:
                 first_choice = path == first_choice_path(lookup.parents, accepted)
                 row.stats.record_tree(step_ks[slot], accepted, first_choice)
             row.trackers[proposer].update(accepted, reached)
+            if slot in confidences:
+                self.calibrations[row.request.sampling.is_greedy].update(confidences[slot], accepted)
             kept = row.extend(new_tokens)
             row.commit(kept)
             if row.logprobs is not None and kept:
@@ -809,24 +829,63 @@ class SpeculativeEngine:
         if k == 0 and (warming_up or probing):
             k = 1  # too few steps observed to give up on drafting, or time to look again
         step_ks = [min(k, max_k) for max_k in max_ks]
+        if k > 0 and self.draft_confidence:
+            # The plan says whether to draft; the draft's confidence says how far (`_confidence_stop`).
+            step_ks = [
+                max_k if proposer == MODEL else step_k for step_k, max_k, proposer in zip(step_ks, max_ks, proposers)
+            ]
         for row, step_k, max_k in zip(rows, step_ks, max_ks):
             if step_k == 0 and max_k > 0:
                 row.stats.fell_back = True
         return step_ks
 
+    def _confidence_stop(
+        self, rows: list[_Row], step_ks: list[int], uses_model: list[bool], curves: list[list[float]]
+    ) -> Callable[[int, dict], bool] | None:
+        """The draft model's stop rule this step (`ConfidenceStop`), or None: it drafts its rows' step_ks."""
+        model_slots = [slot for slot, uses in enumerate(uses_model) if uses and step_ks[slot] > 0]
+        if not (self.draft_confidence and self.cost_table is not None and model_slots):
+            return None
+        batch_size, table = len(rows), self.cost_table
+        others = [slot for slot in range(batch_size) if slot not in model_slots]
+        other_width = max((step_ks[slot] for slot in others), default=0)
+
+        def step_seconds(num_drafts: int) -> float:
+            width = max(num_drafts, other_width) + 1
+            return table.target_seconds(batch_size, width) + num_drafts * table.draft_seconds(batch_size)
+
+        calibrations = [self.calibrations[rows[slot].request.sampling.is_greedy] for slot in model_slots]
+        stop = ConfidenceStop(
+            calibrations,
+            [calibration.mean_acceptance for calibration in calibrations],
+            max(step_ks[slot] for slot in model_slots),
+            sum(curves[slot][min(step_ks[slot], len(curves[slot]) - 1)] for slot in others),
+            step_seconds,
+        )
+        ids = [rows[slot].request_id for slot in model_slots]
+        return lambda num_drafted, confidences: stop(num_drafted, [confidences[i] for i in ids])
+
     def _verify(
-        self, rows: list[_Row], step_ks: list[int], lookups: list[Lookup], uses_model: list[bool]
-    ) -> tuple[list[int], list[list[int]], torch.Tensor, list[list[int]]]:
+        self,
+        rows: list[_Row],
+        step_ks: list[int],
+        lookups: list[Lookup],
+        uses_model: list[bool],
+        keep_drafting: Callable[[int, dict], bool] | None = None,
+    ) -> tuple[list[int], list[list[int]], torch.Tensor, list[list[int]], dict[int, list[float]]]:
         """Drafts and verifies one step.
 
         `lookups` are the rows' drafts this step, `step_ks` long; where one is a tree, the
         pass gives every draft its own ancestors only, and that row is verified by walking
-        the tree (`handler.tree.verify_tree`).
+        the tree (`handler.tree.verify_tree`). `keep_drafting` may stop the draft model
+        before its rows' step_ks: their entries in `step_ks` are then lowered in place to
+        the drafts drawn.
 
         Returns:
             num_accepted per row, emitted tokens per row ([k + 1], -1 padded), the target's
-            raw logits [batch, k + 1, vocab] at the verified chunk columns, and per row the
-            chunk columns of its pending token and accepted drafts (0, 1, ... for a chain).
+            raw logits [batch, k + 1, vocab] at the verified chunk columns, per row the
+            chunk columns of its pending token and accepted drafts (0, 1, ... for a chain),
+            and per draft-model row (by slot) the draft's confidence in each of its drafts.
         """
         batch_size, k = len(rows), max(step_ks)
         tree_slots = [slot for slot in range(batch_size) if not uses_model[slot] and lookups[slot].is_tree]
@@ -847,9 +906,8 @@ class SpeculativeEngine:
         top_p = torch.tensor([s.top_p for s in sampling], device=self.device)
         min_p = torch.tensor([s.min_p for s in sampling], device=self.device)
 
-        draft_token_ids = torch.full((batch_size, k), self.pad_token_id, dtype=torch.long)  # [batch, k]
-        draft_probs = torch.zeros((batch_size, k, self.vocab_size), device=self.device)  # [batch, k, vocab]
         model_slots = [slot for slot in range(batch_size) if uses_model[slot] and step_ks[slot] > 0]
+        drafted, confidences = {}, {}
         if model_slots:
             proposals = self.model_drafter.propose(
                 {
@@ -866,13 +924,26 @@ class SpeculativeEngine:
                     for slot in model_slots
                     if rows[slot].shapes_logits
                 },
+                keep_drafting=keep_drafting,
             )
             for slot in model_slots:
                 rows[slot].end_drafting()
-                token_ids, probs = proposals[rows[slot].request_id]  # [>= num], [>= num, vocab]
-                num = step_ks[slot]
-                draft_token_ids[slot, :num] = token_ids[:num].cpu()
-                draft_probs[slot, :num] = probs[:num]
+                token_ids, probs, confidence = proposals[rows[slot].request_id]  # [n], [n, vocab], [n]
+                step_ks[slot] = num = min(step_ks[slot], len(confidence))
+                drafted[slot] = token_ids[:num], probs[:num]
+                confidences[slot] = confidence[:num]
+            drafted_k = max(step_ks)
+            if drafted_k < k:
+                # The draft stopped early: the width shrinks. A row's uniforms stay its own, the
+                # last column (recovered or bonus token) included; a coupled row's are per position.
+                verify_uniforms = torch.cat([verify_uniforms[:, :drafted_k], verify_uniforms[:, k:]], dim=1)
+                position_u = position_u[:, : drafted_k + 1]
+                k = drafted_k
+        draft_token_ids = torch.full((batch_size, k), self.pad_token_id, dtype=torch.long)  # [batch, k]
+        draft_probs = torch.zeros((batch_size, k, self.vocab_size), device=self.device)  # [batch, k, vocab]
+        for slot, (token_ids, probs) in drafted.items():
+            draft_token_ids[slot, : len(token_ids)] = token_ids.cpu()
+            draft_probs[slot, : len(token_ids)] = probs
         for slot in range(batch_size):
             if not uses_model[slot] and step_ks[slot] > 0:
                 # A look-up is deterministic: its draft distribution is one-hot.
@@ -915,7 +986,7 @@ class SpeculativeEngine:
             )
             num_accepted[slot] = len(emitted) - 1
             output_token_ids[slot] = emitted + [-1] * (k + 1 - len(emitted))
-        return num_accepted, output_token_ids, logits, paths
+        return num_accepted, output_token_ids, logits, paths, confidences
 
     @staticmethod
     def _tree_uniforms(row: _Row, k: int) -> list[float]:

@@ -93,6 +93,7 @@ class Method:
     drafter: str | None = None  # set for the engine's rows
     planned: bool = False  # the engine plans each step's k from the cost table
     tree: bool = True  # False: the request says speculative_tree off (look-ups verify chains only)
+    confidence: bool = True  # False: the draft model drafts the planned k, without its confidence stop
 
     @property
     def is_engine(self) -> bool:
@@ -157,16 +158,18 @@ class Runner:
         self.models = models
         self.config = config
         self.cost_table = cost_table
-        self.engines: dict[bool, SpeculativeEngine] = {}
+        self.engines: dict[tuple[bool, bool], SpeculativeEngine] = {}
 
-    def engine(self, planned: bool) -> SpeculativeEngine:
-        if planned not in self.engines:
+    def engine(self, planned: bool, confidence: bool = True) -> SpeculativeEngine:
+        key = planned, confidence and self.config.draft_confidence
+        if key not in self.engines:
             # No prefix cache: each prompt runs several times, and later runs would skip the prefill
             # that the Hugging Face baselines pay for.
-            self.engines[planned] = SpeculativeEngine.from_config(
-                self.models, self.config, self.cost_table if planned else None, prefix_cache_max_bytes=None
+            config = dataclasses.replace(self.config, draft_confidence=key[1])
+            self.engines[key] = SpeculativeEngine.from_config(
+                self.models, config, self.cost_table if planned else None, prefix_cache_max_bytes=None
             )
-        return self.engines[planned]
+        return self.engines[key]
 
     def encode(self, prompt: dict) -> tuple[int, ...]:
         tokenizer = self.models.tokenizer
@@ -181,7 +184,7 @@ class Runner:
         """
         run = Run()
         if method.is_engine:
-            engine = self.engine(method.planned)
+            engine = self.engine(method.planned, method.confidence)
             engine.suffix_drafter = SuffixDrafter(engine.suffix_drafter.options)
         for prompt_ids in prompts_ids:
             start = time.perf_counter()
@@ -194,7 +197,7 @@ class Runner:
                     drafter=method.drafter,
                     speculative_tree=None if method.tree else False,
                 )
-                result = self.engine(method.planned).generate([request])[0]
+                result = engine.generate([request])[0]
                 tokens = result.token_ids
                 run.draft_tokens += result.stats.draft_tokens
                 run.accepted_tokens += result.stats.accepted_tokens
@@ -333,6 +336,12 @@ def table_methods(set_sweep: dict, sweep_result: dict, cap: int, draft_note: str
         engine_method("engine_k0", DRAFTER_MODEL, 0, planned=False),
         engine_method("engine_fixed", DRAFTER_MODEL, set_sweep["best_k"], planned=False),
         engine_method("engine_planned", DRAFTER_MODEL, cap, planned=True),
+        # The draft model without its confidence stop: the planned k from the acceptance tracker alone.
+        dataclasses.replace(
+            engine_method("engine_planned_tracker", DRAFTER_MODEL, cap, planned=True),
+            label=f"this engine, model drafter, cost-table k<={cap}, tracker only (draft_confidence off)",
+            confidence=False,
+        ),
         engine_method("engine_ngram", DRAFTER_NGRAM, cap, sweep_result["ngram_planned"], lookup),
         # The shipped mode always has its row, whatever one noisy sweep run preferred.
         engine_method("engine_hybrid", DRAFTER_HYBRID, cap, True, lookup),

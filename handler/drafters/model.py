@@ -1,4 +1,4 @@
-"""The draft-model drafter: a small causal LM samples k draft tokens, one forward pass each.
+"""The draft-model drafter: a small causal LM samples up to k draft tokens, one forward pass each.
 
 It keeps its own ragged KV cache, one row per request it drafts for. Tokens
 committed by the engine that the draft model has not processed yet are its
@@ -124,8 +124,9 @@ class ModelDrafter:
         self,
         sampling: Mapping[Hashable, tuple[float, int, float, torch.Tensor]],
         shapers: Mapping[Hashable, Callable[[torch.Tensor, int | None], torch.Tensor]] | None = None,
-    ) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor]]:
-        """Samples k draft tokens for every row of the cache, k the most any row in `sampling` wants.
+        keep_drafting: Callable[[int, dict[Hashable, float]], bool] | None = None,
+    ) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor, list[float]]]:
+        """Samples up to k draft tokens for every row of the cache, k the most any row in `sampling` wants.
 
         Args:
             sampling: request id -> (temperature, top_k, top_p, uniforms [n] float64) for the
@@ -134,9 +135,13 @@ class ModelDrafter:
             shapers: request id -> f(logits [vocab], previous draft or None) -> logits, for rows
                 whose logits are shaped before sampling (a grammar mask); called once per draft,
                 in order, so that it can follow the drafts.
+            keep_drafting: f(drafts so far, request id -> confidence of its latest draft, for the
+                rows in `sampling`) -> whether to draft one more; None: draft k.
 
         Returns:
-            request id -> (draft token ids [k], draft probs [k, vocab]) for the rows in `sampling`.
+            request id -> (draft token ids [n], draft probs [n, vocab], confidences [n]) for the
+            rows in `sampling`, n <= k the drafts drawn. A draft's confidence is the draft
+            model's own probability of it, softmax of its (shaped) logits before warping.
         """
         assert sampling and self.cache is not None
         k = max(len(setting[3]) for setting in sampling.values())
@@ -153,8 +158,10 @@ class ModelDrafter:
 
         input_ids, chunk_mask = left_pad([self.pending[request_id] for request_id in self.order], self.pad_token_id)
         logits = self.cache.forward(self._draft_ids(input_ids), chunk_mask, logits_to_keep=1)  # [rows, 1, vocab']
-        sampled, probs_per_step = [], []
+        sampled, probs_per_step, confidence_per_step = [], [], []
         shaped_slots = [(slot, shapers[r]) for slot, r in enumerate(self.order) if shapers and r in shapers]
+        asking = [slot for slot, request_id in enumerate(self.order) if request_id in sampling]
+        asking_ids = [self.order[slot] for slot in asking]
         for j in range(k):
             logits = fit_vocab(logits, self.vocab_size)  # [rows, 1, vocab]
             if shaped_slots:
@@ -163,20 +170,29 @@ class ModelDrafter:
                     logits[slot, 0] = shape(logits[slot, 0], int(sampled[-1][slot]) if j else None)
             probs = warp_logits_to_probs(logits, temperature, top_k, top_p)[:, 0]
             token_ids = sample_from_probs(probs, uniforms[:, j])  # [rows]
+            confidence = torch.softmax(logits[:, 0].float(), dim=-1).gather(-1, token_ids[:, None])[:, 0]  # [rows]
             sampled.append(token_ids)
             probs_per_step.append(probs)
-            if j < k - 1:
-                ones = torch.ones((num_rows, 1), dtype=torch.long)
-                logits = self.cache.forward(self._draft_ids(token_ids[:, None]), ones, logits_to_keep=1)
-        draft_token_ids = torch.stack(sampled, dim=1)  # [rows, k]
-        draft_probs = torch.stack(probs_per_step, dim=1)  # [rows, k, vocab]
-        fed = draft_token_ids[:, : k - 1].tolist()
+            confidence_per_step.append(confidence)
+            if j == k - 1:
+                break
+            if keep_drafting is not None and not keep_drafting(
+                j + 1, dict(zip(asking_ids, confidence[asking].tolist()))
+            ):
+                break
+            ones = torch.ones((num_rows, 1), dtype=torch.long)
+            logits = self.cache.forward(self._draft_ids(token_ids[:, None]), ones, logits_to_keep=1)
+        num_drafts = len(sampled)
+        draft_token_ids = torch.stack(sampled, dim=1)  # [rows, n]
+        draft_probs = torch.stack(probs_per_step, dim=1)  # [rows, n, vocab]
+        confidences = torch.stack(confidence_per_step, dim=1).tolist()  # [rows][n]
+        fed = draft_token_ids[:, : num_drafts - 1].tolist()
         for slot, request_id in enumerate(self.order):
             self.fed_pending[request_id] = self.pending[request_id]
             self.pending[request_id] = []
             self.fed[request_id] = fed[slot]
         return {
-            request_id: (draft_token_ids[slot], draft_probs[slot])
+            request_id: (draft_token_ids[slot], draft_probs[slot], confidences[slot])
             for slot, request_id in enumerate(self.order)
             if request_id in sampling
         }

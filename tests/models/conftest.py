@@ -19,10 +19,11 @@ def tiny_pair(tiny_models_dir):
     return target, draft, tokenizer
 
 
-def make_engine(target, draft, tokenizer, eos_token_ids=None) -> SpeculativeEngine:
+def make_engine(target, draft, tokenizer, eos_token_ids=None, **options) -> SpeculativeEngine:
+    """`options`: further keyword arguments of SpeculativeEngine (a cost table, draft_confidence)."""
     if eos_token_ids is None:
         eos_token_ids = collect_eos_token_ids(tokenizer, target.generation_config)
-    return SpeculativeEngine(target, draft, tokenizer, eos_token_ids, tokenizer.pad_token_id)
+    return SpeculativeEngine(target, draft, tokenizer, eos_token_ids, tokenizer.pad_token_id, **options)
 
 
 @pytest.fixture(scope="session")

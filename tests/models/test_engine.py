@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from handler.adaptive import CostModel
 from handler.config import SamplingParams
 from handler.engine import GenerationRequest
 from handler.kv_cache import COMPACT_SLACK, RaggedCache, left_pad
@@ -22,6 +23,8 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.9, top_k=0, top_p=1.0)
+# Costs under which the tiny draft's confidence stop drafts sometimes one token, sometimes several.
+CONFIDENT_COSTS = CostModel(draft_step=0.15, target_step=1.0, target_per_extra_token=0.05)
 
 
 def encode(tokenizer, prompt: str) -> tuple[int, ...]:
@@ -162,6 +165,7 @@ def seeded_outputs(tiny_pair, engine) -> dict[str, list[int]]:
     int8_engine = make_engine(target, quantize_draft_int8(copy.deepcopy(draft)), tokenizer)
     planned = make_engine(target, draft, tokenizer)
     planned.cost_table = CostModel(draft_step=0.3, target_step=1.0, target_per_extra_token=0.3)
+    confident = make_engine(target, draft, tokenizer, cost_table=CONFIDENT_COSTS, draft_confidence=True)
     prompt_ids = encode(tokenizer, PROMPTS[0])
     others = [
         GenerationRequest(encode(tokenizer, PROMPTS[3]), 24, GREEDY, 4),
@@ -169,7 +173,8 @@ def seeded_outputs(tiny_pair, engine) -> dict[str, list[int]]:
         GenerationRequest(encode(tokenizer, PROMPTS[2]), 24, SAMPLED, 2, seed=8),
     ]
     outputs = {"plain": engine.generate([GenerationRequest(prompt_ids, 24, SAMPLED, 0, seed=7)])[0].token_ids}
-    for name, each in (("float draft", engine), ("int8 draft", int8_engine), ("planned", planned)):
+    engines = (("float draft", engine), ("int8 draft", int8_engine), ("planned", planned), ("confidence", confident))
+    for name, each in engines:
         for k in (1, 3, 6):
             for drafter in ("model", "ngram", "suffix", "hybrid"):
                 request = GenerationRequest(prompt_ids, 24, SAMPLED, k, seed=7, drafter=drafter)
@@ -267,3 +272,37 @@ def test_adaptive_k_is_still_exact_and_falls_back_when_the_draft_is_useless(tiny
     result = same.generate([GenerationRequest(encode(tokenizer, PROMPTS[0]), 41, GREEDY, 4)])[0]
     assert not result.stats.fell_back
     assert result.stats.target_forward_passes <= 41 // 5 + 3
+
+
+def test_the_confidence_stop_is_exact_and_drafts_as_far_as_confidence_pays(tiny_pair):
+    """The draft model stops where its calibrated confidence says so: greedy output unchanged, alone and
+    beside look-ups and seeded rows, and chains of several lengths under one cap."""
+    target, draft, tokenizer = tiny_pair
+    confident = make_engine(target, draft, tokenizer, cost_table=CONFIDENT_COSTS, draft_confidence=True)
+    prompts = [encode(tokenizer, prompt) for prompt in PROMPTS[:3]]
+    for prompt_ids in prompts:
+        result = confident.generate([GenerationRequest(prompt_ids, 40, GREEDY, 8)])[0]
+        assert result.token_ids == reference_greedy(target, prompt_ids, 40)
+    lengths = set()
+    for _ in range(3):
+        batch = [GenerationRequest(prompt_ids, 40, GREEDY, 8) for prompt_ids in prompts]
+        batch += [
+            GenerationRequest(prompts[0], 40, GREEDY, 4, drafter="ngram"),
+            GenerationRequest(prompts[1], 24, SAMPLED, 6, seed=3),
+        ]
+        results = confident.generate(batch)
+        for prompt_ids, result in zip(prompts * 2, results[:4]):
+            assert result.token_ids == reference_greedy(target, prompt_ids, 40)
+        alone = confident.generate([batch[-1]])[0]
+        assert results[-1].token_ids == alone.token_ids
+        lengths |= {len(result.stats.accepted_per_position) for result in results[:3]}
+        lengths |= {result.stats.draft_tokens / result.stats.num_drafts for result in results[:3]}
+    # Some steps stopped short of the cap of 8, and rows drafted different lengths.
+    assert any(length < 8 for length in lengths) and len(lengths) > 2
+
+    # A draft equal to the target: once the calibration has seen it, it drafts to the cap.
+    same = make_engine(target, target, tokenizer, eos_token_ids=(), cost_table=CONFIDENT_COSTS, draft_confidence=True)
+    for _ in range(3):
+        result = same.generate([GenerationRequest(prompts[0], 45, GREEDY, 8)])[0]
+    assert result.stats.acceptance_rate == 1.0
+    assert result.stats.target_forward_passes <= 45 // 9 + 2

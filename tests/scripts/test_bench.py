@@ -64,14 +64,14 @@ def test_bench_writes_json_markdown_and_plot(tiny_models_dir, tmp_path):
     assert set(report["sets"]) == {"open", "grounded"}
     for data in report["sets"].values():
         keys = [row["key"] for row in data["rows"]]
-        assert keys[:9] == [
+        assert keys[:10] == [
             "hf_target_only", "hf_assisted", "hf_prompt_lookup_3", "hf_prompt_lookup_10",
-            "engine_k0", "engine_fixed", "engine_planned", "engine_ngram", "engine_hybrid",
+            "engine_k0", "engine_fixed", "engine_planned", "engine_planned_tracker", "engine_ngram", "engine_hybrid",
         ]  # fmt: skip
         # The hybrid drafter at a fixed k has a row of its own only when the sweep preferred it; then the
         # look-up rows again with chains only.
         fixed = [] if report["sweep"]["hybrid_planned"] else ["engine_hybrid_fixed"]
-        assert keys[9:] == [*fixed, "engine_ngram_chain", "engine_hybrid_chain"]
+        assert keys[10:] == [*fixed, "engine_ngram_chain", "engine_hybrid_chain"]
         for row in data["rows"]:
             assert len(row["runs_tokens_per_second"]) == 2
             assert row["same_outputs_every_run"]
@@ -100,7 +100,7 @@ def test_an_engine_row_starts_with_empty_suffix_trees(monkeypatch):
     engine = SimpleNamespace(suffix_drafter=SuffixDrafter())
     engine.suffix_drafter.add({"earlier": [1]})
     engine.suffix_drafter.observe({"earlier": [2, 3, 4]})
-    runner = bench.Runner(models=None, config=None, cost_table=None)
-    runner.engines[True] = engine
+    runner = bench.Runner(models=None, config=SimpleNamespace(draft_confidence=True), cost_table=None)
+    runner.engines[True, True] = engine
     runner.run(bench.engine_method("engine_hybrid", "hybrid", 4, planned=True), [], 8)
     assert engine.suffix_drafter.stats.num_requests == 0

@@ -9,6 +9,8 @@ coupling that reuses one uniform for every position must fail the same check.
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -35,8 +37,8 @@ def pair(tiny_models_dir):
     return target, tokenizer, make_engine(target, draft, tokenizer, eos_token_ids=())
 
 
-def sample_two_tokens(pair, sampling, seeded: bool) -> torch.Tensor:
-    """The first two tokens of NUM_SAMPLES requests: [num_samples, 2]."""
+def sample_two_tokens(pair, sampling, seeded: bool, draft_counts: collections.Counter | None = None) -> torch.Tensor:
+    """The first two tokens of NUM_SAMPLES requests: [num_samples, 2]; `draft_counts` counts their drafts."""
     _, tokenizer, engine = pair
     prompt_ids = tuple(tokenizer(PROMPT)["input_ids"])
     tokens = []
@@ -49,6 +51,8 @@ def sample_two_tokens(pair, sampling, seeded: bool) -> torch.Tensor:
         for result in engine.generate(requests):
             tokens.append(result.token_ids[:2])
             accepted += result.stats.accepted_tokens
+            if draft_counts is not None:
+                draft_counts[result.stats.draft_tokens] += 1
     assert 0 < accepted < 2 * NUM_SAMPLES, "both accept and reject paths must be exercised"
     return torch.tensor(tokens)
 
@@ -60,6 +64,22 @@ SETTINGS = [SamplingParams(1.0, 0, 1.0), SamplingParams(0.8, 12, 0.9)]
 @pytest.mark.parametrize("sampling", SETTINGS, ids=["plain", "top_k_top_p"])
 def test_engine_samples_follow_the_target(pair, sampling, seeded, reproducible_unseeded):
     assert min(p_values(pair, sampling, sample_two_tokens(pair, sampling, seeded))) > PASS_P_VALUE
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection_sampling", "coupled"])
+def test_engine_samples_follow_the_target_with_the_confidence_stop(pair, seeded, reproducible_unseeded):
+    """The draft model stops after one draft or goes on to two, by its own confidence: the tokens
+    still follow the target's distribution."""
+    from handler.adaptive import CostModel
+    from tests.models.conftest import make_engine
+
+    target, tokenizer, engine = pair
+    costs = CostModel(draft_step=0.15, target_step=1.0, target_per_extra_token=0.05)
+    confident = make_engine(target, engine.draft, tokenizer, eos_token_ids=(), cost_table=costs, draft_confidence=True)
+    sampling, draft_counts = SETTINGS[0], collections.Counter()
+    tokens = sample_two_tokens((target, tokenizer, confident), sampling, seeded, draft_counts)
+    assert len(draft_counts) > 1, draft_counts  # the stop cut some chains, not others
+    assert min(p_values(pair, sampling, tokens)) > PASS_P_VALUE
 
 
 def test_the_check_catches_a_coupling_that_reuses_one_uniform(pair, monkeypatch):

@@ -56,3 +56,73 @@ def test_per_position_acceptance_values_long_copied_runs():
     assert abs(geometric - 9.0) > 2 * abs(curve[16] - 9.0)
     assert curve[1] == pytest.approx(1.5, rel=0.1)
     assert all(later >= earlier for earlier, later in zip(curve, curve[1:]))
+
+
+def test_confidence_calibration_starts_at_its_prior_and_learns_only_judged_drafts():
+    from handler.adaptive import CONFIDENCE_BINS, ConfidenceCalibration
+
+    calibration = ConfidenceCalibration()
+    # Before any draft: each bin's mean confidence.
+    assert calibration.acceptance(0.93) == pytest.approx(0.95)
+    assert calibration.acceptance(0.0) == pytest.approx(0.5 / CONFIDENCE_BINS)
+    assert calibration.acceptance(1.0) == pytest.approx(0.95)  # the top bin holds 1.0
+    for _ in range(300):
+        # Confident drafts rejected, unsure ones accepted: a draft whose confidence misleads.
+        calibration.update([0.15, 0.95, 0.55], num_accepted=1)
+    assert calibration.acceptance(0.15) > 0.95
+    assert calibration.acceptance(0.95) < 0.05
+    # The draft after the first rejection was never judged: its bin keeps its prior.
+    assert calibration.acceptance(0.55) == pytest.approx(0.55)
+    calibration.update([0.55, 0.55], num_accepted=2)  # all accepted: both judged
+    assert calibration.acceptance(0.55) > 0.55
+
+
+def linear_step_seconds(draft_step: float, per_column: float):
+    """n drafts -> seconds: a target pass of 1 + n columns and n draft passes."""
+    return lambda num_drafts: 1.0 + per_column * num_drafts + draft_step * num_drafts
+
+
+def test_confidence_stop_drafts_on_while_one_more_draft_pays():
+    from handler.adaptive import ConfidenceCalibration, ConfidenceStop
+
+    calibration = ConfidenceCalibration()  # acceptance = confidence (its prior)
+    step_seconds = linear_step_seconds(draft_step=0.1, per_column=0.0)
+    confident = ConfidenceStop([calibration], [0.8], 8, 0.0, step_seconds)
+    assert all(confident(n, [0.99]) for n in range(1, 8))
+    assert not confident(8, [0.99])  # never past max_drafts
+
+    # An unsure draft leaves little chance that a further one is reached: stop there.
+    unsure = ConfidenceStop([calibration], [0.8], 8, 0.0, step_seconds)
+    assert unsure(1, [0.95])
+    assert not unsure(2, [0.05])
+
+    # The same confident drafts stop sooner where each one costs more.
+    dear = ConfidenceStop([calibration], [0.8], 8, 0.0, linear_step_seconds(draft_step=0.4, per_column=0.2))
+    num_drafts = 1
+    while dear(num_drafts, [0.95]):
+        num_drafts += 1
+    assert 1 < num_drafts < 8
+
+
+def test_confidence_stop_weighs_the_whole_batch():
+    from handler.adaptive import ConfidenceCalibration, ConfidenceStop
+
+    calibration = ConfidenceCalibration()
+    step_seconds = linear_step_seconds(draft_step=0.1, per_column=0.0)
+    # One confident row keeps the batch drafting though the other row has given up.
+    mixed = ConfidenceStop([calibration, calibration], [0.8, 0.8], 8, 0.0, step_seconds)
+    assert mixed(1, [0.95, 0.05])
+    assert mixed(2, [0.95, 0.95])
+    # Many rows that gain nothing from drafting (look-ups, plain decoding) make a draft pass dear.
+    crowded = ConfidenceStop([calibration], [0.8], 8, 30.0, step_seconds)
+    assert not crowded(1, [0.95])
+
+
+def test_confidence_calibration_mean_acceptance_follows_every_judged_draft():
+    from handler.adaptive import ConfidenceCalibration
+
+    calibration = ConfidenceCalibration()
+    assert calibration.mean_acceptance == 0.5
+    for _ in range(100):
+        calibration.update([0.1, 0.9, 0.5, 0.3], num_accepted=3)  # 3 of 4 judged drafts accepted
+    assert calibration.mean_acceptance == pytest.approx(0.75, abs=0.01)
