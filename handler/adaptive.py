@@ -264,3 +264,53 @@ class ConfidenceStop:
         seconds = self.step_seconds(num_drafted)
         extra = self.step_seconds(num_drafted + 1) - seconds
         return gain * seconds > self.tokens * extra
+
+
+def choose_runners_up(
+    acceptances: Sequence[Sequence[float]],
+    runner_up_acceptances: Sequence[Sequence[float]],
+    max_nodes: Sequence[int],
+    width: int,
+    tokens: float,
+    step_seconds: Callable[[int], float],
+) -> list[list[int]]:
+    """Where the draft model's runner-up joins its chain as a sibling leaf (`handler.tree`).
+
+    A runner-up at chain position j is reached when drafts 0..j-1 are accepted and draft j
+    is not; the target then takes it with its own chance, and the step emits one more
+    token (the runner-up, then the target's token after it). Runners-up are added best
+    first while each raises the step's expected tokens per second: gain / extra_seconds >
+    tokens / seconds, where only a wider pass costs more.
+
+    Args:
+        acceptances: per row, the estimated acceptance of each chain draft.
+        runner_up_acceptances: per row and position, the chance that the target takes the
+            runner-up there once it has refused the draft.
+        max_nodes: per row, the most nodes its tree may hold (chain included).
+        width: the step's widest row in drafts, before any runner-up.
+        tokens: the step's expected tokens without runners-up.
+        step_seconds: width in drafts -> seconds of the step.
+
+    Returns:
+        per row, the chain positions that take their runner-up, in increasing order.
+    """
+    gains = []
+    for row, (chain, seconds) in enumerate(zip(acceptances, runner_up_acceptances)):
+        reach = 1.0
+        for position, (acceptance, runner_up) in enumerate(zip(chain, seconds)):
+            gains.append((reach * (1.0 - acceptance) * runner_up, row, position))
+            reach *= acceptance
+    nodes = [len(chain) for chain in acceptances]
+    chosen: list[list[int]] = [[] for _ in acceptances]
+    for gain, row, position in sorted(gains, reverse=True):
+        if gain <= 0.0 or nodes[row] >= max_nodes[row]:
+            continue
+        new_width = max(width, nodes[row] + 1)
+        seconds = step_seconds(width)
+        if gain * seconds <= tokens * (step_seconds(new_width) - seconds):
+            continue
+        chosen[row].append(position)
+        nodes[row] += 1
+        tokens += gain
+        width = new_width
+    return [sorted(positions) for positions in chosen]

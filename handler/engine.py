@@ -43,13 +43,14 @@ from handler.adaptive import (
     AcceptanceTracker,
     ConfidenceCalibration,
     ConfidenceStop,
+    choose_runners_up,
     plan_step_k,
 )
 from handler.config import SPECULATIVE_TREE_MODES, HandlerConfig, SamplingParams
 from handler.constraints import Constraint, RowGrammar, compiler_for
 from handler.drafters import DRAFTERS, HYBRID, MODEL, MODEL_FREE, NGRAM, SUFFIX, Lookup
 from handler.drafters.hybrid import Candidate, choose
-from handler.drafters.model import ModelDrafter
+from handler.drafters.model import ModelDrafter, Proposal
 from handler.drafters.ngram import NgramDrafter
 from handler.drafters.suffix import SuffixDrafter, SuffixOptions, SuffixTreeStats
 from handler.kv_cache import RaggedCache, kv_bytes_per_token, tree_attention_error
@@ -66,7 +67,15 @@ from handler.sampler import (
 )
 from handler.schema import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from handler.stopping import StopChecker
-from handler.tree import ROOT, chunk_attention, depths, first_choice_path, order_best_first, verify_tree
+from handler.tree import (
+    ROOT,
+    chain_with_siblings,
+    chunk_attention,
+    depths,
+    first_choice_path,
+    order_best_first,
+    verify_tree,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +108,16 @@ class GenerationRequest:
     constraint: Constraint | None = None
     # False: this request's look-ups propose chains only. None: the server's speculative_tree.
     speculative_tree: bool | None = None
+
+
+@dataclasses.dataclass
+class _ModelDrafts:
+    """What the draft model drafted for one row this step, for the calibrations."""
+
+    confidences: list[float]  # the draft's confidence in each draft of its chain
+    # Chain position -> the runner-up's share of what the draft left to other tokens there, for the
+    # positions whose runner-up joined the tree as a sibling.
+    runner_up_shares: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,8 +466,10 @@ class SpeculativeEngine:
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.grammar_drafts = grammar_drafts
         self.draft_confidence = draft_confidence and draft is not None
-        # The draft's confidence -> the target's acceptance, for greedy (True) and sampled rows.
+        # The draft's confidence -> the target's acceptance, for greedy (True) and sampled rows; and for
+        # greedy rows, the runner-up's share of the rest -> the chance the target takes it (`handler.tree`).
         self.calibrations = {True: ConfidenceCalibration(), False: ConfidenceCalibration()}
+        self.runner_up_calibration = ConfidenceCalibration()
         self.drafters = DRAFTERS if draft is not None else MODEL_FREE
         self.default_drafter = default_drafter or (MODEL if draft is not None else NGRAM)
         assert self.default_drafter in self.drafters, (self.default_drafter, self.drafters)
@@ -578,8 +599,8 @@ class SpeculativeEngine:
         step_ks = self._plan(rows, max_ks, proposers, curves)
         lookups = [lookup.prefix(step_k) for lookup, step_k in zip(lookups, step_ks)]
         keep_drafting = self._confidence_stop(rows, step_ks, uses_model, curves)
-        num_accepted, emitted, logits, paths, confidences = self._verify(
-            rows, step_ks, lookups, uses_model, keep_drafting
+        num_accepted, emitted, logits, paths, model_drafts = self._verify(
+            rows, step_ks, lookups, uses_model, keep_drafting, curves
         )
 
         outputs, finished, committed = [], [], {}
@@ -591,13 +612,13 @@ class SpeculativeEngine:
             row.steps_without_drafts = 0 if step_ks[slot] else row.steps_without_drafts + 1
             # Drafts reached: the accepted ones, and one more where the walk stopped at a node with children.
             reached = step_ks[slot]
-            if not uses_model[slot] and lookup.is_tree:
+            if lookup.is_tree:
                 reached = accepted + int(path[-1] - 1 in lookup.parents)
                 first_choice = path == first_choice_path(lookup.parents, accepted)
                 row.stats.record_tree(step_ks[slot], accepted, first_choice)
             row.trackers[proposer].update(accepted, reached)
-            if slot in confidences:
-                self.calibrations[row.request.sampling.is_greedy].update(confidences[slot], accepted)
+            if slot in model_drafts:
+                self._calibrate(row, model_drafts[slot], path)
             kept = row.extend(new_tokens)
             row.commit(kept)
             if row.logprobs is not None and kept:
@@ -839,6 +860,22 @@ class SpeculativeEngine:
                 row.stats.fell_back = True
         return step_ks
 
+    def _calibrate(self, row: _Row, drafts: _ModelDrafts, path: list[int]) -> None:
+        """Teaches the calibrations what the target did with a row's model drafts (`path`: its walk)."""
+        num_chain = len(drafts.confidences)
+        # Chain draft j sits at chunk column j + 1; the runners-up come after the chain.
+        on_runner_up = path[-1] > num_chain
+        chain_accepted = len(path) - 1 - int(on_runner_up)
+        self.calibrations[row.request.sampling.is_greedy].update(drafts.confidences, chain_accepted)
+        share = drafts.runner_up_shares.get(chain_accepted)
+        if share is not None:
+            self.runner_up_calibration.update([share], int(on_runner_up))
+
+    @staticmethod
+    def _other_tokens(step_ks: list[int], curves: list[list[float]], slots: list[int]) -> float:
+        """The expected tokens of these rows this step, from their curves."""
+        return sum(curves[slot][min(step_ks[slot], len(curves[slot]) - 1)] for slot in slots)
+
     def _confidence_stop(
         self, rows: list[_Row], step_ks: list[int], uses_model: list[bool], curves: list[list[float]]
     ) -> Callable[[int, dict], bool] | None:
@@ -859,11 +896,80 @@ class SpeculativeEngine:
             calibrations,
             [calibration.mean_acceptance for calibration in calibrations],
             max(step_ks[slot] for slot in model_slots),
-            sum(curves[slot][min(step_ks[slot], len(curves[slot]) - 1)] for slot in others),
+            self._other_tokens(step_ks, curves, others),
             step_seconds,
         )
         ids = [rows[slot].request_id for slot in model_slots]
         return lambda num_drafted, confidences: stop(num_drafted, [confidences[i] for i in ids])
+
+    def _takes_runners_up(self, row: _Row) -> bool:
+        """Whether a greedy model row's chain may take the draft's runners-up as siblings (`handler.tree`).
+
+        Greedy only: for a sampled row, rejection sampling of the chain accepts more than a
+        walk of the tree could (it accepts min(p, q) summed over the vocabulary).
+        """
+        return (
+            self.trees
+            and self.cost_table is not None
+            and row.request.sampling.is_greedy
+            and row.request.speculative_tree is not False
+            and not row.shapes_logits
+        )
+
+    def _add_runners_up(
+        self,
+        rows: list[_Row],
+        step_ks: list[int],
+        lookups: list[Lookup],
+        proposals: dict[int, Proposal],
+        model_drafts: dict[int, _ModelDrafts],
+        curves: list[list[float]] | None,
+    ) -> None:
+        """Turns greedy model chains into trees where the draft's runners-up pay (`choose_runners_up`).
+
+        A chosen row's `lookups` entry becomes its tree and its `step_ks` entry the tree's size.
+        """
+        slots = [slot for slot in proposals if self._takes_runners_up(rows[slot])]
+        if not slots or curves is None:
+            return
+        batch_size, table = len(rows), self.cost_table
+        num_draft_passes = max(step_ks[slot] for slot in proposals)
+        acceptances, runner_up_acceptances, shares = [], [], []
+        for slot in slots:
+            drafts = model_drafts[slot]
+            calibration = self.calibrations[True]
+            acceptances.append([calibration.acceptance(c) for c in drafts.confidences])
+            # The runner-up's share of what the draft left to tokens other than its draft.
+            row_shares = [
+                prob / max(1.0 - c, 1e-6) for (_, prob), c in zip(proposals[slot].runners_up, drafts.confidences)
+            ]
+            shares.append(row_shares)
+            runner_up_acceptances.append([self.runner_up_calibration.acceptance(share) for share in row_shares])
+        tokens = self._other_tokens(step_ks, curves, [slot for slot in range(batch_size) if slot not in proposals])
+        for slot in proposals:
+            survival = 1.0
+            for confidence in model_drafts[slot].confidences:
+                survival *= self.calibrations[rows[slot].request.sampling.is_greedy].acceptance(confidence)
+                tokens += survival
+            tokens += 1.0
+
+        def step_seconds(width: int) -> float:
+            return table.target_seconds(batch_size, width + 1) + num_draft_passes * table.draft_seconds(batch_size)
+
+        max_nodes = [max(step_ks[slot], rows[slot].lookup_cap(self.prompt_lookup_num_tokens)) for slot in slots]
+        chosen = choose_runners_up(acceptances, runner_up_acceptances, max_nodes, max(step_ks), tokens, step_seconds)
+        for slot, positions, row_shares in zip(slots, chosen, shares):
+            if not positions:
+                continue
+            runners_up = proposals[slot].runners_up
+            token_ids, parents = chain_with_siblings(
+                proposals[slot].token_ids[: step_ks[slot]].tolist(),
+                positions,
+                [runners_up[position][0] for position in positions],
+            )
+            lookups[slot] = Lookup(token_ids, parents=parents)
+            step_ks[slot] = len(token_ids)
+            model_drafts[slot].runner_up_shares = {position: row_shares[position] for position in positions}
 
     def _verify(
         self,
@@ -872,20 +978,23 @@ class SpeculativeEngine:
         lookups: list[Lookup],
         uses_model: list[bool],
         keep_drafting: Callable[[int, dict], bool] | None = None,
-    ) -> tuple[list[int], list[list[int]], torch.Tensor, list[list[int]], dict[int, list[float]]]:
+        curves: list[list[float]] | None = None,
+    ) -> tuple[list[int], list[list[int]], torch.Tensor, list[list[int]], dict[int, _ModelDrafts]]:
         """Drafts and verifies one step.
 
         `lookups` are the rows' drafts this step, `step_ks` long; where one is a tree, the
         pass gives every draft its own ancestors only, and that row is verified by walking
         the tree (`handler.tree.verify_tree`). `keep_drafting` may stop the draft model
         before its rows' step_ks: their entries in `step_ks` are then lowered in place to
-        the drafts drawn.
+        the drafts drawn. A greedy model row's chain may take the draft's runners-up as
+        siblings (`_add_runners_up`, with `curves`, the rows' E(0..n)): its `lookups` entry
+        becomes that tree and its `step_ks` entry the tree's size, in place.
 
         Returns:
             num_accepted per row, emitted tokens per row ([k + 1], -1 padded), the target's
             raw logits [batch, k + 1, vocab] at the verified chunk columns, per row the
             chunk columns of its pending token and accepted drafts (0, 1, ... for a chain),
-            and per draft-model row (by slot) the draft's confidence in each of its drafts.
+            and per draft-model row (by slot) what it drafted, for the calibrations.
         """
         batch_size, k = len(rows), max(step_ks)
         tree_slots = [slot for slot in range(batch_size) if not uses_model[slot] and lookups[slot].is_tree]
@@ -907,7 +1016,7 @@ class SpeculativeEngine:
         min_p = torch.tensor([s.min_p for s in sampling], device=self.device)
 
         model_slots = [slot for slot in range(batch_size) if uses_model[slot] and step_ks[slot] > 0]
-        drafted, confidences = {}, {}
+        drafted, model_drafts = {}, {}
         if model_slots:
             proposals = self.model_drafter.propose(
                 {
@@ -926,24 +1035,30 @@ class SpeculativeEngine:
                 },
                 keep_drafting=keep_drafting,
             )
-            for slot in model_slots:
+            by_slot = {slot: proposals[rows[slot].request_id] for slot in model_slots}
+            for slot, proposal in by_slot.items():
                 rows[slot].end_drafting()
-                token_ids, probs, confidence = proposals[rows[slot].request_id]  # [n], [n, vocab], [n]
-                step_ks[slot] = num = min(step_ks[slot], len(confidence))
-                drafted[slot] = token_ids[:num], probs[:num]
-                confidences[slot] = confidence[:num]
-            drafted_k = max(step_ks)
-            if drafted_k < k:
-                # The draft stopped early: the width shrinks. A row's uniforms stay its own, the
-                # last column (recovered or bonus token) included; a coupled row's are per position.
-                verify_uniforms = torch.cat([verify_uniforms[:, :drafted_k], verify_uniforms[:, k:]], dim=1)
-                position_u = position_u[:, : drafted_k + 1]
-                k = drafted_k
+                step_ks[slot] = num = min(step_ks[slot], len(proposal.confidences))
+                drafted[slot] = proposal.token_ids[:num], proposal.probs[:num]
+                model_drafts[slot] = _ModelDrafts(proposal.confidences[:num])
+            self._add_runners_up(rows, step_ks, lookups, by_slot, model_drafts, curves)
+            tree_slots += [slot for slot in model_slots if lookups[slot].is_tree]
+            if max(step_ks) != k:
+                # The draft stopped early, or runners-up widened a tree. A row's uniforms stay its own,
+                # the last column (recovered or bonus token) included; a coupled row's are per position.
+                new_k = max(step_ks)
+                extra = torch.zeros(batch_size, max(0, new_k - k), dtype=torch.float64)
+                verify_uniforms = torch.cat([verify_uniforms[:, : min(k, new_k)], extra, verify_uniforms[:, k:]], dim=1)
+                position_u = torch.cat([position_u[:, : min(k, new_k) + 1], extra[: len(coupled)]], dim=1)
+                k = new_k
         draft_token_ids = torch.full((batch_size, k), self.pad_token_id, dtype=torch.long)  # [batch, k]
         draft_probs = torch.zeros((batch_size, k, self.vocab_size), device=self.device)  # [batch, k, vocab]
         for slot, (token_ids, probs) in drafted.items():
             draft_token_ids[slot, : len(token_ids)] = token_ids.cpu()
             draft_probs[slot, : len(token_ids)] = probs
+        for slot in tree_slots:
+            if uses_model[slot]:  # the chain is in place; its runners-up follow it (verified by the walk)
+                draft_token_ids[slot, : step_ks[slot]] = torch.tensor(lookups[slot].token_ids, dtype=torch.long)
         for slot in range(batch_size):
             if not uses_model[slot] and step_ks[slot] > 0:
                 # A look-up is deterministic: its draft distribution is one-hot.
@@ -986,7 +1101,7 @@ class SpeculativeEngine:
             )
             num_accepted[slot] = len(emitted) - 1
             output_token_ids[slot] = emitted + [-1] * (k + 1 - len(emitted))
-        return num_accepted, output_token_ids, logits, paths, confidences
+        return num_accepted, output_token_ids, logits, paths, model_drafts
 
     @staticmethod
     def _tree_uniforms(row: _Row, k: int) -> list[float]:

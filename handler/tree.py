@@ -160,3 +160,21 @@ def first_choice_path(parents: Sequence[int], depth: int) -> list[int]:
     while len(path) <= depth and path[-1] in first_child:
         path.append(first_child[path[-1]])
     return path
+
+
+def chain_with_siblings(
+    token_ids: Sequence[int], positions: Sequence[int], sibling_ids: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """A chain of drafts with a sibling leaf beside some of its nodes.
+
+    Args:
+        token_ids: the chain's drafts.
+        positions: chain positions that get a sibling: the sibling shares that draft's parent.
+        sibling_ids: the sibling's token at each of those positions.
+
+    Returns:
+        token_ids and parents: the chain's nodes first (as a chain), then the siblings.
+    """
+    num = len(token_ids)
+    assert all(0 <= position < num for position in positions), (positions, num)
+    return [*token_ids, *sibling_ids], [*range(ROOT, num - 1), *(position - 1 for position in positions)]

@@ -10,7 +10,7 @@ of the next proposal, so the cache never has to recompute a prefix.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Mapping, Sequence
+from typing import Callable, Hashable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -30,6 +30,17 @@ def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [batch,
         padding = logits.new_full((*logits.shape[:-1], vocab_size - draft_vocab), float("-inf"))
         return torch.cat([logits, padding], dim=-1)
     return logits
+
+
+class Proposal(NamedTuple):
+    """One row's drafts from the draft model."""
+
+    token_ids: torch.Tensor  # [n]
+    probs: torch.Tensor  # [n, vocab]: the draft distributions they were sampled from
+    # The draft model's own probability of each draft: softmax of its (shaped) logits, before warping.
+    confidences: list[float]  # [n]
+    # At each position, the draft model's likeliest token other than the draft, and its probability.
+    runners_up: list[tuple[int, float]]  # [n]
 
 
 class ModelDrafter:
@@ -125,7 +136,7 @@ class ModelDrafter:
         sampling: Mapping[Hashable, tuple[float, int, float, torch.Tensor]],
         shapers: Mapping[Hashable, Callable[[torch.Tensor, int | None], torch.Tensor]] | None = None,
         keep_drafting: Callable[[int, dict[Hashable, float]], bool] | None = None,
-    ) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor, list[float]]]:
+    ) -> dict[Hashable, Proposal]:
         """Samples up to k draft tokens for every row of the cache, k the most any row in `sampling` wants.
 
         Args:
@@ -139,9 +150,7 @@ class ModelDrafter:
                 rows in `sampling`) -> whether to draft one more; None: draft k.
 
         Returns:
-            request id -> (draft token ids [n], draft probs [n, vocab], confidences [n]) for the
-            rows in `sampling`, n <= k the drafts drawn. A draft's confidence is the draft
-            model's own probability of it, softmax of its (shaped) logits before warping.
+            request id -> its `Proposal` of n <= k drafts, for the rows in `sampling`.
         """
         assert sampling and self.cache is not None
         k = max(len(setting[3]) for setting in sampling.values())
@@ -158,7 +167,7 @@ class ModelDrafter:
 
         input_ids, chunk_mask = left_pad([self.pending[request_id] for request_id in self.order], self.pad_token_id)
         logits = self.cache.forward(self._draft_ids(input_ids), chunk_mask, logits_to_keep=1)  # [rows, 1, vocab']
-        sampled, probs_per_step, confidence_per_step = [], [], []
+        sampled, probs_per_step, confidence_per_step, runner_up_per_step = [], [], [], []
         shaped_slots = [(slot, shapers[r]) for slot, r in enumerate(self.order) if shapers and r in shapers]
         asking = [slot for slot, request_id in enumerate(self.order) if request_id in sampling]
         asking_ids = [self.order[slot] for slot in asking]
@@ -170,10 +179,15 @@ class ModelDrafter:
                     logits[slot, 0] = shape(logits[slot, 0], int(sampled[-1][slot]) if j else None)
             probs = warp_logits_to_probs(logits, temperature, top_k, top_p)[:, 0]
             token_ids = sample_from_probs(probs, uniforms[:, j])  # [rows]
-            confidence = torch.softmax(logits[:, 0].float(), dim=-1).gather(-1, token_ids[:, None])[:, 0]  # [rows]
+            raw_probs = torch.softmax(logits[:, 0].float(), dim=-1)  # [rows, vocab]
+            confidence = raw_probs.gather(-1, token_ids[:, None])[:, 0]  # [rows]
+            # The likeliest token other than the draft: the first of the top two that differs from it.
+            top = raw_probs.topk(2, dim=-1)
+            other = torch.where(top.indices[:, :1] == token_ids[:, None], 1, 0)  # [rows, 1]
             sampled.append(token_ids)
             probs_per_step.append(probs)
             confidence_per_step.append(confidence)
+            runner_up_per_step.append((top.indices.gather(-1, other)[:, 0], top.values.gather(-1, other)[:, 0]))
             if j == k - 1:
                 break
             if keep_drafting is not None and not keep_drafting(
@@ -186,13 +200,20 @@ class ModelDrafter:
         draft_token_ids = torch.stack(sampled, dim=1)  # [rows, n]
         draft_probs = torch.stack(probs_per_step, dim=1)  # [rows, n, vocab]
         confidences = torch.stack(confidence_per_step, dim=1).tolist()  # [rows][n]
+        runner_up_ids = torch.stack([ids for ids, _ in runner_up_per_step], dim=1).tolist()  # [rows][n]
+        runner_up_probs = torch.stack([probs for _, probs in runner_up_per_step], dim=1).tolist()  # [rows][n]
         fed = draft_token_ids[:, : num_drafts - 1].tolist()
         for slot, request_id in enumerate(self.order):
             self.fed_pending[request_id] = self.pending[request_id]
             self.pending[request_id] = []
             self.fed[request_id] = fed[slot]
         return {
-            request_id: (draft_token_ids[slot], draft_probs[slot], confidences[slot])
+            request_id: Proposal(
+                draft_token_ids[slot],
+                draft_probs[slot],
+                confidences[slot],
+                list(zip(runner_up_ids[slot], runner_up_probs[slot])),
+            )
             for slot, request_id in enumerate(self.order)
             if request_id in sampling
         }

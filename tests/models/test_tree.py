@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 
+from handler.adaptive import CostModel
 from handler.config import SamplingParams
 from handler.drafters import Lookup
 from handler.engine import GenerationRequest
@@ -209,3 +210,73 @@ def test_trees_off_in_the_engine_verifies_chains(tiny_pair):
     result = engine.generate([GenerationRequest(prompt_ids, 20, GREEDY, 5, drafter="suffix")])[0]
     assert result.token_ids == oracle.answers[prompt_ids]
     assert result.stats.tree_steps == 0 and result.stats.draft_tokens > 0
+
+
+# Verifying a wider chunk costs nothing: every runner-up with a chance joins its chain.
+FREE_WIDTH = CostModel(draft_step=0.1, target_step=1.0, target_per_extra_token=0.0)
+
+
+def assert_draft_cache_holds_committed_tokens(engine, tokenizer) -> None:
+    """Each draft-model row caches a prefix of its committed tokens, exactly as a fresh prefill does,
+    and keeps the rest pending (`handler.rollback`)."""
+    drafter = engine.model_drafter
+    for row in engine.rows:
+        if row.request_id not in drafter.order:
+            continue  # a look-up row: the draft model does not follow it
+        slot = drafter.order.index(row.request_id)
+        committed = [*row.request.prompt_ids, *row.token_ids]
+        length = int(drafter.cache.lengths[slot])
+        assert drafter.pending[row.request_id] == committed[length:]
+        fresh = prefill(drafter.model, [drafter._draft_ids(committed[:length])], tokenizer.pad_token_id)
+        torch.testing.assert_close(drafter.cache.row_kv(slot, 0, length), fresh.row_kv(0, 0, length), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("confidence", [False, True], ids=["planned_k", "draft_confidence"])
+def test_greedy_model_chains_take_the_drafts_runners_up_exactly(tiny_pair, confidence):
+    """Runners-up join greedy model chains as siblings: exact beside look-up, seeded and sampled rows,
+    with continuous joins; where the walk takes one, the draft cache still follows the committed tokens."""
+    target, draft, tokenizer = tiny_pair
+    engine = make_engine(
+        target, draft, tokenizer, cost_table=FREE_WIDTH, draft_confidence=confidence, prompt_lookup_num_tokens=8
+    )
+    prompts = [encode(tokenizer, p) for p in PROMPTS]
+    requests = [GenerationRequest(prompt_ids, 30, GREEDY, 4) for prompt_ids in prompts]
+    requests += [
+        GenerationRequest(prompts[0], 30, GREEDY, 4, drafter="ngram"),
+        GenerationRequest(prompts[1], 20, SAMPLED, 3, seed=5),
+        GenerationRequest(prompts[2], 20, SAMPLED, 4),  # unseeded: a chain, by rejection sampling
+        GenerationRequest(prompts[3], 30, GREEDY, 4, speculative_tree=False),
+    ]
+    seeded_alone = engine.generate([requests[6]])[0].token_ids
+    results, next_id, steps = {}, 0, 0
+    while engine.has_unfinished_requests() or next_id < len(requests):
+        if next_id < len(requests) and steps % 2 == 0:
+            engine.add_request(next_id, requests[next_id])
+            next_id += 1
+        steps += 1
+        for output in engine.step():
+            if output.result is not None:
+                results[output.request_id] = output.result
+        if engine.rows:
+            assert_draft_cache_holds_committed_tokens(engine, tokenizer)
+    for index in (0, 1, 2, 3, 4, 5, 8):
+        assert results[index].token_ids == reference_greedy(target, requests[index].prompt_ids, 30), index
+    assert results[6].token_ids == seeded_alone
+    model_rows = [results[index].stats for index in range(5)]
+    assert sum(stats.tree_steps for stats in model_rows) > 0
+    assert sum(stats.tree_other_branch for stats in model_rows) > 0  # the walk took a runner-up
+    for index in (5, 6, 7, 8):  # look-up chains, sampled rows and a request that said off
+        assert results[index].stats.tree_steps == 0, index
+
+
+def test_runners_up_wait_for_a_cost_table_and_a_cheap_enough_column(tiny_pair):
+    target, draft, tokenizer = tiny_pair
+    prompt_ids = encode(tokenizer, PROMPTS[0])
+    request = GenerationRequest(prompt_ids, 30, GREEDY, 4)
+    unplanned = make_engine(target, draft, tokenizer, prompt_lookup_num_tokens=8)
+    assert unplanned.generate([request])[0].stats.tree_steps == 0
+    dear = CostModel(draft_step=0.1, target_step=1.0, target_per_extra_token=1.0)
+    costly = make_engine(target, draft, tokenizer, cost_table=dear, prompt_lookup_num_tokens=8)
+    result = costly.generate([request])[0]
+    assert result.stats.tree_steps == 0
+    assert result.token_ids == reference_greedy(target, prompt_ids, 30)

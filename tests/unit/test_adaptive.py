@@ -126,3 +126,33 @@ def test_confidence_calibration_mean_acceptance_follows_every_judged_draft():
     for _ in range(100):
         calibration.update([0.1, 0.9, 0.5, 0.3], num_accepted=3)  # 3 of 4 judged drafts accepted
     assert calibration.mean_acceptance == pytest.approx(0.75, abs=0.01)
+
+
+def test_runners_up_join_best_first_while_a_wider_pass_pays():
+    from handler.adaptive import choose_runners_up
+
+    # Row 0: a sure first draft, an unsure second; row 1: an unsure first draft.
+    acceptances = [[0.9, 0.3, 0.8], [0.2, 0.9]]
+    runner_up = [[0.5, 0.6, 0.5], [0.7, 0.5]]
+
+    def free(width):
+        return 1.0
+
+    # Free width: every runner-up with a gain joins, up to each row's node budget.
+    assert choose_runners_up(acceptances, runner_up, [6, 4], 3, 3.0, free) == [[0, 1, 2], [0, 1]]
+    # A budget of one more node: the best gain of the row. Row 0: 0.1 * 0.5 at 0, 0.9 * 0.7 * 0.6 at 1.
+    assert choose_runners_up(acceptances, runner_up, [4, 3], 3, 3.0, free) == [[1], [0]]
+    # A budget no larger than the chain: nothing joins.
+    assert choose_runners_up(acceptances, runner_up, [3, 2], 3, 3.0, free) == [[], []]
+
+    def linear(width):
+        return 1.0 + 0.1 * width
+
+    # A column costs 0.1: a runner-up that widens the pass must bring tokens/seconds x 0.1 (about 0.3).
+    # Gains: row 1 position 0 0.56 (within the width: free), row 0 position 1 0.378 (widens), row 0
+    # position 0 0.05 (would widen: left out), row 1 position 1 0.01 (within the new width: free).
+    chosen = choose_runners_up(acceptances, runner_up, [6, 4], 3, 3.0, linear)
+    assert chosen == [[1], [0, 1]]
+    # Rows narrower than the widest add no cost until they pass it.
+    assert choose_runners_up([[0.5]], [[0.01]], [2], 5, 3.0, linear) == [[0]]
+    assert choose_runners_up([[0.5]], [[0.01]], [2], 1, 3.0, linear) == [[]]

@@ -163,3 +163,13 @@ def test_suffix_tree_look_up_merges_the_request_tree_and_the_shared_tree():
     private = SuffixDrafter()
     private.add({"now": [1, 2, 3, 4, 5, 6, 1, 2, 3]}, private=["now"])
     assert not private.lookup("now", 4, tree=True).is_tree
+
+
+def test_chain_with_siblings_puts_each_sibling_beside_its_chain_node():
+    from handler.tree import chain_with_siblings
+
+    token_ids, parents = chain_with_siblings([10, 11, 12], [0, 2], [20, 22])
+    assert token_ids == [10, 11, 12, 20, 22]
+    assert parents == [ROOT, 0, 1, ROOT, 1]
+    assert depths(parents) == [1, 2, 3, 1, 3]
+    assert chain_with_siblings([10, 11], [], []) == ([10, 11], [ROOT, 0])
