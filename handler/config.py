@@ -17,7 +17,8 @@ from handler.drafters import DRAFTERS, MODEL_FREE
 from handler.drafters.suffix import SuffixOptions
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DRAFT_QUANTIZATIONS = ("none", "int8")
+# auto: on the CPU, int8 where its draft step measures clearly faster at start-up (handler.cpu_speed).
+DRAFT_QUANTIZATIONS = ("none", "int8", "auto")
 # handler.speculative_tree: trees of look-up candidates where the model allows ("auto"), or chains.
 SPECULATIVE_TREE_MODES = ("auto", "off")
 # Who proposes drafts (handler.drafters): DRAFTERS, of which MODEL_FREE need no draft model.

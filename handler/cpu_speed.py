@@ -20,7 +20,10 @@ head) stays plain, and its layer still runs on oneDNN.
 
 `choose_cpu_dtype` is the rule behind `dtype: auto` on the CPU: float32 unless
 bfloat16 is clearly faster on this machine, measured on one decoder layer's
-linear shapes, or float32 would not fit in memory.
+linear shapes, or float32 would not fit in memory. `choose_draft_quantization`
+is the rule behind `draft_quantization: auto`: the draft's decoding step timed
+in its float form (packed, in the target's dtype) and as dynamic int8, the
+int8 form kept only where it is clearly faster.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ BF16_MIN_SPEEDUP = 1.25
 MIN_BYTES_FOR_BF16 = 256 * 2**20
 # Share of the available memory that the float32 weights of both models may take.
 FP32_MEMORY_FRACTION = 0.6
+# An int8 draft must step this much faster than its float form for `draft_quantization: auto`
+# to take it: its rounding costs some acceptance.
+INT8_DRAFT_MIN_SPEEDUP = 1.2
 
 
 def onednn_supports(dtype: torch.dtype) -> bool:
@@ -276,3 +282,48 @@ def choose_cpu_dtype(fp32_bytes: int, weight_shapes: list[tuple[int, int]], max_
         BF16_MIN_SPEEDUP,
     )
     return dtype
+
+
+def decode_step_seconds(model: torch.nn.Module, context: int = 64, repeats: int = 5) -> float:
+    """The median seconds of one decoding step: one row, one new token after `context` cached ones.
+
+    Timed through the engine's own cache (`handler.kv_cache`), on random token ids.
+    """
+    from handler.kv_cache import prefill
+
+    vocab_size = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    token_ids = torch.randint(0, vocab_size, (context + repeats + 1,), generator=generator).tolist()
+    one = torch.ones((1, 1), dtype=torch.long)
+    seconds = []
+    with torch.inference_mode():
+        cache = prefill(model, [token_ids[:context]], 0)
+        for index in range(context, context + repeats + 1):
+            start = time.perf_counter()
+            cache.forward(torch.tensor([[token_ids[index]]]), one, logits_to_keep=1)
+            seconds.append(time.perf_counter() - start)
+    return sorted(seconds[1:])[repeats // 2]  # the first step warms up
+
+
+def choose_draft_quantization(draft: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """The draft in the form whose decoding step is faster on this CPU: as given, or dynamic int8.
+
+    `draft` is the float draft as it will serve (packed, in the target's dtype). Its int8
+    form is taken only where it steps at least `INT8_DRAFT_MIN_SPEEDUP` times faster.
+    Both forms are held in memory while they are timed.
+
+    Returns:
+        the chosen draft, and "int8" or "none".
+    """
+    from handler.loading import quantize_draft_int8
+
+    int8 = quantize_draft_int8(copy.deepcopy(draft))
+    float_seconds, int8_seconds = decode_step_seconds(draft), decode_step_seconds(int8)
+    choice = "int8" if float_seconds >= INT8_DRAFT_MIN_SPEEDUP * int8_seconds else "none"
+    logger.info(
+        "draft_quantization auto: a draft step takes %.1f ms as it loaded, %.1f ms in int8 -> %s",
+        float_seconds * 1e3,
+        int8_seconds * 1e3,
+        choice,
+    )
+    return (int8, choice) if choice == "int8" else (draft, choice)

@@ -27,6 +27,8 @@ class LoadedModels:
     device: torch.device
     dtype: torch.dtype
     max_context: int
+    # How the draft's weights are held: "int8" (dynamic quantization) or "none"; auto resolved.
+    draft_quantization: str = "none"
 
 
 def select_device(gpu_id: Any) -> torch.device:
@@ -245,6 +247,12 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
         num_draft = pack_linear_layers(draft) if draft is not None else 0
         logger.info("oneDNN packed linear layers: %d in the target, %d in the draft", num_target, num_draft)
     check_cache_support(target)
+    draft_quantization = "int8" if config.draft_quantization == "int8" else "none"
+    if draft is not None and config.draft_quantization == "auto" and device.type == "cpu":
+        from handler.cpu_speed import choose_draft_quantization
+
+        # Timed as it will serve: the float draft packed, against its int8 form.
+        draft, draft_quantization = choose_draft_quantization(draft)
 
     eos_token_ids = collect_eos_token_ids(tokenizer, target.generation_config)
     if not eos_token_ids:
@@ -266,4 +274,5 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
         device=device,
         dtype=dtype,
         max_context=max_context,
+        draft_quantization=draft_quantization,
     )

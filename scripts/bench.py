@@ -725,7 +725,7 @@ def parse_args(argv):
         "n-gram sizes (default: the demo's)",
     )
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="overrides the config")
-    parser.add_argument("--draft-quantization", choices=["none", "int8"], help="overrides the config")
+    parser.add_argument("--draft-quantization", choices=["none", "int8", "auto"], help="overrides the config")
     parser.add_argument("--prompts", default=str(REPO_ROOT / "scripts" / "bench_prompts.json"))
     parser.add_argument(
         "--sets", default=",".join(PROMPT_SETS), help=f"prompt sets, comma-separated: {', '.join(PROMPT_SETS)}"
@@ -817,7 +817,7 @@ def main(argv=None) -> int:
     models = load_models(config, None)
     machine = machine_info()
     logger.info("machine: %s", machine["description"])
-    draft_note = "int8" if config.draft_quantization == "int8" else str(models.dtype).replace("torch.", "")
+    draft_note = "int8" if models.draft_quantization == "int8" else str(models.dtype).replace("torch.", "")
     # Measured afresh (never read from a cache), as the handler measures it at start-up.
     cost_table = measure_cost_table(
         models.target,

@@ -705,7 +705,7 @@ def parse_args(argv):
     parser.add_argument("--draft", default=str(bench.DEFAULT_DRAFT))
     parser.add_argument("--config", default=str(bench.DEFAULT_CONFIG), help="model-config.yaml (default: the demo's)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="overrides the config")
-    parser.add_argument("--draft-quantization", choices=["none", "int8"], help="overrides the config")
+    parser.add_argument("--draft-quantization", choices=["none", "int8", "auto"], help="overrides the config")
     parser.add_argument("--seed", type=int, default=7, help="the trace's templates, names and order")
     parser.add_argument(
         "--requests",
@@ -783,7 +783,7 @@ def main(argv=None) -> int:
             "draft": bench._shown(args.draft),
             "config": bench._shown(args.config),
             "dtype": str(models.dtype).replace("torch.", ""),
-            "draft_quantization": config.draft_quantization,
+            "draft_quantization": models.draft_quantization,
             "seed": args.seed,
             "requests": args.requests,
             "max_new_tokens": args.max_new_tokens,

@@ -160,3 +160,36 @@ def test_a_packed_model_deep_copies_and_unpacks_for_the_int8_quantizer(tiny_mode
     plain_kinds = {type(module).__name__ for module in quantize_draft_int8(copy.deepcopy(plain_draft)).modules()}
     assert kinds == plain_kinds
     assert not any(type(module) is torch.nn.Linear for module in quantized.modules())
+
+
+def test_draft_quantization_auto_keeps_the_form_whose_step_is_faster(tiny_models_dir, monkeypatch, caplog):
+    """auto times the packed float draft against its int8 form and keeps int8 only where it is clearly faster."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+
+    seconds = {}
+
+    def timed(model, *args, **kwargs):
+        int8 = any(isinstance(module, DynamicInt8Linear) for module in model.modules())
+        return seconds["int8" if int8 else "float"]
+
+    monkeypatch.setattr(cpu_speed, "decode_step_seconds", timed)
+    config = HandlerConfig(dtype="float32", draft_quantization="auto")
+    seconds.update(float=0.030, int8=0.020)  # 1.5x: int8
+    with caplog.at_level("INFO", logger="handler.cpu_speed"):
+        chosen = load_models(config, str(tiny_models_dir))
+    assert chosen.draft_quantization == "int8"
+    assert any(isinstance(module, DynamicInt8Linear) for module in chosen.draft.modules())
+    assert "30.0 ms as it loaded, 20.0 ms in int8 -> int8" in caplog.text
+    seconds.update(float=0.030, int8=0.027)  # 1.1x: not worth its rounding
+    kept = load_models(config, str(tiny_models_dir))
+    assert kept.draft_quantization == "none"
+    assert any(isinstance(module, PackedLinear) for module in kept.draft.modules())
+    # An explicit setting is never measured.
+    monkeypatch.setattr(cpu_speed, "decode_step_seconds", lambda *a, **k: pytest.fail("measured"))
+    assert load_models(HandlerConfig(dtype="float32", draft_quantization="none"), str(tiny_models_dir)).draft_quantization == "none"
+
+
+def test_decode_step_seconds_times_the_engine_cache(tiny_pair):
+    target, _, _ = tiny_pair
+    seconds = cpu_speed.decode_step_seconds(target, context=8, repeats=3)
+    assert 0.0 < seconds < 5.0
