@@ -935,9 +935,9 @@ class SpeculativeEngine:
         batch_size, table = len(rows), self.cost_table
         num_draft_passes = max(step_ks[slot] for slot in proposals)
         acceptances, runner_up_acceptances, shares = [], [], []
+        calibration = self.calibrations[True]  # runners-up serve greedy rows only
         for slot in slots:
             drafts = model_drafts[slot]
-            calibration = self.calibrations[True]
             acceptances.append([calibration.acceptance(c) for c in drafts.confidences])
             # The runner-up's share of what the draft left to tokens other than its draft.
             row_shares = [
