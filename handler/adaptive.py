@@ -266,6 +266,15 @@ class ConfidenceStop:
         return gain * seconds > self.tokens * extra
 
 
+def chain_expected_tokens(acceptances: Sequence[float]) -> float:
+    """A chain's expected tokens from each draft's acceptance: 1 + the chance of reaching past each draft."""
+    tokens, survival = 1.0, 1.0
+    for acceptance in acceptances:
+        survival *= acceptance
+        tokens += survival
+    return tokens
+
+
 def choose_runners_up(
     acceptances: Sequence[Sequence[float]],
     runner_up_acceptances: Sequence[Sequence[float]],

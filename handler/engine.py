@@ -43,6 +43,7 @@ from handler.adaptive import (
     AcceptanceTracker,
     ConfidenceCalibration,
     ConfidenceStop,
+    chain_expected_tokens,
     choose_runners_up,
     plan_step_k,
 )
@@ -822,16 +823,19 @@ class SpeculativeEngine:
             curve.append(curve[-1] + score)
         return lookup, curve
 
+    def _pass_seconds(self, batch_size: int, width: int, num_draft_passes: int) -> float:
+        """The cost table's seconds for a step: a target pass over `width` drafts and the pending
+        token, after `num_draft_passes` draft-model passes."""
+        seconds = self.cost_table.target_seconds(batch_size, width + 1)
+        if num_draft_passes:
+            seconds += num_draft_passes * self.cost_table.draft_seconds(batch_size)
+        return seconds
+
     def _step_seconds(self, batch_size: int) -> Callable[[int, bool], float] | None:
         """(k, drafts with the model) -> the cost table's seconds for a step of the batch; None without a table."""
-        table = self.cost_table
-        if table is None:
+        if self.cost_table is None:
             return None
-
-        def seconds(k: int, model: bool) -> float:
-            return table.target_seconds(batch_size, k + 1) + (k * table.draft_seconds(batch_size) if model else 0.0)
-
-        return seconds
+        return lambda k, model: self._pass_seconds(batch_size, k, k if model else 0)
 
     def _plan(self, rows: list[_Row], max_ks: list[int], proposers: list[str], curves: list[list[float]]) -> list[int]:
         """Each row's number of drafts this step (a tree's: its first nodes, best first)."""
@@ -883,13 +887,12 @@ class SpeculativeEngine:
         model_slots = [slot for slot, uses in enumerate(uses_model) if uses and step_ks[slot] > 0]
         if not (self.draft_confidence and self.cost_table is not None and model_slots):
             return None
-        batch_size, table = len(rows), self.cost_table
+        batch_size = len(rows)
         others = [slot for slot in range(batch_size) if slot not in model_slots]
         other_width = max((step_ks[slot] for slot in others), default=0)
 
         def step_seconds(num_drafts: int) -> float:
-            width = max(num_drafts, other_width) + 1
-            return table.target_seconds(batch_size, width) + num_drafts * table.draft_seconds(batch_size)
+            return self._pass_seconds(batch_size, max(num_drafts, other_width), num_drafts)
 
         calibrations = [self.calibrations[rows[slot].request.sampling.is_greedy] for slot in model_slots]
         stop = ConfidenceStop(
@@ -932,31 +935,33 @@ class SpeculativeEngine:
         slots = [slot for slot in proposals if self._takes_runners_up(rows[slot])]
         if not slots or curves is None:
             return
-        batch_size, table = len(rows), self.cost_table
+        batch_size = len(rows)
         num_draft_passes = max(step_ks[slot] for slot in proposals)
-        acceptances, runner_up_acceptances, shares = [], [], []
-        calibration = self.calibrations[True]  # runners-up serve greedy rows only
+        # Each model row's calibrated acceptance of each of its drafts, and the step's expected tokens.
+        chain_acceptances = {
+            slot: [
+                self.calibrations[rows[slot].request.sampling.is_greedy].acceptance(confidence)
+                for confidence in model_drafts[slot].confidences
+            ]
+            for slot in proposals
+        }
+        tokens = self._other_tokens(step_ks, curves, [slot for slot in range(batch_size) if slot not in proposals])
+        tokens += sum(chain_expected_tokens(acceptances) for acceptances in chain_acceptances.values())
+        runner_up_acceptances, shares = [], []
         for slot in slots:
-            drafts = model_drafts[slot]
-            acceptances.append([calibration.acceptance(c) for c in drafts.confidences])
             # The runner-up's share of what the draft left to tokens other than its draft.
             row_shares = [
-                prob / max(1.0 - c, 1e-6) for (_, prob), c in zip(proposals[slot].runners_up, drafts.confidences)
+                prob / max(1.0 - c, 1e-6)
+                for (_, prob), c in zip(proposals[slot].runners_up, model_drafts[slot].confidences)
             ]
             shares.append(row_shares)
             runner_up_acceptances.append([self.runner_up_calibration.acceptance(share) for share in row_shares])
-        tokens = self._other_tokens(step_ks, curves, [slot for slot in range(batch_size) if slot not in proposals])
-        for slot in proposals:
-            survival = 1.0
-            for confidence in model_drafts[slot].confidences:
-                survival *= self.calibrations[rows[slot].request.sampling.is_greedy].acceptance(confidence)
-                tokens += survival
-            tokens += 1.0
 
         def step_seconds(width: int) -> float:
-            return table.target_seconds(batch_size, width + 1) + num_draft_passes * table.draft_seconds(batch_size)
+            return self._pass_seconds(batch_size, width, num_draft_passes)
 
         max_nodes = [max(step_ks[slot], rows[slot].lookup_cap(self.prompt_lookup_num_tokens)) for slot in slots]
+        acceptances = [chain_acceptances[slot] for slot in slots]
         chosen = choose_runners_up(acceptances, runner_up_acceptances, max_nodes, max(step_ks), tokens, step_seconds)
         for slot, positions, row_shares in zip(slots, chosen, shares):
             if not positions:
@@ -1034,13 +1039,16 @@ class SpeculativeEngine:
                     if rows[slot].shapes_logits
                 },
                 keep_drafting=keep_drafting,
+                # Confidences serve the stop rule and the runners-up, both planned from a cost table.
+                with_confidence=self.cost_table is not None,
             )
             by_slot = {slot: proposals[rows[slot].request_id] for slot in model_slots}
             for slot, proposal in by_slot.items():
                 rows[slot].end_drafting()
-                step_ks[slot] = num = min(step_ks[slot], len(proposal.confidences))
+                step_ks[slot] = num = min(step_ks[slot], len(proposal.token_ids))
                 drafted[slot] = proposal.token_ids[:num], proposal.probs[:num]
-                model_drafts[slot] = _ModelDrafts(proposal.confidences[:num])
+                if proposal.confidences:
+                    model_drafts[slot] = _ModelDrafts(proposal.confidences[:num])
             self._add_runners_up(rows, step_ks, lookups, by_slot, model_drafts, curves)
             tree_slots += [slot for slot in model_slots if lookups[slot].is_tree]
             if max(step_ks) != k:

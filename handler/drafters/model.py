@@ -37,10 +37,11 @@ class Proposal(NamedTuple):
 
     token_ids: torch.Tensor  # [n]
     probs: torch.Tensor  # [n, vocab]: the draft distributions they were sampled from
-    # The draft model's own probability of each draft: softmax of its (shaped) logits, before warping.
+    # The draft model's own probability of each draft: softmax of its (shaped) logits, before warping
+    # ([] when not measured).
     confidences: list[float]  # [n]
     # At each position, the draft model's likeliest token other than the draft, and its probability.
-    runners_up: list[tuple[int, float]]  # [n]
+    runners_up: list[tuple[int, float]]  # [n], or []
 
 
 class ModelDrafter:
@@ -136,6 +137,7 @@ class ModelDrafter:
         sampling: Mapping[Hashable, tuple[float, int, float, torch.Tensor]],
         shapers: Mapping[Hashable, Callable[[torch.Tensor, int | None], torch.Tensor]] | None = None,
         keep_drafting: Callable[[int, dict[Hashable, float]], bool] | None = None,
+        with_confidence: bool = True,
     ) -> dict[Hashable, Proposal]:
         """Samples up to k draft tokens for every row of the cache, k the most any row in `sampling` wants.
 
@@ -148,11 +150,14 @@ class ModelDrafter:
                 in order, so that it can follow the drafts.
             keep_drafting: f(drafts so far, request id -> confidence of its latest draft, for the
                 rows in `sampling`) -> whether to draft one more; None: draft k.
+            with_confidence: measure each draft's confidence and runner-up (a softmax over the
+                vocabulary per draft); False leaves both empty, and needs no `keep_drafting`.
 
         Returns:
             request id -> its `Proposal` of n <= k drafts, for the rows in `sampling`.
         """
         assert sampling and self.cache is not None
+        assert with_confidence or keep_drafting is None
         k = max(len(setting[3]) for setting in sampling.values())
         num_rows = len(self.order)
         settings = [sampling.get(request_id, (0.0, 0, 1.0, None)) for request_id in self.order]
@@ -179,15 +184,16 @@ class ModelDrafter:
                     logits[slot, 0] = shape(logits[slot, 0], int(sampled[-1][slot]) if j else None)
             probs = warp_logits_to_probs(logits, temperature, top_k, top_p)[:, 0]
             token_ids = sample_from_probs(probs, uniforms[:, j])  # [rows]
-            raw_probs = torch.softmax(logits[:, 0].float(), dim=-1)  # [rows, vocab]
-            confidence = raw_probs.gather(-1, token_ids[:, None])[:, 0]  # [rows]
-            # The likeliest token other than the draft: the first of the top two that differs from it.
-            top = raw_probs.topk(2, dim=-1)
-            other = torch.where(top.indices[:, :1] == token_ids[:, None], 1, 0)  # [rows, 1]
             sampled.append(token_ids)
             probs_per_step.append(probs)
-            confidence_per_step.append(confidence)
-            runner_up_per_step.append((top.indices.gather(-1, other)[:, 0], top.values.gather(-1, other)[:, 0]))
+            if with_confidence:
+                raw_probs = torch.softmax(logits[:, 0].float(), dim=-1)  # [rows, vocab]
+                confidence = raw_probs.gather(-1, token_ids[:, None])[:, 0]  # [rows]
+                # The likeliest token other than the draft: the first of the top two that differs from it.
+                top = raw_probs.topk(2, dim=-1)
+                other = torch.where(top.indices[:, :1] == token_ids[:, None], 1, 0)  # [rows, 1]
+                confidence_per_step.append(confidence)
+                runner_up_per_step.append((top.indices.gather(-1, other)[:, 0], top.values.gather(-1, other)[:, 0]))
             if j == k - 1:
                 break
             if keep_drafting is not None and not keep_drafting(
@@ -199,21 +205,19 @@ class ModelDrafter:
         num_drafts = len(sampled)
         draft_token_ids = torch.stack(sampled, dim=1)  # [rows, n]
         draft_probs = torch.stack(probs_per_step, dim=1)  # [rows, n, vocab]
-        confidences = torch.stack(confidence_per_step, dim=1).tolist()  # [rows][n]
-        runner_up_ids = torch.stack([ids for ids, _ in runner_up_per_step], dim=1).tolist()  # [rows][n]
-        runner_up_probs = torch.stack([probs for _, probs in runner_up_per_step], dim=1).tolist()  # [rows][n]
+        confidences, runners_up = [[] for _ in self.order], [[] for _ in self.order]
+        if with_confidence:
+            confidences = torch.stack(confidence_per_step, dim=1).tolist()  # [rows][n]
+            runner_up_ids = torch.stack([ids for ids, _ in runner_up_per_step], dim=1).tolist()  # [rows][n]
+            runner_up_probs = torch.stack([probs for _, probs in runner_up_per_step], dim=1).tolist()  # [rows][n]
+            runners_up = [list(zip(ids, probs)) for ids, probs in zip(runner_up_ids, runner_up_probs)]
         fed = draft_token_ids[:, : num_drafts - 1].tolist()
         for slot, request_id in enumerate(self.order):
             self.fed_pending[request_id] = self.pending[request_id]
             self.pending[request_id] = []
             self.fed[request_id] = fed[slot]
         return {
-            request_id: Proposal(
-                draft_token_ids[slot],
-                draft_probs[slot],
-                confidences[slot],
-                list(zip(runner_up_ids[slot], runner_up_probs[slot])),
-            )
+            request_id: Proposal(draft_token_ids[slot], draft_probs[slot], confidences[slot], runners_up[slot])
             for slot, request_id in enumerate(self.order)
             if request_id in sampling
         }

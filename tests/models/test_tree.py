@@ -280,3 +280,19 @@ def test_runners_up_wait_for_a_cost_table_and_a_cheap_enough_column(tiny_pair):
     result = costly.generate([request])[0]
     assert result.stats.tree_steps == 0
     assert result.token_ids == reference_greedy(target, prompt_ids, 30)
+
+
+def test_without_a_cost_table_the_draft_measures_no_confidence(tiny_pair, monkeypatch):
+    """Nothing reads the confidences then: the draft loop skips their softmax, and no calibration moves."""
+    target, draft, tokenizer = tiny_pair
+    engine = make_engine(target, draft, tokenizer, draft_confidence=True)
+    calls = []
+    propose = engine.model_drafter.propose
+    monkeypatch.setattr(
+        engine.model_drafter, "propose", lambda *a, **k: calls.append(k["with_confidence"]) or propose(*a, **k)
+    )
+    prompt_ids = encode(tokenizer, PROMPTS[0])
+    result = engine.generate([GenerationRequest(prompt_ids, 20, GREEDY, 4)])[0]
+    assert result.token_ids == reference_greedy(target, prompt_ids, 20)
+    assert calls and not any(calls)
+    assert sum(engine.calibrations[True].verified) == 0.0

@@ -156,3 +156,11 @@ def test_runners_up_join_best_first_while_a_wider_pass_pays():
     # Rows narrower than the widest add no cost until they pass it.
     assert choose_runners_up([[0.5]], [[0.01]], [2], 5, 3.0, linear) == [[0]]
     assert choose_runners_up([[0.5]], [[0.01]], [2], 1, 3.0, linear) == [[]]
+
+
+def test_chain_expected_tokens_is_the_geometric_series_for_one_rate():
+    from handler.adaptive import chain_expected_tokens
+
+    assert chain_expected_tokens([]) == 1.0
+    assert chain_expected_tokens([0.8] * 4) == pytest.approx(expected_tokens(0.8, 4))
+    assert chain_expected_tokens([0.5, 1.0, 0.0, 1.0]) == pytest.approx(1 + 0.5 + 0.5)
