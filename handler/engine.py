@@ -41,6 +41,7 @@ from handler.adaptive import (
     MIN_STEPS_BEFORE_FALLBACK,
     PROBE_INTERVAL,
     AcceptanceTracker,
+    BranchCalibration,
     ConfidenceCalibration,
     ConfidenceStop,
     chain_expected_tokens,
@@ -74,6 +75,7 @@ from handler.tree import (
     chunk_attention,
     depths,
     first_choice_path,
+    off_first_choice,
     order_best_first,
     verify_tree,
 )
@@ -471,6 +473,8 @@ class SpeculativeEngine:
         # greedy rows, the runner-up's share of the rest -> the chance the target takes it (`handler.tree`).
         self.calibrations = {True: ConfidenceCalibration(), False: ConfidenceCalibration()}
         self.runner_up_calibration = ConfidenceCalibration()
+        # How far each look-up's branch estimates hold (`_estimate`), learnt from the trees verified.
+        self.branch_calibrations = {NGRAM: BranchCalibration(), SUFFIX: BranchCalibration()}
         self.drafters = DRAFTERS if draft is not None else MODEL_FREE
         self.default_drafter = default_drafter or (MODEL if draft is not None else NGRAM)
         assert self.default_drafter in self.drafters, (self.default_drafter, self.drafters)
@@ -598,6 +602,7 @@ class SpeculativeEngine:
         uses_model = [proposer == MODEL for proposer in proposers]
         max_ks = [row.cap() if uses_model[i] else len(lookups[i].token_ids) for i, row in enumerate(rows)]
         step_ks = self._plan(rows, max_ks, proposers, curves)
+        planned_trees = [lookup.is_tree for lookup in lookups]
         lookups = [lookup.prefix(step_k) for lookup, step_k in zip(lookups, step_ks)]
         keep_drafting = self._confidence_stop(rows, step_ks, uses_model, curves)
         num_accepted, emitted, logits, paths, model_drafts = self._verify(
@@ -618,6 +623,8 @@ class SpeculativeEngine:
                 first_choice = path == first_choice_path(lookup.parents, accepted)
                 row.stats.record_tree(step_ks[slot], accepted, first_choice)
             row.trackers[proposer].update(accepted, reached)
+            if planned_trees[slot] and proposer in self.branch_calibrations:
+                self._calibrate_branches(proposer, lookup, path)
             if slot in model_drafts:
                 self._calibrate(row, model_drafts[slot], path)
             kept = row.extend(new_tokens)
@@ -805,7 +812,9 @@ class SpeculativeEngine:
 
         Each draft's estimate is the probability that it and its ancestors are accepted:
         a suffix look-up's tree probabilities, or the row's tracker at the draft's depth
-        times the draft's share of the matched occurrences (1 along a chain).
+        times the draft's share of the matched occurrences (1 along a chain). A tree's
+        branches, off its first-choice path, are scaled by what the engine has seen of
+        this look-up's branches (`BranchCalibration`, learnt in `_calibrate_branches`).
         """
         num = len(lookup.token_ids)
         if proposer == SUFFIX and self.suffix_estimate == "tree" and lookup.probs is not None:
@@ -816,6 +825,9 @@ class SpeculativeEngine:
             shares = lookup.shares or _relative_probs(lookup, node_depths) or [1.0] * num
             scores = [share * (tracker_curve[d] - tracker_curve[d - 1]) for share, d in zip(shares, node_depths)]
         if lookup.is_tree:
+            factor = self.branch_calibrations[proposer].factor
+            off = off_first_choice(lookup.parents, scores)
+            scores = [score * factor if is_off else score for score, is_off in zip(scores, off)]
             token_ids, parents, scores = order_best_first(lookup.token_ids, lookup.parents, scores)
             lookup = Lookup(token_ids, scores, parents)
         curve = [1.0]
@@ -874,6 +886,18 @@ class SpeculativeEngine:
         share = drafts.runner_up_shares.get(chain_accepted)
         if share is not None:
             self.runner_up_calibration.update([share], int(on_runner_up))
+
+    def _calibrate_branches(self, proposer: str, lookup: Lookup, path: list[int]) -> None:
+        """Teaches a look-up's branch calibration what the walk did with a tree's branches (`path`:
+        its chunk columns); a tree cut to its first-choice chain by the plan only relaxes it."""
+        calibration = self.branch_calibrations[proposer]
+        if not lookup.is_tree:
+            calibration.relax()
+            return
+        off = off_first_choice(lookup.parents, lookup.probs)
+        # The scores were scaled by the factor (unchanged since `_estimate`): the guesses are undone.
+        expected = sum(score for score, is_off in zip(lookup.probs, off) if is_off) / calibration.factor
+        calibration.update(expected, sum(off[column - 1] for column in path[1:]))
 
     @staticmethod
     def _other_tokens(step_ks: list[int], curves: list[list[float]], slots: list[int]) -> float:

@@ -162,6 +162,22 @@ def first_choice_path(parents: Sequence[int], depth: int) -> list[int]:
     return path
 
 
+def off_first_choice(parents: Sequence[int], scores: Sequence[float]) -> list[bool]:
+    """Whether each node is off the tree's first-choice path: from the root down, the best-scored
+    child of each node on the path (ties: the earlier node), as `order_best_first` places it."""
+    best_child: dict[int, int] = {}
+    for index, parent in enumerate(parents):
+        best = best_child.get(parent)
+        if best is None or scores[index] > scores[best]:
+            best_child[parent] = index
+    on_path = [False] * len(parents)
+    node = best_child.get(ROOT)
+    while node is not None:
+        on_path[node] = True
+        node = best_child.get(node)
+    return [not on for on in on_path]
+
+
 def chain_with_siblings(
     token_ids: Sequence[int], positions: Sequence[int], sibling_ids: Sequence[int]
 ) -> tuple[list[int], list[int]]:

@@ -12,7 +12,7 @@ from handler.config import SamplingParams
 from handler.drafters import Lookup
 from handler.engine import GenerationRequest
 from handler.kv_cache import RaggedCache, prefill, tree_attention_error
-from handler.tree import ROOT, chunk_attention
+from handler.tree import ROOT, chain_with_siblings, chunk_attention
 
 from .conftest import make_engine
 from .test_engine import GREEDY, PROMPTS, SAMPLED, encode, reference_greedy
@@ -296,3 +296,47 @@ def test_without_a_cost_table_the_draft_measures_no_confidence(tiny_pair, monkey
     assert result.token_ids == reference_greedy(target, prompt_ids, 20)
     assert calls and not any(calls)
     assert sum(engine.calibrations[True].verified) == 0.0
+
+
+class DecoyTrees(OracleTrees):
+    """A look-up whose first-choice chain is the answer, with a wrong sibling beside each of its
+    nodes that its guesses rate nearly as likely: branches the target never takes."""
+
+    def lookup(self, request_id, max_tokens: int, tree: bool = False) -> Lookup:
+        answer, emitted = self.rows[request_id]
+        truth = answer[emitted : emitted + max(max_tokens // 2, 1)]
+        if len(truth) < 2:
+            return Lookup([])
+        chain_probs = [0.95 ** (index + 1) for index in range(len(truth))]
+        if not tree:
+            return Lookup(truth, chain_probs)
+        wrong = [(token + 1) % self.vocab_size for token in truth]
+        token_ids, parents = chain_with_siblings(truth, range(len(truth)), wrong)
+        return Lookup(token_ids, [*chain_probs, *(0.9 * prob for prob in chain_probs)], parents)
+
+
+# Each verified column costs a tenth of a pass: a branch has to earn its column.
+PRICED_WIDTH = CostModel(draft_step=0.1, target_step=1.0, target_per_extra_token=0.1)
+
+
+def test_branches_the_target_never_takes_are_cut_from_the_plan(tiny_pair):
+    """The branch calibration learns that the guesses overrate the branches, and the plan drops
+    them: trees shrink to their first-choice chains, exact all along."""
+    target, draft, tokenizer = tiny_pair
+    engine = make_engine(target, draft, tokenizer, cost_table=PRICED_WIDTH, prompt_lookup_num_tokens=16)
+    decoy = DecoyTrees(target.config.vocab_size)
+    engine.suffix_drafter = decoy
+    prompt_ids = encode(tokenizer, PROMPTS[0])
+    decoy.answers[prompt_ids] = reference_greedy(target, prompt_ids, 40)
+    request = GenerationRequest(prompt_ids, 40, GREEDY, 16, drafter="suffix")
+    calibration = engine.branch_calibrations["suffix"]
+    assert calibration.factor == 1.0
+    first = engine.generate([request])[0]
+    assert first.token_ids == decoy.answers[prompt_ids]
+    assert first.stats.tree_steps > 0 and first.stats.tree_other_branch == 0
+    assert calibration.factor < 0.2
+    again = engine.generate([request])[0]
+    assert again.token_ids == decoy.answers[prompt_ids]
+    assert again.stats.tree_steps == 0
+    # The first-choice chains still run, and their columns no longer share the pass with branches.
+    assert again.stats.accepted_tokens >= first.stats.accepted_tokens > 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from handler.adaptive import AcceptanceTracker, CostModel, expected_tokens
+from handler.adaptive import AcceptanceTracker, BranchCalibration, CostModel, expected_tokens
 
 # Draft costs 0.2 of a target pass; verifying extra tokens is free (the GPU-like case).
 CHEAP_DRAFT = CostModel(draft_step=0.2, target_step=1.0, target_per_extra_token=0.0)
@@ -164,3 +164,24 @@ def test_chain_expected_tokens_is_the_geometric_series_for_one_rate():
     assert chain_expected_tokens([]) == 1.0
     assert chain_expected_tokens([0.8] * 4) == pytest.approx(expected_tokens(0.8, 4))
     assert chain_expected_tokens([0.5, 1.0, 0.0, 1.0]) == pytest.approx(1 + 0.5 + 0.5)
+
+
+def test_branch_calibration_scales_by_what_was_seen_and_relaxes_without_evidence():
+    calibration = BranchCalibration()
+    assert calibration.factor == 1.0  # the prior: the guesses hold
+    for _ in range(5):
+        calibration.update(expected=2.0, accepted=0)
+    low = calibration.factor
+    assert 0.05 < low < 0.15
+    calibration.update(expected=1.0, accepted=3)  # a run of luck never lifts it past 1
+    assert low < calibration.factor <= 1.0
+    for _ in range(30):
+        calibration.update(expected=1.0, accepted=5)
+    assert calibration.factor == 1.0
+    starved = BranchCalibration()
+    for _ in range(5):
+        starved.update(expected=2.0, accepted=0)
+    before = starved.factor
+    for _ in range(100):
+        starved.relax()  # trees whose branches the plan cut: back toward the prior
+    assert before < 0.15 and starved.factor > 2 * before

@@ -13,6 +13,7 @@ from handler.tree import (
     depths,
     first_choice_path,
     is_chain,
+    off_first_choice,
     order_best_first,
     verify_tree,
 )
@@ -107,6 +108,17 @@ def test_first_choice_path_follows_first_children():
     assert first_choice_path(PARENTS, 3) == [0, 1, 3, 5]
     assert first_choice_path(PARENTS, 1) == [0, 1]
     assert first_choice_path([ROOT, 0], 5) == [0, 1, 2]
+
+
+def test_off_first_choice_marks_all_but_the_best_scored_path():
+    # Node 2 (c) outscores its sibling 3 (d), and 0 (a) outscores 1 (b): the path is a, c, e.
+    assert off_first_choice(PARENTS, [0.9, 0.5, 0.6, 0.3, 0.4]) == [False, True, False, True, False]
+    # A better-scored sibling takes the path, with its subtree; ties go to the earlier node.
+    assert off_first_choice(PARENTS, [0.9, 0.5, 0.3, 0.6, 0.4]) == [False, True, True, False, True]
+    assert off_first_choice([ROOT, ROOT], [0.5, 0.5]) == [False, True]
+    ordered = order_best_first(list("abcde"), PARENTS, [0.9, 0.5, 0.3, 0.6, 0.4])
+    off = off_first_choice(ordered[1], ordered[2])
+    assert [column for column in range(1, 6) if not off[column - 1]] == first_choice_path(ordered[1], 9)[1:]
 
 
 def test_ngram_tree_merges_the_occurrences_continuations():
