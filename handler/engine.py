@@ -50,7 +50,7 @@ from handler.adaptive import (
 )
 from handler.config import SPECULATIVE_TREE_MODES, HandlerConfig, SamplingParams
 from handler.constraints import Constraint, RowGrammar, compiler_for
-from handler.drafters import DRAFTERS, HYBRID, MODEL, MODEL_FREE, NGRAM, SUFFIX, Lookup
+from handler.drafters import DRAFTERS, HYBRID, MODEL, MODEL_FREE, NGRAM, NO_LOOKUP, SUFFIX, Lookup
 from handler.drafters.hybrid import Candidate, choose
 from handler.drafters.model import ModelDrafter, Proposal
 from handler.drafters.ngram import NgramDrafter
@@ -592,9 +592,9 @@ class SpeculativeEngine:
         self._drop([row for row in self.rows if row.request_id in self.aborted])
         self.waiting = [row for row in self.waiting if row.request_id not in self.aborted]
         self.aborted.clear()
-        self._admit()
+        first_outputs = self._admit()
         if not self.rows:
-            return []
+            return first_outputs
         rows = self.rows
         started = time.perf_counter()
         mask_seconds_before = sum(row.stats.mask_seconds for row in rows)
@@ -627,15 +627,10 @@ class SpeculativeEngine:
                 self._calibrate_branches(proposer, lookup, path)
             if slot in model_drafts:
                 self._calibrate(row, model_drafts[slot], path)
-            kept = row.extend(new_tokens)
-            row.commit(kept)
-            if row.logprobs is not None and kept:
-                columns = path[: len(kept)]
-                row.logprobs.extend(self._logprobs(logits[slot, columns], kept, row.request.logprobs))
-            committed[row.request_id] = kept
-            outputs.append(StepOutput(row.request_id, kept, row.token_ids, row.finish_reason, None))
+            output = self._emit(row, new_tokens, logits[slot], path)
+            committed[row.request_id] = output.new_token_ids
+            outputs.append(output)
             if row.finish_reason is not None:
-                outputs[-1].result = row.result()
                 finished.append(row)
         # Roll back: the target keeps its pending token and the accepted drafts (a tree's
         # accepted path first moves to the front of the chunk).
@@ -648,7 +643,7 @@ class SpeculativeEngine:
         self._drop(finished)
         self.last_step_seconds = time.perf_counter() - started
         self.last_step_mask_seconds = sum(row.stats.mask_seconds for row in rows) - mask_seconds_before
-        return outputs
+        return _joined(first_outputs, outputs)
 
     def generate(
         self,
@@ -689,27 +684,49 @@ class SpeculativeEngine:
 
     # ---------------------------------------------------------------- internals
 
-    def _admit(self) -> None:
-        """Prefills the waiting requests and appends their rows to the batch."""
-        if not self.waiting:
-            return
-        new_rows, self.waiting = self.waiting, []
-        filled = prefill_with_cache(
-            self.target, self.prefix_cache, [row.request.prompt_ids[:-1] for row in new_rows], self.pad_token_id
-        )
-        for row, num_cached, handle in zip(new_rows, filled.num_cached, filled.handles):
-            row.cached_tokens, row.prefix_handle = num_cached, handle
-            self.num_prompt_tokens += len(row.request.prompt_ids)
-            self.num_cached_tokens += num_cached
-        new_cache = filled.cache
-        if self.target_cache is None:
-            self.target_cache = new_cache
-        else:
-            self.target_cache.extend(new_cache)
-        self.rows.extend(new_rows)
-        # A row whose k is 0 never drafts: no drafter needs to read its prompt.
-        drafting = [r for r in new_rows if r.request.num_speculative_tokens > 0]
+    def _admit(self) -> list[StepOutput]:
+        """Prefills the waiting requests, appends their rows to the batch, and draws the first
+        token of those that never draft.
 
+        A row whose k is 0 is prefilled over its whole prompt, and the logits after the last
+        prompt token give its first token (a step with k = 0, `_verify`): plain decoding then
+        makes one target pass per token, as `generate` does. A drafting row is prefilled up to
+        the prompt's last token, which its first step verifies together with the drafts that
+        follow it. The two kinds are prefilled apart where both join at once. A row that
+        finishes on its first token leaves.
+
+        Returns:
+            one StepOutput per plain row admitted, its first token.
+        """
+        if not self.waiting:
+            return []
+        new_rows, self.waiting = self.waiting, []
+        plain = [row for row in new_rows if row.request.num_speculative_tokens == 0]
+        drafting = [row for row in new_rows if row.request.num_speculative_tokens > 0]
+        first_logits = None
+        for group, whole in ((plain, True), (drafting, False)):
+            if not group:
+                continue
+            filled = prefill_with_cache(
+                self.target,
+                self.prefix_cache,
+                [row.request.prompt_ids if whole else row.request.prompt_ids[:-1] for row in group],
+                self.pad_token_id,
+                last_logits=whole,
+            )
+            if whole:
+                first_logits = filled.logits[:, None]  # [plain rows, 1, vocab]
+            for row, num_cached, handle in zip(group, filled.num_cached, filled.handles):
+                row.cached_tokens, row.prefix_handle = num_cached, handle
+                self.num_prompt_tokens += len(row.request.prompt_ids)
+                self.num_cached_tokens += num_cached
+            if self.target_cache is None:
+                self.target_cache = filled.cache
+            else:
+                self.target_cache.extend(filled.cache)
+            self.rows.extend(group)
+
+        # A row whose k is 0 never drafts: no drafter needs to read its prompt.
         def prompts(*drafters: str) -> dict:
             return {r.request_id: r.request.prompt_ids for r in drafting if r.drafter in drafters}
 
@@ -718,6 +735,29 @@ class SpeculativeEngine:
         self.suffix_drafter.add(prompts(SUFFIX, HYBRID), private=private)
         if self.model_drafter is not None:
             self.model_drafter.add(prompts(MODEL, HYBRID))
+        if not plain:
+            return []
+        num = len(plain)
+        _, emitted, logits, paths, _ = self._verify(
+            plain, [0] * num, [NO_LOOKUP] * num, [False] * num, logits=first_logits
+        )
+        outputs = []
+        for slot, row in enumerate(plain):
+            row.stats.record(row.drafter, 0, 0)  # the prefill was its first target pass
+            outputs.append(self._emit(row, emitted[slot][:1], logits[slot], paths[slot]))
+        # No drafter follows a plain row: nothing to observe.
+        self._drop([row for row in plain if row.finish_reason is not None])
+        return outputs
+
+    def _emit(self, row: _Row, new_tokens: list[int], logits: torch.Tensor, path: list[int]) -> StepOutput:
+        """Appends a row's emitted tokens up to its first stop, and reports them (`logits`: the row's
+        raw logits at the step's columns, [columns, vocab]; `path`: the columns of the emitted tokens)."""
+        kept = row.extend(new_tokens)
+        row.commit(kept)
+        if row.logprobs is not None and kept:
+            row.logprobs.extend(self._logprobs(logits[path[: len(kept)]], kept, row.request.logprobs))
+        finished = row.finish_reason is not None
+        return StepOutput(row.request_id, kept, row.token_ids, row.finish_reason, row.result() if finished else None)
 
     def _drop(self, rows: list[_Row], consistent: bool = True) -> None:
         """Removes rows from the batch and from every drafter.
@@ -1008,6 +1048,7 @@ class SpeculativeEngine:
         uses_model: list[bool],
         keep_drafting: Callable[[int, dict], bool] | None = None,
         curves: list[list[float]] | None = None,
+        logits: torch.Tensor | None = None,
     ) -> tuple[list[int], list[list[int]], torch.Tensor, list[list[int]], dict[int, _ModelDrafts]]:
         """Drafts and verifies one step.
 
@@ -1017,7 +1058,9 @@ class SpeculativeEngine:
         before its rows' step_ks: their entries in `step_ks` are then lowered in place to
         the drafts drawn. A greedy model row's chain may take the draft's runners-up as
         siblings (`_add_runners_up`, with `curves`, the rows' E(0..n)): its `lookups` entry
-        becomes that tree and its `step_ks` entry the tree's size, in place.
+        becomes that tree and its `step_ks` entry the tree's size, in place. `logits`: for a step
+        without drafts, the target's logits after each row's pending token, already computed
+        ([batch, 1, vocab], a prefill's): no target pass then, and the cache is left as it is.
 
         Returns:
             num_accepted per row, emitted tokens per row ([k + 1], -1 padded), the target's
@@ -1110,7 +1153,10 @@ class SpeculativeEngine:
                 for slot in range(batch_size)
             ]
             tree = chunk_attention(parents, k)
-        logits = self.target_cache.forward(input_ids, chunk_mask, logits_to_keep=k + 1, tree=tree)  # [b, k+1, v']
+        if logits is None:
+            logits = self.target_cache.forward(input_ids, chunk_mask, logits_to_keep=k + 1, tree=tree)  # [b, k+1, v']
+        else:
+            assert k == 0 and logits.shape[:2] == (batch_size, 1), (k, logits.shape)
         logits = logits[..., : self.vocab_size]
         shaped = self._shape_target_logits(rows, logits, draft_lists, step_ks)
         target_probs = warp_logits_to_probs(shaped, temperature, top_k, top_p, min_p)
@@ -1198,3 +1244,15 @@ def _relative_probs(lookup: Lookup, node_depths: list[int]) -> list[float] | Non
     for prob, depth in zip(lookup.probs, node_depths):
         best[depth] = max(best.get(depth, 0.0), prob)
     return [prob / best[depth] if best[depth] > 0 else 0.0 for prob, depth in zip(lookup.probs, node_depths)]
+
+
+def _joined(first: list[StepOutput], outputs: list[StepOutput]) -> list[StepOutput]:
+    """A step's outputs with the first tokens of the rows admitted at its start: one output per request."""
+    if not first:
+        return outputs
+    by_id = {output.request_id: output for output in first}
+    for output in outputs:
+        joined = by_id.pop(output.request_id, None)
+        if joined is not None:
+            output.new_token_ids = [*joined.new_token_ids, *output.new_token_ids]
+    return [*by_id.values(), *outputs]  # rows that finished on their first token, then the step's

@@ -322,7 +322,20 @@ def prefill(
     pad_id: int,
     cached: Sequence[torch.Tensor | None] | None = None,
 ) -> RaggedCache:
-    """A cache holding each prefix, one row each in order, for rows about to join a batch.
+    """A cache holding each prefix, one row each in order, for rows about to join a batch
+    (`prefill_with_logits`, without the logits)."""
+    return prefill_with_logits(model, prefixes, pad_id, cached)[0]
+
+
+def prefill_with_logits(
+    model: torch.nn.Module,
+    prefixes: Sequence[Sequence[int]],
+    pad_id: int,
+    cached: Sequence[torch.Tensor | None] | None = None,
+) -> tuple[RaggedCache, torch.Tensor | None]:
+    """A cache holding each prefix, one row each in order, for rows about to join a batch,
+    and the logits after each prefix ([rows, vocab]) where every row computed its last token;
+    None otherwise.
 
     Args:
         cached: per row, the KV of the prefix's first tokens, found in a prefix cache
@@ -338,13 +351,16 @@ def prefill(
     empty = [row for row, prefix in enumerate(prefixes) if not prefix]
     cache = RaggedCache.from_kv(model, [cached[row] for row in filled])
     suffixes = [prefixes[row][num_cached[row] :] for row in filled]
+    logits = None
     if any(suffixes):
         # A row found whole in the cache takes an all-padding chunk; it attends to its cached tokens.
         input_ids, chunk_mask = left_pad(suffixes, pad_id)
-        cache.forward(input_ids, chunk_mask, logits_to_keep=1)
+        logits = cache.forward(input_ids, chunk_mask, logits_to_keep=1)[:, -1]  # [filled, vocab]
+        if empty or not all(suffixes):
+            logits = None  # some row's last token came from the cache, or it has none
     if empty:
         cache.extend(RaggedCache(model, len(empty)))
         if filled:
             # Back to the callers' order: position of each original row in filled + empty.
             cache.select_rows(sorted(range(len(prefixes)), key=(filled + empty).__getitem__))
-    return cache
+    return cache, logits

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from handler.kv_cache import RaggedCache, prefill
+from handler.kv_cache import RaggedCache, prefill, prefill_with_logits
 
 # The least new prefix two joining rows must share to be computed once before their rows.
 MIN_SHARED_TOKENS = 16
@@ -247,6 +247,8 @@ class CachedPrefill:
     cache: RaggedCache
     num_cached: list[int]  # per row: tokens found in the prefix cache before this prefill
     handles: list[_Node | None]  # per row: the locked node where its cached prefix ends, or None
+    # [rows, vocab]: the logits after each prefix, with `last_logits`; else None.
+    logits: torch.Tensor | None = None
 
 
 def prefill_with_cache(
@@ -254,6 +256,7 @@ def prefill_with_cache(
     prefix_cache: PrefixCache | None,
     prefixes: Sequence[Sequence[int]],
     pad_id: int,
+    last_logits: bool = False,
 ) -> CachedPrefill:
     """Prefills the joining rows' prefixes, computing only what `prefix_cache` lacks.
 
@@ -261,10 +264,17 @@ def prefill_with_cache(
     sent yet; the n choices of one request) is computed once, in a first pass, and
     found in the cache by the rows' own pass. Each row's whole prefix is then
     cached and locked: release it with `PrefixCache.unlock(handle)`.
+
+    `last_logits`: every row computes at least its prefix's last token, whatever the cache
+    holds, and the result carries the logits after each prefix (prefixes must not be empty).
     """
+    assert not last_logits or all(prefixes), "logits after an empty prefix"
     if prefix_cache is None:
-        return CachedPrefill(prefill(model, prefixes, pad_id), [0] * len(prefixes), [None] * len(prefixes))
-    num_cached = [prefix_cache.query(prefix) for prefix in prefixes]
+        cache, logits = prefill_with_logits(model, prefixes, pad_id)
+        return CachedPrefill(cache, [0] * len(prefixes), [None] * len(prefixes), logits if last_logits else None)
+    # What may come from the cache: all but the last token where the logits after it are needed.
+    reusable = [prefix[:-1] for prefix in prefixes] if last_logits else prefixes
+    num_cached = [prefix_cache.query(prefix) for prefix in reusable]
     shared_handles = []
     shared = _shared_new_prefixes(prefixes, num_cached)
     if shared:
@@ -274,7 +284,7 @@ def prefill_with_cache(
             prefix_cache.lock(handle)
             shared_handles.append(handle)
         del first
-    cache = prefill(model, prefixes, pad_id, [prefix_cache.match(prefix).kv for prefix in prefixes])
+    cache, logits = prefill_with_logits(model, prefixes, pad_id, [prefix_cache.match(prefix).kv for prefix in reusable])
     handles: list[_Node | None] = []
     for slot, prefix in enumerate(prefixes):
         handle = None
@@ -284,7 +294,7 @@ def prefill_with_cache(
         handles.append(handle)
     for handle in shared_handles:
         prefix_cache.unlock(handle)
-    return CachedPrefill(cache, num_cached, handles)
+    return CachedPrefill(cache, num_cached, handles, logits if last_logits else None)
 
 
 def _shared_new_prefixes(prefixes: Sequence[Sequence[int]], num_cached: Sequence[int]) -> list[tuple[int, ...]]:

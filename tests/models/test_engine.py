@@ -85,6 +85,32 @@ def test_k_zero_is_plain_decoding_with_one_pass_per_token(tiny_pair, engine):
     assert result.stats.target_forward_passes == len(result.token_ids)
 
 
+def test_the_prefill_gives_the_first_token_so_plain_decoding_calls_the_target_as_generate_does(
+    tiny_pair, engine, monkeypatch
+):
+    """N tokens at k = 0 take N target calls (the prefill, then N - 1), as Hugging Face `generate`;
+    joining beside a drafting row, whose prefill stops before its prompt's last token, changes nothing."""
+    target, _, tokenizer = tiny_pair
+    calls = []
+    forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    prompt_ids = encode(tokenizer, PROMPTS[1])
+    result = engine.generate([GenerationRequest(prompt_ids, 12, GREEDY, 0)])[0]
+    assert len(calls) == len(result.token_ids) > 4
+    assert result.token_ids == reference_greedy(target, prompt_ids, 12)
+    # A plain request for one token is answered by its prefill: it never joins a step.
+    calls.clear()
+    engine.add_request("one", GenerationRequest(prompt_ids, 1, GREEDY, 0))
+    outputs = engine.step()
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs] == [("one", result.token_ids[:1], "length")]
+    assert len(calls) == 1 and not engine.has_unfinished_requests()
+    other = GenerationRequest(encode(tokenizer, PROMPTS[0]), 12, GREEDY, 3)
+    mixed = engine.generate([other, GenerationRequest(prompt_ids, 12, GREEDY, 0)])
+    assert mixed[0].token_ids == reference_greedy(target, other.prompt_ids, 12)
+    assert mixed[1].token_ids == result.token_ids
+    assert mixed[1].stats.target_forward_passes == len(result.token_ids)
+
+
 def test_rolled_back_cache_gives_the_logits_of_a_full_recompute(tiny_pair):
     """Ragged rollbacks, holes and compaction leave each row's cache equal to its committed tokens."""
     target, _, tokenizer = tiny_pair

@@ -119,7 +119,8 @@ def test_a_vanished_client_has_all_its_choices_rows_aborted(handlers, tiny_model
     continuous, _ = handlers
     frontend = Frontend(continuous, tiny_models_dir)
     frontend.submit("gone", {"prompt": "import json", "max_tokens": 60, "n": 3, "stream": True}, COMPLETIONS)
-    frontend.submit("good", {"prompt": "Hello", "max_tokens": 4}, COMPLETIONS)
+    # Long enough to outlive its first step: its later calls are where "gone" is found missing.
+    frontend.submit("good", {"prompt": "Hello", "max_tokens": 16}, COMPLETIONS)
     frontend.call()
     assert continuous.engine.num_active_requests == 4
     del frontend.in_flight["gone"]  # its client disconnected: the frontend stops sending it

@@ -9,10 +9,12 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from handler.engine import GenerationRequest, SpeculativeEngine
 from handler.kv_cache import RaggedCache
 from handler.loading import collect_eos_token_ids
+from handler.prefix_cache import prefill_with_cache
 
 from .test_engine import GREEDY
 from .test_step_api import SAMPLED, run_staggered
@@ -125,6 +127,33 @@ def test_a_new_prefix_shared_by_joining_rows_is_computed_once(tiny_pair, monkeyp
     # Per model (target, then draft): the 60 shared tokens once, then each row's own suffix.
     assert counts == [60, suffixes, 60, suffixes]
     assert all(row.cached_tokens == 0 for row in engine.rows)  # computed in this step: not a hit
+
+
+def test_a_prompt_wholly_cached_still_computes_its_last_token_for_its_logits(tiny_pair):
+    target, _, tokenizer = tiny_pair
+    prompt = random_tokens(random.Random(3), 30)
+    prefix_cache = make(tiny_pair, 64 * MIB).prefix_cache
+    cold = prefill_with_cache(target, prefix_cache, [prompt], tokenizer.pad_token_id, last_logits=True)
+    prefix_cache.unlock(cold.handles[0])
+    warm = prefill_with_cache(target, prefix_cache, [prompt, prompt[:20]], tokenizer.pad_token_id, last_logits=True)
+    assert warm.num_cached == [29, 19]  # all but the last token came from the cache
+    torch.testing.assert_close(warm.logits[0], cold.logits[0], atol=1e-4, rtol=1e-4)
+    short = prefill_with_cache(target, None, [prompt[:20]], tokenizer.pad_token_id, last_logits=True)
+    torch.testing.assert_close(warm.logits[1], short.logits[0], atol=1e-4, rtol=1e-4)
+    for handle in warm.handles:
+        prefix_cache.unlock(handle)
+    assert all_unlocked(prefix_cache)
+
+
+def test_plain_requests_take_their_first_token_from_a_cached_prompt_exactly(tiny_pair):
+    rng = random.Random(4)
+    prompt = random_tokens(rng, 40)
+    off, on = make(tiny_pair, None), make(tiny_pair, 64 * MIB)
+    requests = [GenerationRequest(prompt, 8, GREEDY, 0), GenerationRequest(prompt + (7,), 8, SAMPLED, 0, seed=3)]
+    expected = token_ids(off.generate(requests))
+    for _ in range(2):  # cold, then warm: the second time the first prompt is found whole
+        assert token_ids(on.generate(requests)) == expected
+    assert all_unlocked(on.prefix_cache)
 
 
 def test_n_choices_of_one_prompt_share_one_prefill(tiny_pair, monkeypatch):
