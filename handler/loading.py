@@ -240,11 +240,11 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
             draft = quantize_draft_int8(draft)
         check_cache_support(draft)
     if device.type == "cpu" and config.cpu_packed_weights:
-        from handler.cpu_speed import pack_linear_layers
+        from handler.cpu_speed import pack_linear_layers, tied_head_copy_fits
 
         # After quantization: an int8 draft's layers are not nn.Linear and stay as they are.
-        num_target = pack_linear_layers(target)
-        num_draft = pack_linear_layers(draft) if draft is not None else 0
+        num_target = pack_linear_layers(target, copy_tied_head=tied_head_copy_fits(target))
+        num_draft = 0 if draft is None else pack_linear_layers(draft, copy_tied_head=tied_head_copy_fits(draft))
         logger.info("oneDNN packed linear layers: %d in the target, %d in the draft", num_target, num_draft)
     check_cache_support(target)
     draft_quantization = "int8" if config.draft_quantization == "int8" else "none"

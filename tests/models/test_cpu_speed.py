@@ -55,6 +55,30 @@ def test_every_linear_is_replaced_and_the_tied_head_stays_shared(tiny_models_dir
     assert sum(parameter.numel() for parameter in target.parameters()) < num_parameters
 
 
+def test_a_tied_head_may_run_on_a_packed_copy_beside_the_embedding(tiny_models_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    def tied_target():
+        model = AutoModelForCausalLM.from_pretrained(tiny_models_dir / "target", dtype=torch.float32).eval()
+        model.lm_head.weight = model.get_input_embeddings().weight  # the demo pair's heads are tied
+        return model
+
+    plain, packed = tied_target(), tied_target()
+    assert cpu_speed.tied_head_copy_fits(packed)  # a tiny head fits in any memory
+    pack_linear_layers(packed, copy_tied_head=True)
+    assert packed.lm_head.packed_weight.is_mkldnn
+    torch.testing.assert_close(packed.get_input_embeddings().weight, plain.get_input_embeddings().weight)
+    input_ids = torch.arange(3, 20)[None]
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(input_ids).logits, plain(input_ids).logits, rtol=1e-4, atol=1e-4)
+    # Without the memory for the copy, the head stays on the shared weight.
+    monkeypatch.setattr("handler.memory_budget.host_available_memory", lambda: (1000, "a test"))
+    assert not cpu_speed.tied_head_copy_fits(plain)
+    untied = AutoModelForCausalLM.from_pretrained(tiny_models_dir / "target", dtype=torch.float32)
+    monkeypatch.setattr("handler.memory_budget.host_available_memory", lambda: (2**40, "a test"))
+    assert not cpu_speed.tied_head_copy_fits(untied)  # nothing to copy: its head has its own weight
+
+
 def test_packed_logits_match_the_plain_model(tiny_models_dir, packed_pair):
     plain, _ = load_tiny(tiny_models_dir)
     packed, _ = packed_pair
