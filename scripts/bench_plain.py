@@ -18,6 +18,7 @@ compared: in bfloat16 a near-tie may flip a token (docs/benchmark.md).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import pathlib
 import statistics
@@ -32,7 +33,6 @@ logger = logging.getLogger(__name__)
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=bench.DEFAULT_TARGET)
-    parser.add_argument("--draft", default=bench.DEFAULT_DRAFT, help="loaded as the config says (unused here)")
     parser.add_argument("--config", default=bench.DEFAULT_CONFIG)
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
     parser.add_argument("--prompts", default=str(bench.REPO_ROOT / "scripts" / "bench_prompts.json"))
@@ -42,20 +42,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.pairs < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
         parser.error("--pairs, --num-prompts and --max-new-tokens must be at least 1")
-    args.draft_quantization = None
+    args.draft, args.draft_quantization = bench.DEFAULT_DRAFT, None  # for bench_config; no draft is loaded
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    config = bench.bench_config(args)
+    # Plain decoding needs no draft: neither loaded nor timed for its quantization.
+    config = dataclasses.replace(bench.bench_config(args), draft_model=None, drafter=bench.DRAFTER_NGRAM)
     models = bench.load_models(config, None)
     machine = bench.machine_info()
     runner = bench.Runner(models, config, cost_table=None)
     sets = bench.load_prompt_sets(pathlib.Path(args.prompts), args.num_prompts, 1)
     prompts = [runner.encode(prompt) for prompt_set in sets.values() for prompt in prompt_set["held_out"]]
-    methods = {"engine": bench.engine_method("engine_k0", bench.DRAFTER_MODEL, 0, False), "hf": bench.hf_target_only()}
+    methods = {"engine": bench.engine_method("engine_k0", bench.DRAFTER_NGRAM, 0, False), "hf": bench.hf_target_only()}
     rates = {name: [] for name in methods}
     ratios, same, started = [], 0, time.perf_counter()
     for index, prompt_ids in enumerate(prompts):

@@ -32,7 +32,6 @@ def test_bench_plain_prints_both_rows_and_the_median_pair_ratio(tiny_models_dir,
         bench_plain.main(
             [
                 "--target", str(tiny_models_dir / "target"),
-                "--draft", str(tiny_models_dir / "draft"),
                 "--config", str(REPO_ROOT / "model-config" / "model-config.yaml"),
                 "--dtype", "float32",
                 "--prompts", str(prompts),
