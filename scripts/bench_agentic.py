@@ -42,10 +42,14 @@ prompt token ids in the same order.
 Rows (--methods): `hf_target_only` (the baseline), `hf_prompt_lookup` (10
 tokens), this engine with the `model`, `ngram`, `suffix` and `hybrid` drafters
 (k and look-ups as the config sets them, planned from a cost table measured at
-start for one row when the config has adaptive_k), and `shipped`: the engine exactly as
-the config ships it. Every run of an engine row gets a fresh engine with the
-prefix cache off: the suffix drafter's trees learn from this trace alone, in
-order, and every row pays the same prefill. Each request is timed from
+start for one row when the config has adaptive_k), `shipped`: the engine as the
+config ships it but for its prefix cache, and `shipped_prefix_cache`: the same
+with the config's prefix cache too. Every run of an engine row gets a fresh
+engine: the suffix drafter's trees (and in the last row the prefix cache) learn
+from this trace alone, in order. Every row but the last has no prefix cache and
+pays each prompt's whole prefill, as `generate` does; the last shows what a
+server with the shipped config saves on a trace whose requests share their
+system prompts, tools and histories. Each request is timed from
 submission to its result; a run's tokens/s is its completion tokens over its
 seconds; medians of --runs runs, the order of the rows rotated each run. Greedy
 outputs are compared with HF target-only's (with the reference pass's when
@@ -60,7 +64,8 @@ agentic.md (the table).
 
 With the defaults a run of the target-only row is 14 requests of up to 64
 tokens: about 3-4 minutes at the demo pair's 4-5 tokens/s on a 2-core CPU, and
-the whole benchmark (the reference pass, then 7 rows x 3 runs) about an hour.
+the whole benchmark (the reference pass, then 11 rows x 3 runs, most engine rows
+about 1.5 minutes a run) about an hour.
 """
 
 from __future__ import annotations
@@ -89,12 +94,16 @@ logger = logging.getLogger("bench_agentic")
 # A plain string: older versions of the engine have no suffix drafter, and the other rows still run there.
 DRAFTER_SUFFIX = "suffix"
 BASELINE, SHIPPED = "hf_target_only", "shipped"
+# The shipped config with its prefix cache as the config sets it: the only row that reuses the KV of
+# earlier requests' prompts and answers (every other row pays each prompt's whole prefill).
+SHIPPED_CACHED = "shipped_prefix_cache"
 HF_ROWS = (BASELINE, "hf_prompt_lookup")
 DRAFTER_ROWS = (DRAFTER_MODEL, DRAFTER_NGRAM, DRAFTER_SUFFIX, DRAFTER_HYBRID)
 # The look-up drafters with speculative_tree off: chains only, beside their rows with trees.
 CHAIN_SUFFIX = "_chain"
 CHAIN_ROWS = tuple(f"{drafter}{CHAIN_SUFFIX}" for drafter in (DRAFTER_NGRAM, DRAFTER_SUFFIX, DRAFTER_HYBRID))
-ROWS = (*HF_ROWS, *DRAFTER_ROWS, *CHAIN_ROWS, SHIPPED)
+ROWS = (*HF_ROWS, *DRAFTER_ROWS, *CHAIN_ROWS, SHIPPED, SHIPPED_CACHED)
+SHIPPED_ROWS = (SHIPPED, SHIPPED_CACHED)
 # The rows `shipped` is compared with: the drafters a config could ship before the suffix drafter.
 SHIPPED_ALTERNATIVES = (DRAFTER_MODEL, DRAFTER_NGRAM, DRAFTER_HYBRID)
 HF_PROMPT_LOOKUP_TOKENS = 10
@@ -549,28 +558,31 @@ def row_methods(keys: list[str], config) -> list[bench.Method]:
         elif key in HF_ROWS:
             method = dataclasses.replace(bench.hf_prompt_lookup(HF_PROMPT_LOOKUP_TOKENS), key=key)
         else:
-            drafter = config.drafter if key == SHIPPED else key.removesuffix(CHAIN_SUFFIX)
+            drafter = config.drafter if key in SHIPPED_ROWS else key.removesuffix(CHAIN_SUFFIX)
             # bench labels look-ups for the n-gram drafter; the suffix drafter's are drafted alike.
             method = bench.engine_method(
                 key, DRAFTER_NGRAM if drafter == DRAFTER_SUFFIX else drafter, k, planned, lookup
             )
             label = method.label.replace(f"{DRAFTER_NGRAM} drafter", f"{drafter} drafter")
-            if key == SHIPPED:
+            if key in SHIPPED_ROWS:
                 label = label.replace("this engine,", "this engine as shipped,")
-            elif key in CHAIN_ROWS:
+            if key in CHAIN_ROWS:
                 label += ", chains only (speculative_tree off)"
             elif drafter != DRAFTER_MODEL and config.speculative_tree == "auto":
                 label += ", trees"
+            if key == SHIPPED_CACHED:
+                label += ", prefix cache " + ("on" if config.prefix_cache else "off (as the config sets it)")
             method = dataclasses.replace(method, drafter=drafter, label=label)
         methods.append(method)
     return methods
 
 
 def run_engine(engine: SpeculativeEngine, method: bench.Method, requests: list[GenerationRequest]) -> dict:
-    """The trace through one fresh engine, one request at a time; `shipped` keeps each request's own drafter."""
+    """The trace through one fresh engine, one request at a time; the shipped rows keep each request's own
+    drafter."""
     run, by_drafter, trees = bench.Run(), {}, {}
     for request in requests:
-        if method.key != SHIPPED:
+        if method.key not in SHIPPED_ROWS:
             request = dataclasses.replace(request, drafter=method.drafter)
         if method.key in CHAIN_ROWS:
             request = dataclasses.replace(request, speculative_tree=False)
@@ -588,7 +600,9 @@ def run_engine(engine: SpeculativeEngine, method: bench.Method, requests: list[G
             total = by_drafter.setdefault(proposer, {"draft_tokens": 0, "accepted_tokens": 0})
             for name, value in counts.items():
                 total[name] += value
-    return {"run": run, "by_drafter": by_drafter, "trees": trees}
+    stats = engine.prefix_cache_stats
+    prefix = None if stats is None else {"prompt_tokens": stats.queries, "cached_tokens": stats.hits}
+    return {"run": run, "by_drafter": by_drafter, "trees": trees, "prefix_cache": prefix}
 
 
 def measure(methods: list[bench.Method], trace: Trace, runner: bench.Runner, new_engine, args) -> dict[str, list]:
@@ -599,7 +613,7 @@ def measure(methods: list[bench.Method], trace: Trace, runner: bench.Runner, new
         shift = index % len(methods)
         for method in methods[shift:] + methods[:shift]:
             if method.is_engine:
-                record = run_engine(new_engine(), method, trace.requests)
+                record = run_engine(new_engine(method.key == SHIPPED_CACHED), method, trace.requests)
             else:
                 record = {"run": runner.run(method, prompts_ids, args.max_new_tokens), "by_drafter": None}
             runs[method.key].append(record)
@@ -643,6 +657,7 @@ def summarize(methods: list[bench.Method], runs: dict[str, list[dict]], referenc
                     "target_passes": r["run"].target_passes,
                     "by_drafter": r["by_drafter"],
                     "trees": r.get("trees"),
+                    "prefix_cache": r.get("prefix_cache"),
                 }
                 for r in records
             ],
@@ -677,7 +692,8 @@ def markdown(report: dict) -> str:
         f"{min(prompt_tokens)}-{max(prompt_tokens)} tokens (median {statistics.median(prompt_tokens):g}), up to "
         f"{s['max_new_tokens']} new tokens, greedy, one request at a time. Each request is timed from submission to "
         f"its result (prefill included); tokens/s = completion tokens / seconds over the trace, median of "
-        f"{s['runs']} run(s), row order rotated each run; a fresh engine per run, prefix cache off.",
+        f"{s['runs']} run(s), row order rotated each run; a fresh engine per run, prefix cache off "
+        f"(but in the {SHIPPED_CACHED} row, which has the config's).",
         "",
         "| row | tokens/s (median) | x target-only | tokens per target pass | acceptance "
         f"| same output as {baseline} |",
@@ -696,6 +712,14 @@ def markdown(report: dict) -> str:
     if versus is not None:
         alternatives = ", ".join(key for key in SHIPPED_ALTERNATIVES if key in rows)
         lines += ["", f"shipped / best of {alternatives} ({versus['best']}): {versus['ratio']:.2f}x."]
+    if SHIPPED_CACHED in rows:
+        prefix = rows[SHIPPED_CACHED]["runs"][0]["prefix_cache"]
+        if prefix is not None and prefix["prompt_tokens"]:
+            lines += [
+                "",
+                f"{SHIPPED_CACHED}: {prefix['cached_tokens']} of {prefix['prompt_tokens']} prompt tokens "
+                f"({prefix['cached_tokens'] / prefix['prompt_tokens']:.0%}) came from the prefix cache.",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -759,8 +783,10 @@ def main(argv=None) -> int:
         print("Cost table, measured at start:\n" + cost_table.format(), flush=True)
     options = {} if args.suffix_estimate is None else {"suffix_estimate": args.suffix_estimate}
 
-    def new_engine() -> SpeculativeEngine:
-        return SpeculativeEngine.from_config(models, config, cost_table, prefix_cache_max_bytes=None, **options)
+    def new_engine(prefix_cache: bool = False) -> SpeculativeEngine:
+        """A fresh engine; with `prefix_cache`, the config's own prefix cache (its budget), else none."""
+        cache = {} if prefix_cache else {"prefix_cache_max_bytes": None}
+        return SpeculativeEngine.from_config(models, config, cost_table, **cache, **options)
 
     methods = row_methods(args.methods, config)
     reference_engine = new_engine()

@@ -16,7 +16,7 @@ import pytest
 from scripts import bench_agentic
 from tests.conftest import REPO_ROOT
 
-ENGINE_ROWS = (*bench_agentic.DRAFTER_ROWS, *bench_agentic.CHAIN_ROWS, bench_agentic.SHIPPED)
+ENGINE_ROWS = (*bench_agentic.DRAFTER_ROWS, *bench_agentic.CHAIN_ROWS, *bench_agentic.SHIPPED_ROWS)
 # Fits the tiny pair's 1,024-token context (its tokenizer spends about 3 tokens where Qwen's spends 1),
 # and makes one tool loop and one edit session of two requests each.
 NUM_TINY_REQUESTS = 8
@@ -128,12 +128,18 @@ def test_bench_agentic_reports_every_row_with_the_target_only_output(tiny_models
             if key in bench_agentic.CHAIN_ROWS:
                 assert run["trees"]["steps"] == 0, key
             assert row["tokens_per_pass"] >= 1
+            # Only the last row has a prefix cache; the trace's requests share their system prompts.
+            if key == bench_agentic.SHIPPED_CACHED:
+                assert 0 < run["prefix_cache"]["cached_tokens"] < run["prefix_cache"]["prompt_tokens"], run
+            else:
+                assert run["prefix_cache"] is None, key
         else:
             assert run["target_passes"] == 0 and row["tokens_per_pass"] is None, key
     assert rows["hf_target_only"]["vs_target_only"] == 1.0
     assert report["shipped_vs_best"]["best"] in bench_agentic.SHIPPED_ALTERNATIVES
     table = (tmp_path / "all" / "agentic.md").read_text()
     assert "| row | tokens/s (median) | x target-only |" in table and "shipped / best of" in table
+    assert "came from the prefix cache" in table
     for key in bench_agentic.ROWS:
         assert f"| {key}: " in table, key
     assert table in capsys.readouterr().out
