@@ -57,7 +57,7 @@ from handler.config import HandlerConfig, SamplingParams, handler_config_from_ya
 from handler.cost_table import CostTable, cpu_model_and_flags, measure_cost_table
 from handler.drafters.suffix import SuffixDrafter
 from handler.engine import DRAFTER_HYBRID, DRAFTER_MODEL, DRAFTER_NGRAM, GenerationRequest, SpeculativeEngine
-from handler.loading import load_models
+from handler.loading import load_models, usable_cpu_cores
 from scripts import torchserve
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -444,7 +444,7 @@ def machine_info() -> dict:
             mem_gib = int(f.readline().split()[1]) / 2**20  # MemTotal, in kB
     except (OSError, ValueError, IndexError):
         pass
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    usable = usable_cpu_cores()  # the affinity mask, bounded by a container's CPU limit
     info = {
         "cpu": cpu,
         "cores": os.cpu_count(),

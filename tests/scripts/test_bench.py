@@ -104,3 +104,11 @@ def test_an_engine_row_starts_with_empty_suffix_trees(monkeypatch):
     runner.engines[True, True] = engine
     runner.run(bench.engine_method("engine_hybrid", "hybrid", 4, planned=True), [], 8)
     assert engine.suffix_drafter.stats.num_requests == 0
+
+
+def test_the_machine_line_counts_the_cores_a_container_may_use(monkeypatch):
+    # A CPU limit below the affinity mask (a container's) is what the run had: the line says so.
+    monkeypatch.setattr(bench, "usable_cpu_cores", lambda: 1)
+    info = bench.machine_info()
+    assert info["usable_cores"] == 1
+    assert "(1 usable, " in info["description"]
