@@ -72,9 +72,8 @@ def main(argv=None) -> int:
             ratios.append(rate["engine"] / rate["hf"])
             logger.info("prompt %d pair %d: engine %.2f, HF %.2f tokens/s", index, pair, rate["engine"], rate["hf"])
     print(f"\nMachine: {machine['description']}")
-    target = pathlib.Path(args.target).resolve()
-    target = target.relative_to(bench.REPO_ROOT) if target.is_relative_to(bench.REPO_ROOT) else target
-    print(f"Target {target}, {str(models.dtype).replace('torch.', '')}; {len(prompts)} prompts (open and grounded")
+    dtype = str(models.dtype).replace("torch.", "")
+    print(f"Target {bench._shown(args.target)}, {dtype}; {len(prompts)} prompts (open and grounded")
     print(f"held-out sets), {args.max_new_tokens} new tokens, greedy; {args.pairs} timed pairs per prompt, order")
     print(f"alternating; wall time {(time.perf_counter() - started) / 60:.1f} min.\n")
     print("| row | tokens/s, median (min-max) |\n|---|---|")
