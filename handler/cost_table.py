@@ -13,6 +13,9 @@ batch sizes 1, powers of two, and the largest) and the table interpolates
 linearly in between. When a measurement takes long, the table is cached as
 JSON in a folder the caller names, keyed by the machine, the thread count,
 torch's version, the models' identity and the grid; any change re-measures.
+
+While it serves, the engine keeps the table honest with `RunningCostTable`:
+the passes it times rescale the start-up figures.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ CONTEXT_LENGTH = 100
 # Bumped whenever the measuring method changes, so that old cached tables are re-measured.
 FORMAT_VERSION = 1
 CACHE_FILE_PREFIX = "cost_table-"
+# The running correction (`RunningCostTable`): forward passes per model in its median, the passes
+# seen before it departs from the table, and the most it scales the table either way.
+RUNNING_WINDOW = 64
+MIN_OBSERVATIONS = 8
+MAX_SCALE = 4.0
 
 
 def sparse_grid(maximum: int, dense_up_to: int = 1) -> tuple[int, ...]:
@@ -148,6 +156,76 @@ class CostTable:
             batch_sizes=tuple(int(b) for b in data["batch_sizes"]),
             target=tuple(tuple(float(s) for s in row) for row in data["target_seconds"]),
             draft=None if draft is None else tuple(float(s) for s in draft),
+        )
+
+
+class RunningCostTable:
+    """A measured table, rescaled by the forward passes the engine times while it serves.
+
+    The table is measured once, at start-up, over a few seconds. On a shared
+    machine those seconds may be slow or fast ones, and the engine's real
+    contexts are longer than the table's 100 tokens. Either way the planner
+    would trust a ratio of draft to target cost the machine no longer has. So
+    each target pass and each draft step the engine runs is divided by the
+    table's figure for its batch size and width, and the median of the last
+    `RUNNING_WINDOW` such ratios, per model, scales what the table says. A
+    median ignores a burst of load; a lasting change moves it within a window.
+
+    A draft step is timed whole: its forward, and the warping and sampling that
+    every draft pays too. A target pass is timed over its forward only, the
+    part the table measures. On a GPU the forward runs asynchronously, and
+    timing it would cost a synchronisation per step: there the engine does not
+    observe, and the table stands as measured.
+    """
+
+    def __init__(self, table: CostTable, window: int | None = None) -> None:
+        self.table = table
+        self.window = RUNNING_WINDOW if window is None else window
+        # Per model, the latest ratios of observed to measured seconds, oldest first.
+        self.ratios: dict[str, list[float]] = {"target": [], "draft": []}
+        self._medians: dict[str, float | None] = {"target": None, "draft": None}
+
+    @property
+    def target_scale(self) -> float:
+        """Observed / measured seconds of a target pass; 1 until enough passes were timed."""
+        median = self._medians["target"]
+        return 1.0 if median is None else median
+
+    @property
+    def draft_scale(self) -> float:
+        """Observed / measured seconds of a draft step. Until enough steps were timed, the target's
+        scale: a machine that got slower slows both, and a planner that stopped drafting would
+        otherwise keep the draft's stale figure against the target's fresh one."""
+        median = self._medians["draft"]
+        return self.target_scale if median is None else median
+
+    def target_seconds(self, batch_size: int, width: int) -> float:
+        return self.table.target_seconds(batch_size, width) * self.target_scale
+
+    def draft_seconds(self, batch_size: int) -> float:
+        return self.table.draft_seconds(batch_size) * self.draft_scale
+
+    def observe_target(self, batch_size: int, width: int, seconds: float) -> None:
+        """One target forward of `width` new tokens per row over `batch_size` rows took `seconds`."""
+        self._observe("target", seconds / self.table.target_seconds(batch_size, width))
+
+    def observe_draft(self, batch_size: int, num_steps: int, seconds: float) -> None:
+        """`num_steps` draft steps over `batch_size` rows took `seconds` in all."""
+        if num_steps > 0:
+            self._observe("draft", seconds / (num_steps * self.table.draft_seconds(batch_size)))
+
+    def _observe(self, model: str, ratio: float) -> None:
+        """Adds a ratio of observed to measured seconds to the model's window."""
+        ratios = self.ratios[model]
+        ratios.append(min(max(ratio, 1.0 / MAX_SCALE), MAX_SCALE))
+        del ratios[: -self.window]
+        if len(ratios) >= MIN_OBSERVATIONS:
+            self._medians[model] = statistics.median(ratios)
+
+    def format(self) -> str:
+        return (
+            f"{self.table.format()}\nrunning correction (observed / measured): "
+            f"target x{self.target_scale:.2f}, draft x{self.draft_scale:.2f}"
         )
 
 

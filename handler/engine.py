@@ -50,6 +50,7 @@ from handler.adaptive import (
 )
 from handler.config import SPECULATIVE_TREE_MODES, HandlerConfig, SamplingParams
 from handler.constraints import Constraint, RowGrammar, compiler_for
+from handler.cost_table import RunningCostTable
 from handler.drafters import DRAFTERS, HYBRID, MODEL, MODEL_FREE, NGRAM, NO_LOOKUP, SUFFIX, Lookup
 from handler.drafters.hybrid import Candidate, choose
 from handler.drafters.model import ModelDrafter, Proposal
@@ -409,6 +410,7 @@ class SpeculativeEngine:
         suffix_estimate: str = "tree",
         speculative_tree: str = "auto",
         draft_confidence: bool = False,
+        running_costs: bool = True,
     ) -> None:
         """
         Args:
@@ -435,6 +437,8 @@ class SpeculativeEngine:
             draft_confidence: with a cost table, the draft model drafts up to its rows' k and stops
                 where the draft's calibrated confidence says one more draft does not pay
                 (`handler.adaptive.ConfidenceStop`); False: it drafts the planned k.
+            running_costs: on a CPU, rescale the cost table by the passes the engine times
+                (`handler.cost_table.RunningCostTable`); False: the table stands as given.
         """
         assert suffix_estimate in SUFFIX_ESTIMATES, suffix_estimate
         assert speculative_tree in SPECULATIVE_TREE_MODES, speculative_tree
@@ -445,6 +449,8 @@ class SpeculativeEngine:
         self.device = next(target.parameters()).device
         self.vocab_size = target.config.get_text_config().vocab_size
         self.cost_table = cost_table
+        if cost_table is not None and running_costs and self.device.type == "cpu":
+            self.cost_table = RunningCostTable(cost_table)
         self.prefix_cache, draft_prefix_cache = None, None
         if prefix_cache_max_bytes is not None:
             # Split in proportion to each model's KV bytes per token: both then hold about as many tokens.
@@ -537,6 +543,14 @@ class SpeculativeEngine:
     def suffix_tree_stats(self) -> SuffixTreeStats:
         """The size of the suffix drafter's tree of recent outputs, shared across requests."""
         return self.suffix_drafter.stats
+
+    @property
+    def cost_scales(self) -> tuple[float, float] | None:
+        """(target, draft): the passes timed while serving over the cost table's figures; None
+        where the table stands as given (no table, a GPU, or `running_costs` off)."""
+        if not isinstance(self.cost_table, RunningCostTable):
+            return None
+        return self.cost_table.target_scale, self.cost_table.draft_scale
 
     @property
     def draft(self):
@@ -1090,6 +1104,7 @@ class SpeculativeEngine:
         model_slots = [slot for slot in range(batch_size) if uses_model[slot] and step_ks[slot] > 0]
         drafted, model_drafts = {}, {}
         if model_slots:
+            started = time.perf_counter()
             proposals = self.model_drafter.propose(
                 {
                     rows[slot].request_id: (
@@ -1110,6 +1125,10 @@ class SpeculativeEngine:
                 with_confidence=self.cost_table is not None,
             )
             by_slot = {slot: proposals[rows[slot].request_id] for slot in model_slots}
+            if isinstance(self.cost_table, RunningCostTable):
+                # Every row of the draft's batch drafts as many tokens, one forward each.
+                num_steps = len(by_slot[model_slots[0]].token_ids)
+                self.cost_table.observe_draft(self.model_drafter.num_rows, num_steps, time.perf_counter() - started)
             for slot, proposal in by_slot.items():
                 rows[slot].end_drafting()
                 step_ks[slot] = num = min(step_ks[slot], len(proposal.token_ids))
@@ -1154,7 +1173,10 @@ class SpeculativeEngine:
             ]
             tree = chunk_attention(parents, k)
         if logits is None:
+            started = time.perf_counter()
             logits = self.target_cache.forward(input_ids, chunk_mask, logits_to_keep=k + 1, tree=tree)  # [b, k+1, v']
+            if isinstance(self.cost_table, RunningCostTable):
+                self.cost_table.observe_target(batch_size, k + 1, time.perf_counter() - started)
         else:
             assert k == 0 and logits.shape[:2] == (batch_size, 1), (k, logits.shape)
         logits = logits[..., : self.vocab_size]

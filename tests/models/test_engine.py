@@ -300,6 +300,30 @@ def test_adaptive_k_is_still_exact_and_falls_back_when_the_draft_is_useless(tiny
     assert result.stats.target_forward_passes <= 41 // 5 + 3
 
 
+def test_the_engine_rescales_its_cost_table_by_the_passes_it_times(tiny_pair):
+    """A table that says a target pass takes a second: the tiny models' passes pull its scale down."""
+    from handler.cost_table import MAX_SCALE, MIN_OBSERVATIONS, CostTable, RunningCostTable
+
+    target, draft, tokenizer = tiny_pair
+    # The draft looks cheap enough to draft at every step.
+    slow = CostTable(widths=(1, 8), batch_sizes=(1, 2), target=((1.0, 1.0), (1.0, 1.0)), draft=(0.01, 0.01))
+    engine = make_engine(target, draft, tokenizer, cost_table=slow)
+    assert isinstance(engine.cost_table, RunningCostTable) and engine.cost_table.table is slow
+    requests = [GenerationRequest(encode(tokenizer, prompt), 30, GREEDY, 4) for prompt in PROMPTS[:2]]
+    results = engine.generate(requests)
+    for request, result in zip(requests, results):
+        assert result.token_ids == reference_greedy(target, request.prompt_ids, 30)
+    assert len(engine.cost_table.ratios["target"]) >= MIN_OBSERVATIONS
+    assert len(engine.cost_table.ratios["draft"]) >= MIN_OBSERVATIONS
+    assert engine.cost_table.target_scale == 1.0 / MAX_SCALE
+    assert engine.cost_table.target_seconds(1, 1) == pytest.approx(1.0 / MAX_SCALE)
+    assert engine.cost_scales == (engine.cost_table.target_scale, engine.cost_table.draft_scale)
+
+    fixed = make_engine(target, draft, tokenizer, cost_table=slow, running_costs=False)
+    fixed.generate(requests)
+    assert fixed.cost_table is slow and fixed.cost_scales is None
+
+
 def test_the_confidence_stop_is_exact_and_drafts_as_far_as_confidence_pays(tiny_pair):
     """The draft model stops where its calibrated confidence says so: greedy output unchanged, alone and
     beside look-ups and seeded rows, and chains of several lengths under one cap."""

@@ -1,4 +1,5 @@
-"""The cost table: grid, interpolation, JSON round trip, and the cache that re-measures on a stale key."""
+"""The cost table: grid, interpolation, JSON round trip, the cache that re-measures on a stale key,
+and the running correction from the passes the engine times."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import json
 
 import pytest
 
-from handler.cost_table import CostTable, _cache_path, sparse_grid
+from handler.adaptive import plan_step_k
+from handler.cost_table import MAX_SCALE, MIN_OBSERVATIONS, CostTable, RunningCostTable, _cache_path, sparse_grid
 
 # Batch 1 and 4; widths 1, 2, 4: verification costs grow with width and batch.
 TABLE = CostTable(
@@ -74,3 +76,50 @@ def test_noisy_measurements_are_made_monotone_without_letting_one_spike_set_the_
     assert _isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     assert _isotonic([1.0, 5.0, 2.0, 3.0, 6.0]) == pytest.approx([1.0, 10 / 3, 10 / 3, 10 / 3, 6.0])
     assert _isotonic([3.0, 1.0]) == [2.0, 2.0]
+
+
+def test_the_running_table_starts_as_measured_and_follows_the_median_of_what_it_observes():
+    running = RunningCostTable(TABLE, window=9)
+    for _ in range(MIN_OBSERVATIONS - 1):
+        running.observe_target(1, 2, 0.24)  # twice the table's 0.12
+    assert running.target_seconds(1, 2) == pytest.approx(0.12), "too few passes to overrule the table"
+    running.observe_target(4, 4, 0.80)  # twice again, at another batch and width
+    assert running.target_scale == pytest.approx(2.0)
+    assert running.target_seconds(1, 3) == pytest.approx(0.32)  # the whole table scales
+    # Until the draft's own steps are timed, it is taken to have slowed as the target did.
+    assert running.draft_seconds(1) == pytest.approx(0.04)
+    running.observe_target(1, 1, 5.0)  # one burst of load: the median ignores it
+    assert running.target_scale == pytest.approx(2.0)
+    for _ in range(9):
+        running.observe_target(1, 1, 0.05)  # a lasting change: the window forgets the old passes
+    assert running.target_scale == pytest.approx(0.5)
+    for _ in range(MIN_OBSERVATIONS):
+        running.observe_draft(1, 1, 0.02)  # the draft's own steps: as measured
+    assert running.draft_scale == pytest.approx(1.0)
+
+
+def test_the_running_table_times_draft_steps_per_step_and_clamps_its_scale():
+    running = RunningCostTable(TABLE)
+    for _ in range(MIN_OBSERVATIONS):
+        running.observe_draft(4, 3, 3 * 0.05 * 1.5)  # three steps of batch 4, each 1.5x the table's
+    assert running.draft_scale == pytest.approx(1.5)
+    assert running.draft_seconds(4) == pytest.approx(0.075)
+    running.observe_draft(1, 0, 1.0)  # no step: nothing to learn
+    assert running.draft_scale == pytest.approx(1.5)
+    for _ in range(64):
+        running.observe_target(1, 1, 1e3)
+    assert running.target_scale == MAX_SCALE
+
+
+def test_a_draft_slower_than_measured_stops_the_plan_from_drafting():
+    """The table measured the draft at a fast moment; the passes the engine times correct the plan."""
+    table = CostTable(widths=(1, 8), batch_sizes=(1,), target=((0.10, 0.12),), draft=(0.02,))
+    running = RunningCostTable(table)
+    acceptance = [0.5]
+    assert plan_step_k(acceptance, [4], running, model_max_k=4) > 0
+    for _ in range(MIN_OBSERVATIONS):
+        running.observe_draft(1, 4, 4 * 0.06)  # each step took 3x the table's figure
+        running.observe_target(1, 5, running.table.target_seconds(1, 5))
+    assert running.draft_scale == pytest.approx(3.0)
+    assert running.target_scale == pytest.approx(1.0)
+    assert plan_step_k(acceptance, [4], running, model_max_k=4) == 0
