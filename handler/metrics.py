@@ -53,6 +53,8 @@ GAUGES = {
     "SpecPrefixCacheBytes": "KV bytes the prefix cache holds (both models)",
     "SpecSuffixTreeRequests": "completions held in the suffix drafter's tree shared across requests",
     "SpecSuffixTreeTokens": "tokens of the completions held in the suffix drafter's shared tree",
+    "SpecTargetCostPercent": "a target pass's time as a percent of the start-up cost table's (CPU; 100: as measured)",
+    "SpecDraftCostPercent": "a draft step's time as a percent of the start-up cost table's (CPU; 100: as measured)",
 }
 HISTOGRAMS = {
     "SpecRequestLatencySeconds": "handler time from the request's arrival to its last token",
@@ -72,6 +74,9 @@ LABELLED_COUNTERS = {
 COUNT_UNIT = "Count"
 SECONDS_UNIT = "Seconds"
 BYTES_UNIT = "Bytes"
+PERCENT_UNIT = "Percent"
+# The cost gauges go out when either moved by this many points since they last went out.
+COST_PERCENT_STEP = 5.0
 
 
 class MetricsRecorder:
@@ -157,6 +162,11 @@ class MetricsRecorder:
         self._add("SpecSuffixTreeRequests", num_requests, COUNT_UNIT, MetricTypes.GAUGE)
         self._add("SpecSuffixTreeTokens", num_tokens, COUNT_UNIT, MetricTypes.GAUGE)
 
+    def record_cost_scales(self, target_percent: float, draft_percent: float) -> None:
+        """The planner's running correction of its cost table (`handler.cost_table.RunningCostTable`)."""
+        self._add("SpecTargetCostPercent", round(target_percent, 1), PERCENT_UNIT, MetricTypes.GAUGE)
+        self._add("SpecDraftCostPercent", round(draft_percent, 1), PERCENT_UNIT, MetricTypes.GAUGE)
+
     def record_batch_occupancy(self, num_requests: int) -> None:
         self._add("SpecBatchOccupancy", num_requests, COUNT_UNIT, MetricTypes.GAUGE)
 
@@ -231,3 +241,22 @@ class SuffixTreeTally:
         if stats != self.last:
             metrics.record_suffix_tree(stats.num_requests, stats.num_tokens)
             self.last = stats
+
+
+class CostScaleTally:
+    """Sends the planner's cost correction when it moved by `COST_PERCENT_STEP` points or more.
+
+    Where the table stands as measured (no table, or a GPU), nothing is sent.
+    """
+
+    def __init__(self) -> None:
+        self.last: tuple[float, float] | None = None
+
+    def record(self, metrics: MetricsRecorder, scales: tuple[float, float] | None) -> None:
+        """Args: scales: `SpeculativeEngine.cost_scales`, (target, draft) observed / measured, or None."""
+        if scales is None:
+            return
+        percents = (100.0 * scales[0], 100.0 * scales[1])
+        if self.last is None or max(abs(new - old) for new, old in zip(percents, self.last)) >= COST_PERCENT_STEP:
+            metrics.record_cost_scales(*percents)
+            self.last = percents

@@ -27,7 +27,7 @@ from handler.cost_table import measure_cost_table
 from handler.engine import SpeculativeEngine
 from handler.loading import load_models
 from handler.memory_budget import describe, prefix_cache_budget
-from handler.metrics import MetricsRecorder, PrefixCacheTally, SuffixTreeTally
+from handler.metrics import CostScaleTally, MetricsRecorder, PrefixCacheTally, SuffixTreeTally
 from handler.serving import ContinuousBatcher, Reply, StaticBatch, parse_entry
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class SpeculativeHandler(BaseHandler):
         )
         self.prefix_cache_tally = PrefixCacheTally()
         self.suffix_tree_tally = SuffixTreeTally()
+        self.cost_scale_tally = CostScaleTally()
         # The grammar engine's view of the vocabulary (about 1 s for 150k tokens), built now
         # rather than inside the first structured request while the batch waits.
         compiler_for(self.models.tokenizer, self.config.grammar_compile_timeout_s)
@@ -97,10 +98,11 @@ class SpeculativeHandler(BaseHandler):
         else:
             replies = self.static_batch.run(self.preprocess(data), self._send_chunk, metrics)
         # The cache's counters move at admission and its bytes when requests leave, the suffix tree
-        # with every step: once per call covers every step (one per call in continuous batching,
+        # and the cost correction with every step: once per call covers every step (one per call in continuous batching,
         # the whole batch otherwise).
         self.prefix_cache_tally.record(metrics, self.engine.prefix_cache_stats)
         self.suffix_tree_tally.record(metrics, self.engine.suffix_tree_stats)
+        self.cost_scale_tally.record(metrics, self.engine.cost_scales)
         return self._answer(replies)
 
     def preprocess(self, data):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from handler.drafters.suffix import SuffixTreeStats
 from handler.engine import SpeculativeStats
-from handler.metrics import DRAFTER_DIMENSION, MetricsRecorder, PrefixCacheTally, SuffixTreeTally
+from handler.metrics import DRAFTER_DIMENSION, CostScaleTally, MetricsRecorder, PrefixCacheTally, SuffixTreeTally
 from handler.prefix_cache import PrefixCacheStats
 
 
@@ -103,6 +103,26 @@ def test_the_suffix_tree_gauges_go_out_when_the_shared_tree_changes():
     assert [(name, value) for name, value, _ in cache.calls] == [
         ("SpecSuffixTreeRequests", 2),
         ("SpecSuffixTreeTokens", 70),
+    ]
+
+
+def test_the_cost_gauges_go_out_when_the_correction_moves_by_a_few_points():
+    tally, cache = CostScaleTally(), RecordingCache()
+    recorder = MetricsRecorder(cache)
+    tally.record(recorder, None)
+    assert cache.calls == [], "a table that stands as measured: no gauge"
+    tally.record(recorder, (1.0, 1.0))
+    assert [(name, value) for name, value, _ in cache.calls] == [
+        ("SpecTargetCostPercent", 100.0),
+        ("SpecDraftCostPercent", 100.0),
+    ]
+    cache.calls.clear()
+    tally.record(recorder, (1.02, 0.98))
+    assert cache.calls == [], "within a few points: nothing sent"
+    tally.record(recorder, (1.02, 1.6))
+    assert [(name, value) for name, value, _ in cache.calls] == [
+        ("SpecTargetCostPercent", 102.0),
+        ("SpecDraftCostPercent", 160.0),
     ]
 
 
