@@ -43,13 +43,16 @@ Rows (--methods): `hf_target_only` (the baseline), `hf_prompt_lookup` (10
 tokens), this engine with the `model`, `ngram`, `suffix` and `hybrid` drafters
 (k and look-ups as the config sets them, planned from a cost table measured at
 start for one row when the config has adaptive_k), `shipped`: the engine as the
-config ships it but for its prefix cache, and `shipped_prefix_cache`: the same
-with the config's prefix cache too. Every run of an engine row gets a fresh
-engine: the suffix drafter's trees (and in the last row the prefix cache) learn
-from this trace alone, in order. Every row but the last has no prefix cache and
-pays each prompt's whole prefill, as `generate` does; the last shows what a
-server with the shipped config saves on a trace whose requests share their
-system prompts, tools and histories. Each request is timed from
+config ships it but for its prefix cache, `shipped_prefix_cache`: the same
+with the config's prefix cache too, and `shipped_fixed_costs`: that again with
+the cost table as measured at start, without the engine's running correction
+(--draft-cost-skew F multiplies the table's draft step by F, as a start-up at a
+busy moment would read it, to show what the correction recovers). Every run of
+an engine row gets a fresh engine: the suffix drafter's trees (and in the last
+two rows the prefix cache) learn from this trace alone, in order. Every other
+row has no prefix cache and pays each prompt's whole prefill, as `generate`
+does; the last two show what a server with the shipped config saves on a trace
+whose requests share their system prompts, tools and histories. Each request is timed from
 submission to its result; a run's tokens/s is its completion tokens over its
 seconds; medians of --runs runs, the order of the rows rotated each run. Greedy
 outputs are compared with HF target-only's (with the reference pass's when
@@ -64,7 +67,7 @@ agentic.md (the table).
 
 With the defaults a run of the target-only row is 14 requests of up to 64
 tokens: about 3-4 minutes at the demo pair's 4-5 tokens/s on a 2-core CPU, and
-the whole benchmark (the reference pass, then 11 rows x 3 runs, most engine rows
+the whole benchmark (the reference pass, then 12 rows x 3 runs, most engine rows
 about 1.5 minutes a run) about an hour.
 """
 
@@ -83,7 +86,7 @@ import time
 import yaml
 
 from handler.config import handler_config_from_yaml_config
-from handler.cost_table import measure_cost_table
+from handler.cost_table import CostTable, measure_cost_table
 from handler.engine import DRAFTER_HYBRID, DRAFTER_MODEL, DRAFTER_NGRAM, GenerationRequest, SpeculativeEngine
 from handler.loading import load_models
 from scripts import bench
@@ -97,13 +100,17 @@ BASELINE, SHIPPED = "hf_target_only", "shipped"
 # The shipped config with its prefix cache as the config sets it: the only row that reuses the KV of
 # earlier requests' prompts and answers (every other row pays each prompt's whole prefill).
 SHIPPED_CACHED = "shipped_prefix_cache"
+# The same, but planning from the cost table as measured at start, without the running correction
+# (`handler.cost_table.RunningCostTable`): what the correction brings, or costs.
+SHIPPED_FIXED = "shipped_fixed_costs"
+CACHED_ROWS = (SHIPPED_CACHED, SHIPPED_FIXED)
 HF_ROWS = (BASELINE, "hf_prompt_lookup")
 DRAFTER_ROWS = (DRAFTER_MODEL, DRAFTER_NGRAM, DRAFTER_SUFFIX, DRAFTER_HYBRID)
 # The look-up drafters with speculative_tree off: chains only, beside their rows with trees.
 CHAIN_SUFFIX = "_chain"
 CHAIN_ROWS = tuple(f"{drafter}{CHAIN_SUFFIX}" for drafter in (DRAFTER_NGRAM, DRAFTER_SUFFIX, DRAFTER_HYBRID))
-ROWS = (*HF_ROWS, *DRAFTER_ROWS, *CHAIN_ROWS, SHIPPED, SHIPPED_CACHED)
-SHIPPED_ROWS = (SHIPPED, SHIPPED_CACHED)
+ROWS = (*HF_ROWS, *DRAFTER_ROWS, *CHAIN_ROWS, SHIPPED, *CACHED_ROWS)
+SHIPPED_ROWS = (SHIPPED, *CACHED_ROWS)
 # The rows `shipped` is compared with: the drafters a config could ship before the suffix drafter.
 SHIPPED_ALTERNATIVES = (DRAFTER_MODEL, DRAFTER_NGRAM, DRAFTER_HYBRID)
 HF_PROMPT_LOOKUP_TOKENS = 10
@@ -570,11 +577,20 @@ def row_methods(keys: list[str], config) -> list[bench.Method]:
                 label += ", chains only (speculative_tree off)"
             elif drafter != DRAFTER_MODEL and config.speculative_tree == "auto":
                 label += ", trees"
-            if key == SHIPPED_CACHED:
+            if key in CACHED_ROWS:
                 label += ", prefix cache " + ("on" if config.prefix_cache else "off (as the config sets it)")
+            if key == SHIPPED_FIXED:
+                label += ", costs as measured at start (no running correction)"
             method = dataclasses.replace(method, drafter=drafter, label=label)
         methods.append(method)
     return methods
+
+
+def skew_draft(table: CostTable, factor: float) -> CostTable:
+    """The table with its draft step `factor` times as long: a start-up measured at a busy moment."""
+    if table.draft is None:
+        return table
+    return dataclasses.replace(table, draft=tuple(seconds * factor for seconds in table.draft))
 
 
 def run_engine(engine: SpeculativeEngine, method: bench.Method, requests: list[GenerationRequest]) -> dict:
@@ -602,7 +618,14 @@ def run_engine(engine: SpeculativeEngine, method: bench.Method, requests: list[G
                 total[name] += value
     stats = engine.prefix_cache_stats
     prefix = None if stats is None else {"prompt_tokens": stats.queries, "cached_tokens": stats.hits}
-    return {"run": run, "by_drafter": by_drafter, "trees": trees, "prefix_cache": prefix}
+    return {
+        "run": run,
+        "by_drafter": by_drafter,
+        "trees": trees,
+        "prefix_cache": prefix,
+        # The running correction at the end of the trace: (target, draft) observed / measured.
+        "cost_scales": engine.cost_scales,
+    }
 
 
 def measure(methods: list[bench.Method], trace: Trace, runner: bench.Runner, new_engine, args) -> dict[str, list]:
@@ -613,7 +636,8 @@ def measure(methods: list[bench.Method], trace: Trace, runner: bench.Runner, new
         shift = index % len(methods)
         for method in methods[shift:] + methods[:shift]:
             if method.is_engine:
-                record = run_engine(new_engine(method.key == SHIPPED_CACHED), method, trace.requests)
+                engine = new_engine(method.key in CACHED_ROWS, running_costs=method.key != SHIPPED_FIXED)
+                record = run_engine(engine, method, trace.requests)
             else:
                 record = {"run": runner.run(method, prompts_ids, args.max_new_tokens), "by_drafter": None}
             runs[method.key].append(record)
@@ -658,6 +682,7 @@ def summarize(methods: list[bench.Method], runs: dict[str, list[dict]], referenc
                     "by_drafter": r["by_drafter"],
                     "trees": r.get("trees"),
                     "prefix_cache": r.get("prefix_cache"),
+                    "cost_scales": r.get("cost_scales"),
                 }
                 for r in records
             ],
@@ -693,7 +718,7 @@ def markdown(report: dict) -> str:
         f"{s['max_new_tokens']} new tokens, greedy, one request at a time. Each request is timed from submission to "
         f"its result (prefill included); tokens/s = completion tokens / seconds over the trace, median of "
         f"{s['runs']} run(s), row order rotated each run; a fresh engine per run, prefix cache off "
-        f"(but in the {SHIPPED_CACHED} row, which has the config's).",
+        f"(but in the {' and '.join(CACHED_ROWS)} rows, which have the config's).",
         "",
         "| row | tokens/s (median) | x target-only | tokens per target pass | acceptance "
         f"| same output as {baseline} |",
@@ -712,6 +737,20 @@ def markdown(report: dict) -> str:
     if versus is not None:
         alternatives = ", ".join(key for key in SHIPPED_ALTERNATIVES if key in rows)
         lines += ["", f"shipped / best of {alternatives} ({versus['best']}): {versus['ratio']:.2f}x."]
+    if s.get("draft_cost_skew", 1.0) != 1.0:
+        lines += [
+            "",
+            f"The start-up cost table's draft step was multiplied by {s['draft_cost_skew']:g} (--draft-cost-skew).",
+        ]
+    if SHIPPED_FIXED in rows and SHIPPED_CACHED in rows:
+        ratio = rows[SHIPPED_CACHED]["tokens_per_second"] / rows[SHIPPED_FIXED]["tokens_per_second"]
+        scales = [r["cost_scales"] for r in rows[SHIPPED_CACHED]["runs"] if r["cost_scales"] is not None]
+        shown = ", ".join(f"target x{target:.2f} draft x{draft:.2f}" for target, draft in scales) or "none (no table)"
+        lines += [
+            "",
+            f"{SHIPPED_CACHED} / {SHIPPED_FIXED} (the running cost correction): {ratio:.2f}x; "
+            f"its correction at the end of each run: {shown}.",
+        ]
     if SHIPPED_CACHED in rows:
         prefix = rows[SHIPPED_CACHED]["runs"][0]["prefix_cache"]
         if prefix is not None and prefix["prompt_tokens"]:
@@ -753,6 +792,13 @@ def parse_args(argv):
         choices=["tree", "tracker"],
         help="how the planner estimates a suffix look-up's acceptance (default: the engine's)",
     )
+    parser.add_argument(
+        "--draft-cost-skew",
+        type=float,
+        default=1.0,
+        help="multiply the start-up cost table's draft step by this, as a table measured while something else ran "
+        "would read it: shows what the running correction recovers (default 1: as measured)",
+    )
     parser.add_argument("--out-dir", default="bench_results")
     args = parser.parse_args(argv)
     args.methods = [key.strip() for key in args.methods.split(",") if key.strip()]
@@ -761,6 +807,8 @@ def parse_args(argv):
         parser.error(f"--methods: unknown row {', '.join(unknown) or '(none given)'}; choose from {', '.join(ROWS)}")
     if args.requests < len(FAMILIES):
         parser.error(f"--requests must be at least {len(FAMILIES)}: one request per family")
+    if args.draft_cost_skew <= 0:
+        parser.error("--draft-cost-skew must be positive")
     if min(args.runs, args.max_new_tokens) < 1:
         parser.error("--runs and --max-new-tokens must be at least 1")
     return args
@@ -781,12 +829,18 @@ def main(argv=None) -> int:
         widest = max(config.max_num_speculative_tokens, config.prompt_lookup_num_tokens) + 1
         cost_table = measure_cost_table(models.target, models.draft, max_width=widest, max_batch_size=1)
         print("Cost table, measured at start:\n" + cost_table.format(), flush=True)
+        if args.draft_cost_skew != 1.0:
+            cost_table = skew_draft(cost_table, args.draft_cost_skew)
+            print(f"Draft step multiplied by {args.draft_cost_skew:g} (--draft-cost-skew)", flush=True)
     options = {} if args.suffix_estimate is None else {"suffix_estimate": args.suffix_estimate}
 
-    def new_engine(prefix_cache: bool = False) -> SpeculativeEngine:
-        """A fresh engine; with `prefix_cache`, the config's own prefix cache (its budget), else none."""
+    def new_engine(prefix_cache: bool = False, running_costs: bool = True) -> SpeculativeEngine:
+        """A fresh engine; with `prefix_cache`, the config's own prefix cache (its budget), else none;
+        `running_costs`: the engine's running correction of the cost table (its default) or none."""
         cache = {} if prefix_cache else {"prefix_cache_max_bytes": None}
-        return SpeculativeEngine.from_config(models, config, cost_table, **cache, **options)
+        return SpeculativeEngine.from_config(
+            models, config, cost_table, running_costs=running_costs, **cache, **options
+        )
 
     methods = row_methods(args.methods, config)
     reference_engine = new_engine()
@@ -821,6 +875,7 @@ def main(argv=None) -> int:
             "adaptive_k": config.adaptive_k,
             "prompt_lookup_num_tokens": config.prompt_lookup_num_tokens,
             "suffix_estimate": args.suffix_estimate,
+            "draft_cost_skew": args.draft_cost_skew,
             "speculative_tree": config.speculative_tree,
             "trees_verified": reference_engine.trees,
         },

@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from handler.cost_table import CostTable
 from scripts import bench_agentic
 from tests.conftest import REPO_ROOT
 
@@ -90,6 +91,14 @@ def test_unknown_rows_and_too_few_requests_are_refused():
     assert bench_agentic.parse_args([]).methods == list(bench_agentic.ROWS)
 
 
+def test_the_draft_skew_multiplies_the_draft_step_alone():
+    table = CostTable(widths=(1, 2), batch_sizes=(1, 2), target=((0.1, 0.12), (0.15, 0.2)), draft=(0.02, 0.03))
+    skewed = bench_agentic.skew_draft(table, 2.5)
+    assert skewed.target == table.target and skewed.draft == pytest.approx((0.05, 0.075))
+    lookups_only = CostTable(widths=(1,), batch_sizes=(1,), target=((0.1,),))
+    assert bench_agentic.skew_draft(lookups_only, 2.5) is lookups_only
+
+
 def _run(tiny_models_dir, out, *args: str) -> dict:
     bench_agentic.main(
         [
@@ -128,11 +137,16 @@ def test_bench_agentic_reports_every_row_with_the_target_only_output(tiny_models
             if key in bench_agentic.CHAIN_ROWS:
                 assert run["trees"]["steps"] == 0, key
             assert row["tokens_per_pass"] >= 1
-            # Only the last row has a prefix cache; the trace's requests share their system prompts.
-            if key == bench_agentic.SHIPPED_CACHED:
+            # Only the last two rows have a prefix cache; the trace's requests share their system prompts.
+            if key in bench_agentic.CACHED_ROWS:
                 assert 0 < run["prefix_cache"]["cached_tokens"] < run["prefix_cache"]["prompt_tokens"], run
             else:
                 assert run["prefix_cache"] is None, key
+            # The config plans from a cost table, which every engine but one corrects as it runs.
+            if key == bench_agentic.SHIPPED_FIXED:
+                assert run["cost_scales"] is None
+            else:
+                assert len(run["cost_scales"]) == 2 and min(run["cost_scales"]) > 0, (key, run["cost_scales"])
         else:
             assert run["target_passes"] == 0 and row["tokens_per_pass"] is None, key
     assert rows["hf_target_only"]["vs_target_only"] == 1.0
@@ -140,6 +154,7 @@ def test_bench_agentic_reports_every_row_with_the_target_only_output(tiny_models
     table = (tmp_path / "all" / "agentic.md").read_text()
     assert "| row | tokens/s (median) | x target-only |" in table and "shipped / best of" in table
     assert "came from the prefix cache" in table
+    assert f"{bench_agentic.SHIPPED_CACHED} / {bench_agentic.SHIPPED_FIXED} (the running cost correction)" in table
     for key in bench_agentic.ROWS:
         assert f"| {key}: " in table, key
     assert table in capsys.readouterr().out
@@ -148,7 +163,9 @@ def test_bench_agentic_reports_every_row_with_the_target_only_output(tiny_models
     again = _run(tiny_models_dir, tmp_path / "again", "--methods", "hf_target_only")
     assert again["trace"]["requests"] == requests
     assert list(again["rows"]) == ["hf_target_only"] and again["shipped_vs_best"] is None
-    other = _run(tiny_models_dir, tmp_path / "other", "--methods", "ngram", "--seed", "8")
+    other = _run(tiny_models_dir, tmp_path / "other", "--methods", "ngram", "--seed", "8", "--draft-cost-skew", "2")
+    assert other["settings"]["draft_cost_skew"] == 2.0
+    assert "draft step was multiplied by 2" in (tmp_path / "other" / "agentic.md").read_text()
     assert [r["new_messages"] for r in other["trace"]["requests"]] != [r["new_messages"] for r in requests]
     # Without the HF baseline, outputs are compared with the reference pass.
     assert other["rows"]["ngram"]["same_output"] == NUM_TINY_REQUESTS
