@@ -171,6 +171,14 @@ class RunningCostTable:
     `RUNNING_WINDOW` such ratios, per model, scales what the table says. A
     median ignores a burst of load; a lasting change moves it within a window.
 
+    The table's shape is corrected too, width by width. Its fit makes a wider
+    pass never cheaper, against noise at start-up; but some kernels are
+    cheaper at some widths (on one AVX512 CPU, bf16 with packed weights: 168 ms
+    over 2 tokens, 130 ms over 5). So each (batch size, width) the engine runs
+    keeps its own median of observed / expected, the expected being the
+    table's figure times the model's scale of the moment: a machine that slows
+    down as a whole moves the scale, and the shape stays.
+
     A draft step is timed whole: its forward, and the warping and sampling that
     every draft pays too. A target pass is timed over its forward only, the
     part the table measures. On a GPU the forward runs asynchronously, and
@@ -184,6 +192,10 @@ class RunningCostTable:
         # Per model, the latest ratios of observed to measured seconds, oldest first.
         self.ratios: dict[str, list[float]] = {"target": [], "draft": []}
         self._medians: dict[str, float | None] = {"target": None, "draft": None}
+        # Per (batch size, width): the latest target passes' seconds over the scaled table's, and
+        # their median once there are enough.
+        self.shapes: dict[tuple[int, int], list[float]] = {}
+        self._shape_medians: dict[tuple[int, int], float] = {}
 
     @property
     def target_scale(self) -> float:
@@ -200,14 +212,20 @@ class RunningCostTable:
         return self.target_scale if median is None else median
 
     def target_seconds(self, batch_size: int, width: int) -> float:
-        return self.table.target_seconds(batch_size, width) * self.target_scale
+        shape = self._shape_medians.get((batch_size, width), 1.0)
+        return self.table.target_seconds(batch_size, width) * self.target_scale * shape
 
     def draft_seconds(self, batch_size: int) -> float:
         return self.table.draft_seconds(batch_size) * self.draft_scale
 
     def observe_target(self, batch_size: int, width: int, seconds: float) -> None:
         """One target forward of `width` new tokens per row over `batch_size` rows took `seconds`."""
-        self._observe("target", seconds / self.table.target_seconds(batch_size, width))
+        ratio = seconds / self.table.target_seconds(batch_size, width)
+        key = (batch_size, width)
+        shape = _windowed(self.shapes.setdefault(key, []), ratio / self.target_scale, self.window)
+        if shape is not None:
+            self._shape_medians[key] = shape
+        self._observe("target", ratio)
 
     def observe_draft(self, batch_size: int, num_steps: int, seconds: float) -> None:
         """`num_steps` draft steps over `batch_size` rows took `seconds` in all."""
@@ -216,17 +234,23 @@ class RunningCostTable:
 
     def _observe(self, model: str, ratio: float) -> None:
         """Adds a ratio of observed to measured seconds to the model's window."""
-        ratios = self.ratios[model]
-        ratios.append(min(max(ratio, 1.0 / MAX_SCALE), MAX_SCALE))
-        del ratios[: -self.window]
-        if len(ratios) >= MIN_OBSERVATIONS:
-            self._medians[model] = statistics.median(ratios)
+        median = _windowed(self.ratios[model], ratio, self.window)
+        if median is not None:
+            self._medians[model] = median
 
     def format(self) -> str:
         return (
             f"{self.table.format()}\nrunning correction (observed / measured): "
             f"target x{self.target_scale:.2f}, draft x{self.draft_scale:.2f}"
         )
+
+
+def _windowed(ratios: list[float], ratio: float, window: int) -> float | None:
+    """Appends `ratio` (clamped to MAX_SCALE either way), keeps the last `window`; returns their
+    median, or None while they are fewer than MIN_OBSERVATIONS."""
+    ratios.append(min(max(ratio, 1.0 / MAX_SCALE), MAX_SCALE))
+    del ratios[:-window]
+    return statistics.median(ratios) if len(ratios) >= MIN_OBSERVATIONS else None
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

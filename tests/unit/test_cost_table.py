@@ -123,3 +123,22 @@ def test_a_draft_slower_than_measured_stops_the_plan_from_drafting():
     assert running.draft_scale == pytest.approx(3.0)
     assert running.target_scale == pytest.approx(1.0)
     assert plan_step_k(acceptance, [4], running, model_max_k=4) == 0
+
+
+def test_each_width_learns_its_own_shape_and_keeps_it_when_the_machine_slows_as_a_whole():
+    """Kernels can make a wider pass cheaper, which the measured table's fit never shows."""
+    running = RunningCostTable(TABLE, window=9)
+    truth = {1: 0.10, 2: 0.18, 4: 0.10}  # width 2 costs 1.5x the table's 0.12, width 4 half its 0.20
+    for _ in range(MIN_OBSERVATIONS):
+        for width, seconds in truth.items():
+            running.observe_target(1, width, seconds)
+    assert running.target_scale == pytest.approx(1.0)
+    assert [running.target_seconds(1, width) for width in truth] == pytest.approx(list(truth.values()))
+    assert plan_step_k([0.5], [3], running, model_max_k=0) == 3, "a width-4 pass is cheaper than a width-2 one"
+    assert running.target_seconds(4, 2) == pytest.approx(0.24), "another batch size keeps the table's shape"
+    for _ in range(3 * 9):  # the whole machine now runs at half the speed: the scale moves, the shape stays
+        for width, seconds in truth.items():
+            running.observe_target(1, width, 2 * seconds)
+    assert running.target_scale == pytest.approx(2.0)
+    assert [running.target_seconds(1, width) for width in truth] == pytest.approx([2 * s for s in truth.values()])
+    assert running.target_seconds(4, 2) == pytest.approx(0.48)
