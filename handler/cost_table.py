@@ -220,17 +220,23 @@ class RunningCostTable:
 
     def observe_target(self, batch_size: int, width: int, seconds: float) -> None:
         """One target forward of `width` new tokens per row over `batch_size` rows took `seconds`."""
-        ratio = seconds / self.table.target_seconds(batch_size, width)
+        measured = self.table.target_seconds(batch_size, width)
+        if measured <= 0.0:
+            return  # a table that calls a pass free has no ratio to offer (and must not fail a step)
+        ratio = seconds / measured
+        self._observe("target", ratio)
+        if self._medians["target"] is None:
+            return  # no scale yet: a shape taken now would hold the scale too
         key = (batch_size, width)
         shape = _windowed(self.shapes.setdefault(key, []), ratio / self.target_scale, self.window)
         if shape is not None:
             self._shape_medians[key] = shape
-        self._observe("target", ratio)
 
     def observe_draft(self, batch_size: int, num_steps: int, seconds: float) -> None:
         """`num_steps` draft steps over `batch_size` rows took `seconds` in all."""
-        if num_steps > 0:
-            self._observe("draft", seconds / (num_steps * self.table.draft_seconds(batch_size)))
+        measured = num_steps * self.table.draft_seconds(batch_size)
+        if measured > 0.0:
+            self._observe("draft", seconds / measured)
 
     def _observe(self, model: str, ratio: float) -> None:
         """Adds a ratio of observed to measured seconds to the model's window."""

@@ -73,7 +73,8 @@ def engine_for(tiny_pair, eos_ids):
         if planned not in engines:
             cost_table = CostModel(draft_step=0.2, target_step=1.0, target_per_extra_token=0.05) if planned else None
             engines[planned] = SpeculativeEngine(
-                target, draft, tokenizer, eos_ids, tokenizer.pad_token_id, cost_table=cost_table
+                # The hand-made costs stand as given: planned by them, not by this machine's timing.
+                target, draft, tokenizer, eos_ids, tokenizer.pad_token_id, cost_table=cost_table, running_costs=False
             )
         return engines[planned]
 

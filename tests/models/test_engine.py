@@ -307,7 +307,7 @@ def test_the_engine_rescales_its_cost_table_by_the_passes_it_times(tiny_pair):
     target, draft, tokenizer = tiny_pair
     # The draft looks cheap enough to draft at every step.
     slow = CostTable(widths=(1, 8), batch_sizes=(1, 2), target=((1.0, 1.0), (1.0, 1.0)), draft=(0.01, 0.01))
-    engine = make_engine(target, draft, tokenizer, cost_table=slow)
+    engine = make_engine(target, draft, tokenizer, cost_table=slow, running_costs=True)
     assert isinstance(engine.cost_table, RunningCostTable) and engine.cost_table.table is slow
     requests = [GenerationRequest(encode(tokenizer, prompt), 30, GREEDY, 4) for prompt in PROMPTS[:2]]
     results = engine.generate(requests)

@@ -133,6 +133,10 @@ def test_each_width_learns_its_own_shape_and_keeps_it_when_the_machine_slows_as_
         for width, seconds in truth.items():
             running.observe_target(1, width, seconds)
     assert running.target_scale == pytest.approx(1.0)
+    assert running.target_seconds(1, 2) == pytest.approx(0.12), "shapes are taken once the scale is known"
+    for _ in range(MIN_OBSERVATIONS):
+        for width, seconds in truth.items():
+            running.observe_target(1, width, seconds)
     assert [running.target_seconds(1, width) for width in truth] == pytest.approx(list(truth.values()))
     assert plan_step_k([0.5], [3], running, model_max_k=0) == 3, "a width-4 pass is cheaper than a width-2 one"
     assert running.target_seconds(4, 2) == pytest.approx(0.24), "another batch size keeps the table's shape"
@@ -142,3 +146,12 @@ def test_each_width_learns_its_own_shape_and_keeps_it_when_the_machine_slows_as_
     assert running.target_scale == pytest.approx(2.0)
     assert [running.target_seconds(1, width) for width in truth] == pytest.approx([2 * s for s in truth.values()])
     assert running.target_seconds(4, 2) == pytest.approx(0.48)
+
+
+def test_a_table_that_calls_a_pass_free_is_left_as_it_is():
+    free = CostTable(widths=(1, 2), batch_sizes=(1,), target=((0.0, 0.0),), draft=(0.0,))
+    running = RunningCostTable(free)
+    for _ in range(MIN_OBSERVATIONS):
+        running.observe_target(1, 2, 0.1)
+        running.observe_draft(1, 3, 0.1)
+    assert running.target_scale == running.draft_scale == 1.0 and running.target_seconds(1, 2) == 0.0
