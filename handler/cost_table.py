@@ -244,12 +244,6 @@ class RunningCostTable:
         if median is not None:
             self._medians[model] = median
 
-    def format(self) -> str:
-        return (
-            f"{self.table.format()}\nrunning correction (observed / measured): "
-            f"target x{self.target_scale:.2f}, draft x{self.draft_scale:.2f}"
-        )
-
 
 def _windowed(ratios: list[float], ratio: float, window: int) -> float | None:
     """Appends `ratio` (clamped to MAX_SCALE either way), keeps the last `window`; returns their

@@ -98,8 +98,8 @@ class SpeculativeHandler(BaseHandler):
         else:
             replies = self.static_batch.run(self.preprocess(data), self._send_chunk, metrics)
         # The cache's counters move at admission and its bytes when requests leave, the suffix tree
-        # and the cost correction with every step: once per call covers every step (one per call in continuous batching,
-        # the whole batch otherwise).
+        # and the cost correction with every step: once per call covers every step (one per call in
+        # continuous batching, the whole batch otherwise).
         self.prefix_cache_tally.record(metrics, self.engine.prefix_cache_stats)
         self.suffix_tree_tally.record(metrics, self.engine.suffix_tree_stats)
         self.cost_scale_tally.record(metrics, self.engine.cost_scales)

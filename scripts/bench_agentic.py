@@ -52,8 +52,8 @@ an engine row gets a fresh engine: the suffix drafter's trees (and in the last
 two rows the prefix cache) learn from this trace alone, in order. Every other
 row has no prefix cache and pays each prompt's whole prefill, as `generate`
 does; the last two show what a server with the shipped config saves on a trace
-whose requests share their system prompts, tools and histories. Each request is timed from
-submission to its result; a run's tokens/s is its completion tokens over its
+whose requests share their system prompts, tools and histories. Each request is
+timed from submission to its result; a run's tokens/s is its completion tokens over its
 seconds; medians of --runs runs, the order of the rows rotated each run. Greedy
 outputs are compared with HF target-only's (with the reference pass's when
 that row is not run): in float32 they must be equal, in bfloat16 a near-tie may
