@@ -43,16 +43,26 @@ Rows (--methods): `hf_target_only` (the baseline), `hf_prompt_lookup` (10
 tokens), this engine with the `model`, `ngram`, `suffix` and `hybrid` drafters
 (k and look-ups as the config sets them, planned from a cost table measured at
 start for one row when the config has adaptive_k), `shipped`: the engine as the
-config ships it but for its prefix cache, `shipped_prefix_cache`: the same
-with the config's prefix cache too, and `shipped_fixed_costs`: that again with
+config ships it but for its prefix cache, `model_prefix_cache` and
+`shipped_prefix_cache`: the model drafter and the shipped config with the
+config's prefix cache (the like-for-like pair), and `shipped_fixed_costs`: the
+latter again with
 the cost table as measured at start, without the engine's running correction
 (--draft-cost-skew F multiplies the table's draft step by F, as a start-up at a
 busy moment would read it, to show what the correction recovers). Every run of
 an engine row gets a fresh engine: the suffix drafter's trees (and in the last
-two rows the prefix cache) learn from this trace alone, in order. Every other
+three rows the prefix cache) learn from this trace alone, in order. Every other
 row has no prefix cache and pays each prompt's whole prefill, as `generate`
-does; the last two show what a server with the shipped config saves on a trace
-whose requests share their system prompts, tools and histories. Each request is
+does; the last three show what a server with the prefix cache saves on a trace
+whose requests share their system prompts, tools and histories.
+
+--warm-requests N makes the server warm, as one that has served this workload
+for a while: N earlier requests from the same generator (seed + 1000: other
+names, values and order) are answered once before timing, and before each run
+every fresh engine's suffix drafter is fed their prompts and answers, as
+serving them would have. Nothing else is carried over: the prefix cache and
+the calibrations start empty, and HF `generate` learns nothing across requests
+anyway. The default, 0, times a server that starts with this trace. Each request is
 timed from submission to its result; a run's tokens/s is its completion tokens over its
 seconds; medians of --runs runs, the order of the rows rotated each run. Greedy
 outputs are compared with HF target-only's (with the reference pass's when
@@ -103,17 +113,23 @@ SHIPPED_CACHED = "shipped_prefix_cache"
 # The same, but planning from the cost table as measured at start, without the running correction
 # (`handler.cost_table.RunningCostTable`): what the correction brings, or costs.
 SHIPPED_FIXED = "shipped_fixed_costs"
-CACHED_ROWS = (SHIPPED_CACHED, SHIPPED_FIXED)
+# The model drafter with the same prefix cache: what `shipped_prefix_cache` is compared with, like for like.
+MODEL_CACHED = "model_prefix_cache"
+SHIPPED_CACHED_ROWS = (SHIPPED_CACHED, SHIPPED_FIXED)
+CACHED_ROWS = (MODEL_CACHED, *SHIPPED_CACHED_ROWS)
 HF_ROWS = (BASELINE, "hf_prompt_lookup")
 DRAFTER_ROWS = (DRAFTER_MODEL, DRAFTER_NGRAM, DRAFTER_SUFFIX, DRAFTER_HYBRID)
 # The look-up drafters with speculative_tree off: chains only, beside their rows with trees.
 CHAIN_SUFFIX = "_chain"
 CHAIN_ROWS = tuple(f"{drafter}{CHAIN_SUFFIX}" for drafter in (DRAFTER_NGRAM, DRAFTER_SUFFIX, DRAFTER_HYBRID))
 ROWS = (*HF_ROWS, *DRAFTER_ROWS, *CHAIN_ROWS, SHIPPED, *CACHED_ROWS)
-SHIPPED_ROWS = (SHIPPED, *CACHED_ROWS)
+SHIPPED_ROWS = (SHIPPED, *SHIPPED_CACHED_ROWS)
 # The rows `shipped` is compared with: the drafters a config could ship before the suffix drafter.
 SHIPPED_ALTERNATIVES = (DRAFTER_MODEL, DRAFTER_NGRAM, DRAFTER_HYBRID)
 HF_PROMPT_LOOKUP_TOKENS = 10
+# --warm-requests draws its earlier requests from the same generator with this added to --seed: other names,
+# values and order, none of the timed trace's conversations.
+WARM_SEED_OFFSET = 1000
 
 # Requests per family in the default trace, scaled in proportion for other sizes.
 FAMILY_WEIGHTS = {"sql": 4, "coding": 4, "tools": 3, "edit": 3}
@@ -521,8 +537,11 @@ class Trace:
         }
 
 
-def build_trace(plan: list[TraceItem], route: ChatRoute, engine: SpeculativeEngine, max_new_tokens: int) -> Trace:
-    """Runs the plan in order at k=0; each answer's text goes back as the assistant message of the next turn."""
+def build_trace(
+    plan: list[TraceItem], route: ChatRoute, engine: SpeculativeEngine, max_new_tokens: int, plain: bool = True
+) -> Trace:
+    """Runs the plan in order, at k=0 when `plain` (else as the engine drafts by default); each answer's text
+    goes back as the assistant message of the next turn."""
     history: dict[str, list[dict]] = {}
     answers: dict[str, str] = {}
     requests, reference, texts = [], [], []
@@ -541,7 +560,7 @@ def build_trace(plan: list[TraceItem], route: ChatRoute, engine: SpeculativeEngi
             ) from None
         # HF generate runs the same prompt: nothing may constrain the engine's output beyond it.
         assert request.constraint is None and not request.stop, request
-        [result] = engine.generate([dataclasses.replace(request, num_speculative_tokens=0)])
+        [result] = engine.generate([dataclasses.replace(request, num_speculative_tokens=0) if plain else request])
         history[item.conversation], answers[item.conversation] = messages, result.text
         requests.append(request)
         reference.append(result.token_ids)
@@ -550,6 +569,17 @@ def build_trace(plan: list[TraceItem], route: ChatRoute, engine: SpeculativeEngi
             "trace %d/%d %s: %d prompt tokens", len(requests), len(plan), item.conversation, result.prompt_tokens
         )
     return Trace(plan, requests, reference, texts, time.perf_counter() - started)
+
+
+def warm_suffix_trees(engine: SpeculativeEngine, warm: Trace) -> None:
+    """Feeds the warm-up's prompts and answers to the engine's suffix drafter as serving them would have: each
+    answer stays in the tree it shares across requests (unless the config keeps requests to themselves)."""
+    drafter = engine.suffix_drafter
+    for index, (request, answer) in enumerate(zip(warm.requests, warm.reference)):
+        key = ("warm-up", index)
+        drafter.add({key: request.prompt_ids})
+        drafter.observe({key: answer})
+        drafter.remove([key])
 
 
 # --------------------------------------------------------------------------- rows
@@ -565,7 +595,10 @@ def row_methods(keys: list[str], config) -> list[bench.Method]:
         elif key in HF_ROWS:
             method = dataclasses.replace(bench.hf_prompt_lookup(HF_PROMPT_LOOKUP_TOKENS), key=key)
         else:
-            drafter = config.drafter if key in SHIPPED_ROWS else key.removesuffix(CHAIN_SUFFIX)
+            if key in SHIPPED_ROWS:
+                drafter = config.drafter
+            else:
+                drafter = DRAFTER_MODEL if key == MODEL_CACHED else key.removesuffix(CHAIN_SUFFIX)
             # bench labels look-ups for the n-gram drafter; the suffix drafter's are drafted alike.
             method = bench.engine_method(
                 key, DRAFTER_NGRAM if drafter == DRAFTER_SUFFIX else drafter, k, planned, lookup
@@ -718,7 +751,18 @@ def markdown(report: dict) -> str:
         f"{s['max_new_tokens']} new tokens, greedy, one request at a time. Each request is timed from submission to "
         f"its result (prefill included); tokens/s = completion tokens / seconds over the trace, median of "
         f"{s['runs']} run(s), row order rotated each run; a fresh engine per run, prefix cache off "
-        f"(but in the {' and '.join(CACHED_ROWS)} rows, which have the config's).",
+        f"(but in the {', '.join(CACHED_ROWS)} rows, which have the config's).",
+    ]
+    warm = report.get("warm_up")
+    if warm is not None:
+        lines.append(
+            f"Warm server: before each engine run, its suffix drafter was fed the prompts and answers of "
+            f"{warm['num_requests']} earlier requests from the same generator (seed {s['warm_seed']}; "
+            f"{warm['reference_completion_tokens']} answer tokens), as serving them would have. The prefix cache, "
+            "the calibrations and the running cost correction start empty; the HF rows learn nothing across "
+            "requests."
+        )
+    lines += [
         "",
         "| row | tokens/s (median) | x target-only | tokens per target pass | acceptance "
         f"| same output as {baseline} |",
@@ -751,6 +795,9 @@ def markdown(report: dict) -> str:
             f"{SHIPPED_CACHED} / {SHIPPED_FIXED} (the running cost correction): {ratio:.2f}x; "
             f"its correction at the end of each run: {shown}.",
         ]
+    if MODEL_CACHED in rows and SHIPPED_CACHED in rows:
+        ratio = rows[SHIPPED_CACHED]["tokens_per_second"] / rows[MODEL_CACHED]["tokens_per_second"]
+        lines += ["", f"{SHIPPED_CACHED} / {MODEL_CACHED} (the same prefix cache): {ratio:.2f}x."]
     if SHIPPED_CACHED in rows:
         prefix = rows[SHIPPED_CACHED]["runs"][0]["prefix_cache"]
         if prefix is not None and prefix["prompt_tokens"]:
@@ -779,6 +826,14 @@ def parse_args(argv):
         "per run of the target-only row with the demo pair on a 2-core CPU",
     )
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--warm-requests",
+        type=int,
+        default=0,
+        help="a warm server: feed every engine's suffix trees, before each run, the answers of this many earlier "
+        f"requests from the same generator (seed + {WARM_SEED_OFFSET}), answered once before timing (default 0: "
+        "every engine starts empty)",
+    )
     parser.add_argument(
         "--compact",
         action="store_true",
@@ -809,6 +864,8 @@ def parse_args(argv):
         parser.error(f"--requests must be at least {len(FAMILIES)}: one request per family")
     if args.draft_cost_skew <= 0:
         parser.error("--draft-cost-skew must be positive")
+    if args.warm_requests and args.warm_requests < len(FAMILIES):
+        parser.error(f"--warm-requests must be 0 or at least {len(FAMILIES)}: one request per family")
     if min(args.runs, args.max_new_tokens) < 1:
         parser.error("--runs and --max-new-tokens must be at least 1")
     return args
@@ -847,13 +904,20 @@ def main(argv=None) -> int:
     missing = [m.key for m in methods if m.is_engine and m.drafter not in reference_engine.drafters]
     if missing:
         raise SystemExit(f"--methods: this engine has no {', '.join(missing)} drafter")
-    trace = build_trace(
-        make_plan(args.seed, args.requests, args.compact),
-        ChatRoute(config, models),
-        reference_engine,
-        args.max_new_tokens,
-    )
-    runs = measure(methods, trace, bench.Runner(models, config, cost_table), new_engine, args)
+    route = ChatRoute(config, models)
+    warm = None
+    if args.warm_requests:
+        warm_plan = make_plan(args.seed + WARM_SEED_OFFSET, args.warm_requests, args.compact)
+        warm = build_trace(warm_plan, route, reference_engine, args.max_new_tokens, plain=False)
+    trace = build_trace(make_plan(args.seed, args.requests, args.compact), route, reference_engine, args.max_new_tokens)
+
+    def warmed_engine(prefix_cache: bool = False, running_costs: bool = True) -> SpeculativeEngine:
+        engine = new_engine(prefix_cache, running_costs)
+        if warm is not None:
+            warm_suffix_trees(engine, warm)
+        return engine
+
+    runs = measure(methods, trace, bench.Runner(models, config, cost_table), warmed_engine, args)
     rows = summarize(methods, runs, trace.reference)
     report = {
         "date": datetime.date.today().isoformat(),
@@ -866,6 +930,8 @@ def main(argv=None) -> int:
             "draft_quantization": models.draft_quantization,
             "seed": args.seed,
             "requests": args.requests,
+            "warm_requests": args.warm_requests,
+            "warm_seed": args.seed + WARM_SEED_OFFSET if args.warm_requests else None,
             "max_new_tokens": args.max_new_tokens,
             "compact": args.compact,
             "runs": args.runs,
@@ -881,6 +947,7 @@ def main(argv=None) -> int:
         },
         "cost_table": None if cost_table is None else bench.describe_cost_table(cost_table),
         "trace": trace.describe(),
+        "warm_up": None if warm is None else {k: v for k, v in warm.describe().items() if k != "requests"},
         "rows": rows,
         "shipped_vs_best": shipped_against_best(rows),
     }

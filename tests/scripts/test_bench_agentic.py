@@ -10,14 +10,21 @@ float32 every row's greedy output is HF target-only's, token for token.
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 
 from handler.cost_table import CostTable
+from handler.drafters.suffix import SuffixDrafter, SuffixOptions
 from scripts import bench_agentic
 from tests.conftest import REPO_ROOT
 
-ENGINE_ROWS = (*bench_agentic.DRAFTER_ROWS, *bench_agentic.CHAIN_ROWS, *bench_agentic.SHIPPED_ROWS)
+ENGINE_ROWS = (
+    *bench_agentic.DRAFTER_ROWS,
+    *bench_agentic.CHAIN_ROWS,
+    bench_agentic.SHIPPED,
+    *bench_agentic.CACHED_ROWS,
+)
 # Fits the tiny pair's 1,024-token context (its tokenizer spends about 3 tokens where Qwen's spends 1),
 # and makes one tool loop and one edit session of two requests each.
 NUM_TINY_REQUESTS = 8
@@ -99,6 +106,23 @@ def test_the_draft_skew_multiplies_the_draft_step_alone():
     assert bench_agentic.skew_draft(lookups_only, 2.5) is lookups_only
 
 
+def test_a_warm_up_feeds_its_answers_to_the_shared_suffix_tree_unless_the_config_keeps_them_private():
+    answers = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    requests = [types.SimpleNamespace(prompt_ids=[1, 2, 3]), types.SimpleNamespace(prompt_ids=[4])]
+    warm = bench_agentic.Trace(items=[], requests=requests, reference=answers, answers=[], reference_seconds=0.0)
+    engine = types.SimpleNamespace(suffix_drafter=SuffixDrafter())
+    bench_agentic.warm_suffix_trees(engine, warm)
+    drafter = engine.suffix_drafter
+    assert (drafter.stats.num_requests, drafter.stats.num_tokens) == (2, 9)
+    assert not drafter.rows  # the warm-up's own trees are gone, as when its requests ended
+    # A later request whose text reaches an earlier answer is proposed that answer's continuation.
+    drafter.add({"later": [42, 5, 6, 7]})
+    assert drafter.lookup("later", 3).token_ids == [8, 9, 10]
+    private = types.SimpleNamespace(suffix_drafter=SuffixDrafter(SuffixOptions(share_across_requests=False)))
+    bench_agentic.warm_suffix_trees(private, warm)
+    assert private.suffix_drafter.stats.num_requests == 0
+
+
 def _run(tiny_models_dir, out, *args: str) -> dict:
     bench_agentic.main(
         [
@@ -137,7 +161,7 @@ def test_bench_agentic_reports_every_row_with_the_target_only_output(tiny_models
             if key in bench_agentic.CHAIN_ROWS:
                 assert run["trees"]["steps"] == 0, key
             assert row["tokens_per_pass"] >= 1
-            # Only the last two rows have a prefix cache; the trace's requests share their system prompts.
+            # Only the last three rows have a prefix cache; the trace's requests share their system prompts.
             if key in bench_agentic.CACHED_ROWS:
                 assert 0 < run["prefix_cache"]["cached_tokens"] < run["prefix_cache"]["prompt_tokens"], run
             else:
@@ -154,6 +178,8 @@ def test_bench_agentic_reports_every_row_with_the_target_only_output(tiny_models
     table = (tmp_path / "all" / "agentic.md").read_text()
     assert "| row | tokens/s (median) | x target-only |" in table and "shipped / best of" in table
     assert "came from the prefix cache" in table
+    assert f"{bench_agentic.SHIPPED_CACHED} / {bench_agentic.MODEL_CACHED} (the same prefix cache)" in table
+    assert report["warm_up"] is None and "Warm server" not in table
     assert f"{bench_agentic.SHIPPED_CACHED} / {bench_agentic.SHIPPED_FIXED} (the running cost correction)" in table
     for key in bench_agentic.ROWS:
         assert f"| {key}: " in table, key
@@ -167,6 +193,13 @@ def test_bench_agentic_reports_every_row_with_the_target_only_output(tiny_models
     assert other["settings"]["draft_cost_skew"] == 2.0
     assert "draft step was multiplied by 2" in (tmp_path / "other" / "agentic.md").read_text()
     assert [r["new_messages"] for r in other["trace"]["requests"]] != [r["new_messages"] for r in requests]
+    # A warm server: the timed trace is the same; every engine's suffix trees first learn another seed's answers.
+    warm = _run(tiny_models_dir, tmp_path / "warm", "--methods", "suffix", "--warm-requests", "4")
+    assert warm["trace"]["requests"] == requests
+    assert warm["settings"]["warm_seed"] == 7 + bench_agentic.WARM_SEED_OFFSET
+    assert warm["warm_up"]["num_requests"] == 4 and warm["warm_up"]["reference_completion_tokens"] > 0
+    assert warm["rows"]["suffix"]["same_as_reference"] == NUM_TINY_REQUESTS
+    assert "Warm server: before each engine run" in (tmp_path / "warm" / "agentic.md").read_text()
     # Without the HF baseline, outputs are compared with the reference pass.
     assert other["rows"]["ngram"]["same_output"] == NUM_TINY_REQUESTS
     assert other["rows"]["ngram"]["vs_target_only"] is None
