@@ -77,7 +77,7 @@ agentic.md (the table).
 
 With the defaults a run of the target-only row is 14 requests of up to 64
 tokens: about 3-4 minutes at the demo pair's 4-5 tokens/s on a 2-core CPU, and
-the whole benchmark (the reference pass, then 12 rows x 3 runs, most engine rows
+the whole benchmark (the reference pass, then 13 rows x 3 runs, most engine rows
 about 1.5 minutes a run) about an hour.
 """
 
