@@ -82,7 +82,15 @@ def test_greedy_completion_equals_the_native_answer(client, server):
     assert answer.usage.prompt_tokens == native["usage"]["prompt_tokens"]
     assert answer.usage.completion_tokens == native["usage"]["completion_tokens"]
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
-    assert answer.model_extra["speculative"] == native["speculative"]
+    # The same stats, but not the same counts: the planner learns across requests (the draft's
+    # calibration, the cost table corrected by the passes it times on this machine), so two identical
+    # requests may draft differently. Only the text may not differ.
+    speculative = answer.model_extra["speculative"]
+    assert speculative.keys() == native["speculative"].keys()
+    for name in ("num_speculative_tokens", "drafter", "fell_back_to_target_only"):
+        assert speculative[name] == native["speculative"][name], name
+    assert 0 <= speculative["accepted_tokens"] <= speculative["draft_tokens"]
+    assert 1 <= speculative["target_forward_passes"] <= answer.usage.completion_tokens
 
 
 def test_greedy_chat_equals_the_native_answer(client, server):
