@@ -46,15 +46,15 @@ start for one row when the config has adaptive_k), `shipped`: the engine as the
 config ships it but for its prefix cache, `model_prefix_cache` and
 `shipped_prefix_cache`: the model drafter and the shipped config with the
 config's prefix cache (the like-for-like pair), and `shipped_fixed_costs`: the
-latter again with
-the cost table as measured at start, without the engine's running correction
-(--draft-cost-skew F multiplies the table's draft step by F, as a start-up at a
-busy moment would read it, to show what the correction recovers). Every run of
-an engine row gets a fresh engine: the suffix drafter's trees (and in the last
-three rows the prefix cache) learn from this trace alone, in order. Every other
-row has no prefix cache and pays each prompt's whole prefill, as `generate`
-does; the last three show what a server with the prefix cache saves on a trace
-whose requests share their system prompts, tools and histories.
+latter again with the cost table as measured at start, without the engine's
+running correction (--draft-cost-skew F multiplies the table's draft step by F,
+as a start-up at a busy moment would read it, to show what the correction
+recovers). Every run of an engine row gets a fresh engine: the suffix drafter's
+trees (and in the last three rows the prefix cache) learn from this trace
+alone, in order. Every other row has no prefix cache and pays each prompt's
+whole prefill, as `generate` does; the last three show what a server with the
+prefix cache saves on a trace whose requests share their system prompts, tools
+and histories.
 
 --warm-requests N makes the server warm, as one that has served this workload
 for a while: N earlier requests from the same generator (seed + 1000: other
@@ -62,13 +62,14 @@ names, values and order) are answered once before timing, and before each run
 every fresh engine's suffix drafter is fed their prompts and answers, as
 serving them would have. Nothing else is carried over: the prefix cache and
 the calibrations start empty, and HF `generate` learns nothing across requests
-anyway. The default, 0, times a server that starts with this trace. Each request is
-timed from submission to its result; a run's tokens/s is its completion tokens over its
-seconds; medians of --runs runs, the order of the rows rotated each run. Greedy
-outputs are compared with HF target-only's (with the reference pass's when
-that row is not run): in float32 they must be equal, in bfloat16 a near-tie may
-flip a token. Outputs go to --out-dir: agentic.json (every figure) and
-agentic.md (the table).
+anyway. The default, 0, times a server that starts with this trace.
+
+Each request is timed from submission to its result; a run's tokens/s is its
+completion tokens over its seconds; medians of --runs runs, the order of the
+rows rotated each run. Greedy outputs are compared with HF target-only's (with
+the reference pass's when that row is not run): in float32 they must be equal,
+in bfloat16 a near-tie may flip a token. Outputs go to --out-dir: agentic.json
+(every figure) and agentic.md (the table).
 
     python -m scripts.bench_agentic                    # the demo pair and its shipped config
     python -m scripts.bench_agentic --methods hf_target_only,hybrid,shipped --runs 1
@@ -905,9 +906,9 @@ def main(argv=None) -> int:
     if missing:
         raise SystemExit(f"--methods: this engine has no {', '.join(missing)} drafter")
     route = ChatRoute(config, models)
-    warm = None
-    if args.warm_requests:
-        warm_plan = make_plan(args.seed + WARM_SEED_OFFSET, args.warm_requests, args.compact)
+    warm, warm_seed = None, args.seed + WARM_SEED_OFFSET if args.warm_requests else None
+    if warm_seed is not None:
+        warm_plan = make_plan(warm_seed, args.warm_requests, args.compact)
         warm = build_trace(warm_plan, route, reference_engine, args.max_new_tokens, plain=False)
     trace = build_trace(make_plan(args.seed, args.requests, args.compact), route, reference_engine, args.max_new_tokens)
 
@@ -931,7 +932,7 @@ def main(argv=None) -> int:
             "seed": args.seed,
             "requests": args.requests,
             "warm_requests": args.warm_requests,
-            "warm_seed": args.seed + WARM_SEED_OFFSET if args.warm_requests else None,
+            "warm_seed": warm_seed,
             "max_new_tokens": args.max_new_tokens,
             "compact": args.compact,
             "runs": args.runs,
