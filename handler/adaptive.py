@@ -211,6 +211,35 @@ class ConfidenceCalibration:
             self.accepted[index] = CONFIDENCE_DECAY * self.accepted[index] + float(position < num_accepted)
 
 
+class GuessRate:
+    """The share of a row's model drafts that came free, for guessed drafting (`handler.drafters`).
+
+    A step's first draft always takes a draft pass; each later one is free when the look-up
+    guessed the drafts before it, so that an earlier pass of the step already gave its logits.
+    Decayed counts, as `AcceptanceTracker`'s; the prior (one draft that was not free) keeps a
+    row that has not drafted with guesses yet at one pass per draft.
+    """
+
+    def __init__(self) -> None:
+        self.free = 0.0
+        self.chances = 1.0
+
+    @property
+    def rate(self) -> float:
+        return self.free / self.chances
+
+    def update(self, num_drafts: int, num_passes: int) -> None:
+        """Takes one step's drafts and the draft passes they needed."""
+        if num_drafts <= 1:
+            return
+        self.free = DECAY * self.free + (num_drafts - num_passes)
+        self.chances = DECAY * self.chances + (num_drafts - 1)
+
+    def passes(self, num_drafts: int) -> float:
+        """The expected draft passes of `num_drafts` drafts."""
+        return 0.0 if num_drafts <= 0 else 1.0 + (num_drafts - 1) * (1.0 - self.rate)
+
+
 class ConfidenceStop:
     """Decides, draft by draft, whether the draft model drafts one more token for the batch.
 

@@ -254,6 +254,9 @@ class HandlerConfig:
     # With adaptive_k, the draft model drafts up to the request's k and stops where its own
     # calibrated confidence says one more draft does not pay (handler.adaptive.ConfidenceStop).
     draft_confidence: bool = True
+    # With the hybrid drafter: the suffix trees guess the draft model's next drafts, and one
+    # draft pass checks them all (handler.drafters, guessed drafting); the drafts are unchanged.
+    draft_guesses: bool = True
     draft_quantization: str = "none"
     allow_pickle_weights: bool = False
     cpu_threads: int = 0
@@ -368,6 +371,7 @@ class HandlerConfig:
         for key in (
             "adaptive_k",
             "draft_confidence",
+            "draft_guesses",
             "allow_pickle_weights",
             "cpu_packed_weights",
             "prefix_cache",

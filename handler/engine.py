@@ -31,6 +31,7 @@ Nothing here imports TorchServe.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Callable, Hashable, Sequence
@@ -44,6 +45,7 @@ from handler.adaptive import (
     BranchCalibration,
     ConfidenceCalibration,
     ConfidenceStop,
+    GuessRate,
     chain_expected_tokens,
     choose_runners_up,
     plan_step_k,
@@ -279,6 +281,7 @@ class _Row:
         self.cached_tokens = 0  # prompt tokens found in the target's prefix cache
         self.prefix_handle = None  # the target prefix-cache node this row keeps locked
         self.steps_without_drafts = 0
+        self.guess_rate = GuessRate()  # its model drafts that came free (guessed drafting)
         self.stats = SpeculativeStats(
             num_speculative_tokens=request.num_speculative_tokens, drafter=drafter, constrained=bool(request.constraint)
         )
@@ -410,6 +413,7 @@ class SpeculativeEngine:
         suffix_estimate: str = "tree",
         speculative_tree: str = "auto",
         draft_confidence: bool = False,
+        draft_guesses: bool = False,
         running_costs: bool = True,
     ) -> None:
         """
@@ -437,6 +441,9 @@ class SpeculativeEngine:
             draft_confidence: with a cost table, the draft model drafts up to its rows' k and stops
                 where the draft's calibrated confidence says one more draft does not pay
                 (`handler.adaptive.ConfidenceStop`); False: it drafts the planned k.
+            draft_guesses: where a hybrid row drafts with the model, its suffix trees guess the
+                draft model's next drafts, and one draft pass checks them all (`handler.drafters`,
+                guessed drafting); the drafts stay the draft model's own.
             running_costs: on a CPU, rescale the cost table by the passes the engine times
                 (`handler.cost_table.RunningCostTable`); False: the table stands as given.
         """
@@ -475,6 +482,7 @@ class SpeculativeEngine:
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.grammar_drafts = grammar_drafts
         self.draft_confidence = draft_confidence and draft is not None
+        self.draft_guesses = draft_guesses and draft is not None
         # The draft's confidence -> the target's acceptance, for greedy (True) and sampled rows; and for
         # greedy rows, the runner-up's share of the rest -> the chance the target takes it (`handler.tree`).
         self.calibrations = {True: ConfidenceCalibration(), False: ConfidenceCalibration()}
@@ -520,6 +528,7 @@ class SpeculativeEngine:
             suffix=config.suffix_options,
             speculative_tree=config.speculative_tree,
             draft_confidence=config.draft_confidence,
+            draft_guesses=config.draft_guesses,
             **options,
         )
 
@@ -825,7 +834,7 @@ class SpeculativeEngine:
         whose logits no rule shapes may take a tree of look-up candidates (`handler.tree`).
         """
         lookups, proposers, curves = [], [], []
-        step_seconds = self._step_seconds(len(rows))
+        batch_size = len(rows)
         for row in rows:
             cap = row.lookup_cap(self.prompt_lookup_num_tokens)
             forced = []
@@ -855,7 +864,7 @@ class SpeculativeEngine:
             if row.drafter == HYBRID:
                 max_k = row.cap()
                 candidates.append(Candidate(MODEL, Lookup([]), max_k, row.trackers[MODEL].expected_curve(max_k)))
-            best = choose(candidates, step_seconds)
+            best = choose(candidates, self._step_seconds(batch_size, self._guesses_for(row)))
             lookups.append(best.lookup)
             proposers.append(best.proposer)
             curves.append(best.curve)
@@ -889,7 +898,7 @@ class SpeculativeEngine:
             curve.append(curve[-1] + score)
         return lookup, curve
 
-    def _pass_seconds(self, batch_size: int, width: int, num_draft_passes: int) -> float:
+    def _pass_seconds(self, batch_size: int, width: int, num_draft_passes: float) -> float:
         """The cost table's seconds for a step: a target pass over `width` drafts and the pending
         token, after `num_draft_passes` draft-model passes."""
         seconds = self.cost_table.target_seconds(batch_size, width + 1)
@@ -897,11 +906,17 @@ class SpeculativeEngine:
             seconds += num_draft_passes * self.cost_table.draft_seconds(batch_size)
         return seconds
 
-    def _step_seconds(self, batch_size: int) -> Callable[[int, bool], float] | None:
+    def _guesses_for(self, row: _Row) -> GuessRate | None:
+        """The row's guess rate where its model drafts are guessed (a hybrid row), else None."""
+        return row.guess_rate if self.draft_guesses and row.drafter == HYBRID else None
+
+    def _step_seconds(self, batch_size: int, guesses: GuessRate | None = None) -> Callable[[int, bool], float] | None:
         """(k, drafts with the model) -> the cost table's seconds for a step of the batch; None without a table."""
         if self.cost_table is None:
             return None
-        return lambda k, model: self._pass_seconds(batch_size, k, k if model else 0)
+        if guesses is None:
+            return lambda k, model: self._pass_seconds(batch_size, k, k if model else 0)
+        return lambda k, model: self._pass_seconds(batch_size, k, guesses.passes(k) if model else 0)
 
     def _plan(self, rows: list[_Row], max_ks: list[int], proposers: list[str], curves: list[list[float]]) -> list[int]:
         """Each row's number of drafts this step (a tree's: its first nodes, best first)."""
@@ -969,8 +984,12 @@ class SpeculativeEngine:
         others = [slot for slot in range(batch_size) if slot not in model_slots]
         other_width = max((step_ks[slot] for slot in others), default=0)
 
+        # The batch drafts until its slowest row has its drafts: the row whose drafts are guessed least.
+        rates = [self._guesses_for(rows[slot]) or GuessRate() for slot in model_slots]
+        slowest = min(rates, key=lambda rate: rate.rate)
+
         def step_seconds(num_drafts: int) -> float:
-            return self._pass_seconds(batch_size, max(num_drafts, other_width), num_drafts)
+            return self._pass_seconds(batch_size, max(num_drafts, other_width), slowest.passes(num_drafts))
 
         calibrations = [self.calibrations[rows[slot].request.sampling.is_greedy] for slot in model_slots]
         stop = ConfidenceStop(
@@ -982,6 +1001,17 @@ class SpeculativeEngine:
         )
         ids = [rows[slot].request_id for slot in model_slots]
         return lambda num_drafted, confidences: stop(num_drafted, [confidences[i] for i in ids])
+
+    def _draft_guesses(self, rows: list[_Row], model_slots: list[int]) -> dict[Hashable, Callable] | None:
+        """Per hybrid row drafting with the model: its suffix trees' guess of the draft model's next drafts."""
+        if not self.draft_guesses:
+            return None
+        suffix = self.suffix_drafter
+        return {
+            rows[slot].request_id: functools.partial(suffix.continuation, rows[slot].request_id)
+            for slot in model_slots
+            if rows[slot].drafter == HYBRID
+        }
 
     def _takes_runners_up(self, row: _Row) -> bool:
         """Whether a greedy model row's chain may take the draft's runners-up as siblings (`handler.tree`).
@@ -1123,14 +1153,19 @@ class SpeculativeEngine:
                 keep_drafting=keep_drafting,
                 # Confidences serve the stop rule and the runners-up, both planned from a cost table.
                 with_confidence=self.cost_table is not None,
+                guesses=self._draft_guesses(rows, model_slots),
             )
             by_slot = {slot: proposals[rows[slot].request_id] for slot in model_slots}
             if isinstance(self.cost_table, RunningCostTable):
-                # Every row of the draft's batch drafts as many tokens, one forward each.
-                num_steps = len(by_slot[model_slots[0]].token_ids)
-                self.cost_table.observe_draft(self.model_drafter.num_rows, num_steps, time.perf_counter() - started)
+                # Every row of the draft's batch takes part in every pass.
+                num_passes = self.model_drafter.last_num_passes
+                self.cost_table.observe_draft(self.model_drafter.num_rows, num_passes, time.perf_counter() - started)
             for slot, proposal in by_slot.items():
-                rows[slot].end_drafting()
+                row = rows[slot]
+                if self._guesses_for(row) is not None:
+                    passes_needed = self.model_drafter.last_passes_needed[row.request_id]
+                    row.guess_rate.update(len(proposal.token_ids), passes_needed)
+                row.end_drafting()
                 step_ks[slot] = num = min(step_ks[slot], len(proposal.token_ids))
                 drafted[slot] = proposal.token_ids[:num], proposal.probs[:num]
                 if proposal.confidences:

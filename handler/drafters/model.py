@@ -70,6 +70,9 @@ class ModelDrafter:
         self.fed_pending: dict[Hashable, list[int]] = {}
         self.prefix_cache = prefix_cache
         self.prefix_handles: dict[Hashable, object] = {}  # locked prefix-cache nodes, by request id
+        self.last_num_passes = 0  # draft passes the last proposal took
+        # Per row of the last proposal's `sampling`: the passes after which it had all its drafts.
+        self.last_passes_needed: dict[Hashable, int] = {}
 
     def add(self, prompts: Mapping[Hashable, Sequence[int]]) -> None:
         """Prefills the new requests' prompts, all but the last token, and appends their rows."""
@@ -138,8 +141,17 @@ class ModelDrafter:
         shapers: Mapping[Hashable, Callable[[torch.Tensor, int | None], torch.Tensor]] | None = None,
         keep_drafting: Callable[[int, dict[Hashable, float]], bool] | None = None,
         with_confidence: bool = True,
+        guesses: Mapping[Hashable, Callable[[list[int], int], Sequence[int]]] | None = None,
     ) -> dict[Hashable, Proposal]:
         """Samples up to k draft tokens for every row of the cache, k the most any row in `sampling` wants.
+
+        With `guesses`, a row's draft pass may also run over tokens the draft model is
+        likely to draft next (a look-up's continuation of the drafts so far): the
+        pass gives the logits after each of them, so while the row's draws equal the
+        guesses, one pass yields several drafts (`handler.drafters`, guessed drafting). Every
+        draft is still drawn from the draft model's own distribution with that
+        draft's own uniform: the guesses change how many passes the drafts take,
+        never which drafts they are (up to the rounding of a wider pass).
 
         Args:
             sampling: request id -> (temperature, top_k, top_p, uniforms [n] float64) for the
@@ -147,14 +159,17 @@ class ModelDrafter:
                 rows draft greedily and their drafts are only fed to keep the batch rectangular.
             shapers: request id -> f(logits [vocab], previous draft or None) -> logits, for rows
                 whose logits are shaped before sampling (a grammar mask); called once per draft,
-                in order, so that it can follow the drafts.
+                in order, so that it can follow the drafts. A shaped row takes no guesses.
             keep_drafting: f(drafts so far, request id -> confidence of its latest draft, for the
                 rows in `sampling`) -> whether to draft one more; None: draft k.
             with_confidence: measure each draft's confidence and runner-up (a softmax over the
                 vocabulary per draft); False leaves both empty, and needs no `keep_drafting`.
+            guesses: request id -> f(drafts so far, most tokens) -> the guessed next drafts,
+                for rows in `sampling`.
 
         Returns:
-            request id -> its `Proposal` of n <= k drafts, for the rows in `sampling`.
+            request id -> its `Proposal` of n <= k drafts, for the rows in `sampling`; the
+            number of draft passes they took is `last_num_passes`.
         """
         assert sampling and self.cache is not None
         assert with_confidence or keep_drafting is None
@@ -164,60 +179,113 @@ class ModelDrafter:
         temperature = torch.tensor([s[0] for s in settings], device=self.device)
         top_k = torch.tensor([s[1] for s in settings], device=self.device)
         top_p = torch.tensor([s[2] for s in settings], device=self.device)
-        uniforms = torch.zeros((num_rows, k), dtype=torch.float64)  # [rows, k]
+        # A row that runs ahead of the others on its guesses draws beyond k before it is cut back to
+        # the step's drafts: each pass gives every row one draft at least, and there are at most k passes.
+        uniforms = torch.zeros((num_rows, 2 * k + 1), dtype=torch.float64)  # [rows, 2k + 1]
         for slot, setting in enumerate(settings):
             if setting[3] is not None:
                 uniforms[slot, : len(setting[3])] = setting[3]
-        uniforms = uniforms.to(self.device)
-
-        input_ids, chunk_mask = left_pad([self.pending[request_id] for request_id in self.order], self.pad_token_id)
-        logits = self.cache.forward(self._draft_ids(input_ids), chunk_mask, logits_to_keep=1)  # [rows, 1, vocab']
-        sampled, probs_per_step, confidence_per_step, runner_up_per_step = [], [], [], []
-        shaped_slots = [(slot, shapers[r]) for slot, r in enumerate(self.order) if shapers and r in shapers]
+        shaped = {slot: shapers[r] for slot, r in enumerate(self.order) if shapers and r in shapers}
         asking = [slot for slot, request_id in enumerate(self.order) if request_id in sampling]
-        asking_ids = [self.order[slot] for slot in asking]
-        for j in range(k):
-            logits = fit_vocab(logits, self.vocab_size)  # [rows, 1, vocab]
-            if shaped_slots:
+        guess_of = {
+            slot: guesses[self.order[slot]]
+            for slot in asking
+            if guesses and self.order[slot] in guesses and slot not in shaped
+        }
+        drafts: list[list[int]] = [[] for _ in range(num_rows)]
+        probs_of: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
+        confidences: list[list[float]] = [[] for _ in range(num_rows)]
+        runners_up: list[list[tuple[int, float]]] = [[] for _ in range(num_rows)]
+        feeds = [list(self.pending[request_id]) for request_id in self.order]
+        num_drafts = 0  # drafts decided for the batch: every asking row has at least as many
+        num_passes = 0
+        counts = {slot: [] for slot in asking}  # drafts after each pass
+        while True:
+            tried = [[] for _ in range(num_rows)]
+            for slot, guess in guess_of.items():
+                room = k - len(drafts[slot]) - 1
+                if room > 0:
+                    tried[slot] = list(guess(drafts[slot], room))[:room]
+            num_kept = 1 + max(len(tokens) for tokens in tried)
+            input_ids, chunk_mask = left_pad([feed + extra for feed, extra in zip(feeds, tried)], self.pad_token_id)
+            logits = self.cache.forward(self._draft_ids(input_ids), chunk_mask, logits_to_keep=num_kept)
+            num_passes += 1
+            logits = fit_vocab(logits, self.vocab_size)  # [rows, num_kept, vocab]
+            if shaped:
                 logits = logits.clone()
-                for slot, shape in shaped_slots:
-                    logits[slot, 0] = shape(logits[slot, 0], int(sampled[-1][slot]) if j else None)
-            probs = warp_logits_to_probs(logits, temperature, top_k, top_p)[:, 0]
-            token_ids = sample_from_probs(probs, uniforms[:, j])  # [rows]
-            sampled.append(token_ids)
-            probs_per_step.append(probs)
+                for slot, shape in shaped.items():
+                    previous = drafts[slot][-1] if drafts[slot] else None
+                    logits[slot, -1] = shape(logits[slot, -1], previous)
+            probs = warp_logits_to_probs(logits, temperature, top_k, top_p)  # [rows, num_kept, vocab]
+            # Column c of the kept logits follows the row's guess number c - offset (-1: its feed).
+            offsets = [num_kept - 1 - len(tokens) for tokens in tried]
+            index = torch.tensor(
+                [
+                    [min(len(drafts[slot]) + max(c - offsets[slot], 0), 2 * k) for c in range(num_kept)]
+                    for slot in range(num_rows)
+                ]
+            )
+            step_uniforms = uniforms.gather(1, index).to(self.device)  # [rows, num_kept]
+            sampled = sample_from_probs(probs.flatten(0, 1), step_uniforms.flatten()).view(num_rows, num_kept)
             if with_confidence:
-                raw_probs = torch.softmax(logits[:, 0].float(), dim=-1)  # [rows, vocab]
-                confidence = raw_probs.gather(-1, token_ids[:, None])[:, 0]  # [rows]
+                raw_probs = torch.softmax(logits.float(), dim=-1)  # [rows, num_kept, vocab]
+                confidence = raw_probs.gather(-1, sampled[..., None])[..., 0].tolist()  # [rows][num_kept]
                 # The likeliest token other than the draft: the first of the top two that differs from it.
                 top = raw_probs.topk(2, dim=-1)
-                other = torch.where(top.indices[:, :1] == token_ids[:, None], 1, 0)  # [rows, 1]
-                confidence_per_step.append(confidence)
-                runner_up_per_step.append((top.indices.gather(-1, other)[:, 0], top.values.gather(-1, other)[:, 0]))
-            if j == k - 1:
+                other = torch.where(top.indices[..., :1] == sampled[..., None], 1, 0)
+                other_ids = top.indices.gather(-1, other)[..., 0].tolist()
+                other_probs = top.values.gather(-1, other)[..., 0].tolist()
+            sampled_ids = sampled.tolist()
+            lengths = self.cache.lengths.clone()
+            for slot in range(num_rows):
+                for column in range(offsets[slot], num_kept):
+                    token = sampled_ids[slot][column]
+                    drafts[slot].append(token)
+                    probs_of[slot].append(probs[slot, column])
+                    if with_confidence:
+                        confidences[slot].append(confidence[slot][column])
+                        runners_up[slot].append((other_ids[slot][column], other_probs[slot][column]))
+                    number = column - offsets[slot]  # this draft's guess was tried[slot][number]
+                    if number >= len(tried[slot]) or token != tried[slot][number]:
+                        # The guesses from here on were fed for nothing: out of the cache.
+                        lengths[slot] -= len(tried[slot]) - number
+                        break
+                feeds[slot] = drafts[slot][-1:]
+            if any(tried):
+                self.cache.rollback(lengths)
+            for slot in asking:
+                counts[slot].append(len(drafts[slot]))
+            stop = False
+            while not stop and all(len(drafts[slot]) > num_drafts for slot in asking):
+                num_drafts += 1
+                stop = num_drafts >= k or (
+                    keep_drafting is not None
+                    and not keep_drafting(
+                        num_drafts, {self.order[slot]: confidences[slot][num_drafts - 1] for slot in asking}
+                    )
+                )
+            if stop:
                 break
-            if keep_drafting is not None and not keep_drafting(
-                j + 1, dict(zip(asking_ids, confidence[asking].tolist()))
-            ):
-                break
-            ones = torch.ones((num_rows, 1), dtype=torch.long)
-            logits = self.cache.forward(self._draft_ids(token_ids[:, None]), ones, logits_to_keep=1)
-        num_drafts = len(sampled)
-        draft_token_ids = torch.stack(sampled, dim=1)  # [rows, n]
-        draft_probs = torch.stack(probs_per_step, dim=1)  # [rows, n, vocab]
-        confidences, runners_up = [[] for _ in self.order], [[] for _ in self.order]
-        if with_confidence:
-            confidences = torch.stack(confidence_per_step, dim=1).tolist()  # [rows][n]
-            runner_up_ids = torch.stack([ids for ids, _ in runner_up_per_step], dim=1).tolist()  # [rows][n]
-            runner_up_probs = torch.stack([probs for _, probs in runner_up_per_step], dim=1).tolist()  # [rows][n]
-            runners_up = [list(zip(ids, probs)) for ids, probs in zip(runner_up_ids, runner_up_probs)]
-        fed = draft_token_ids[:, : num_drafts - 1].tolist()
+        self.last_num_passes = num_passes
+        self.last_passes_needed = {
+            self.order[slot]: next(p for p, n in enumerate(counts[slot], 1) if n >= num_drafts) for slot in asking
+        }
+        # Every row is cut back to the step's drafts; the cache keeps all of them but the last.
+        lengths = self.cache.lengths.clone()
         for slot, request_id in enumerate(self.order):
+            num = min(len(drafts[slot]), num_drafts)
+            lengths[slot] -= len(drafts[slot]) - num
             self.fed_pending[request_id] = self.pending[request_id]
             self.pending[request_id] = []
-            self.fed[request_id] = fed[slot]
+            self.fed[request_id] = drafts[slot][: num - 1]
+        self.cache.rollback(lengths)
         return {
-            request_id: Proposal(draft_token_ids[slot], draft_probs[slot], confidences[slot], runners_up[slot])
+            request_id: Proposal(
+                torch.tensor(drafts[slot][:num_drafts], dtype=torch.long, device=self.device),
+                torch.stack(probs_of[slot][:num_drafts]),
+                confidences[slot][:num_drafts],
+                runners_up[slot][:num_drafts],
+            )
             for slot, request_id in enumerate(self.order)
             if request_id in sampling
         }

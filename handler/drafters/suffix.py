@@ -168,6 +168,27 @@ class SuffixDrafter:
         parents = list(best.parents) if tree else None
         return Lookup(list(best.token_ids), list(best.probs), parents)
 
+    def continuation(self, request_id: Hashable, drafts: Sequence[int], max_tokens: int) -> list[int]:
+        """The likeliest continuation of the row's tokens followed by `drafts` (not committed), as a chain.
+
+        The draft model's passes take it as guesses of its next drafts (`handler.drafters`, guessed drafting).
+        """
+        row = self.rows.get(request_id)
+        if row is None or max_tokens <= 0:
+            return []
+        depth = self.options.max_depth
+        context = (row.context + list(drafts))[-depth:] if drafts else row.context
+        if not context:
+            return []
+        limit = min(max_tokens, depth)
+        args = (context, limit, SPEC_FACTOR, SPEC_OFFSET, self.options.min_token_prob, False)
+        best = row.tree.speculate(*args)
+        if row.shared and self.held:
+            other = self.global_tree.speculate(*args)
+            if other.score > best.score:
+                best = other
+        return list(best.token_ids)
+
     def _hold(self, request_id: Hashable, row: _RowState, tokens: list[int]) -> None:
         """Appends a row's new output tokens to the global tree, evicting the oldest outputs beyond the bounds."""
         if row.seq_id is None:

@@ -185,3 +185,18 @@ def test_branch_calibration_scales_by_what_was_seen_and_relaxes_without_evidence
     for _ in range(100):
         starved.relax()  # trees whose branches the plan cut: back toward the prior
     assert before < 0.15 and starved.factor > 2 * before
+
+
+def test_guess_rate_starts_at_one_pass_per_draft_and_follows_the_free_drafts():
+    from handler.adaptive import GuessRate
+
+    rate = GuessRate()
+    assert rate.passes(0) == 0 and rate.passes(1) == 1 and rate.passes(6) == pytest.approx(6)
+    for _ in range(200):
+        rate.update(6, 2)  # 6 drafts in 2 passes: 4 of the 5 later drafts came free
+        rate.update(1, 1)  # a single draft teaches nothing
+    assert rate.rate == pytest.approx(0.8, abs=0.01)
+    assert rate.passes(6) == pytest.approx(2.0, abs=0.05)
+    for _ in range(200):
+        rate.update(4, 4)
+    assert rate.passes(4) == pytest.approx(4.0, abs=0.01)

@@ -172,3 +172,20 @@ def test_with_a_cost_table_the_most_tokens_per_second_wins():
     assert choose([look_up, strong_model], seconds) is look_up
     cheap_draft = lambda k, model: 1.0 + 0.05 * k + (0.02 * k if model else 0.0)  # noqa: E731
     assert choose([look_up, strong_model], cheap_draft) is strong_model
+
+
+def test_a_continuation_guesses_past_uncommitted_drafts_from_both_trees():
+    drafter = SuffixDrafter(SuffixOptions())
+    answered(drafter, "a", PROMPT, ANSWER)
+    drafter.add({"b": [9, 8, 20]})
+    # Committed "... 20", drafted "21 22": the shared tree knows what followed, as far as the match.
+    assert drafter.continuation("b", [21, 22], 8) == [23, 24, 25]
+    assert drafter.continuation("b", [21, 22], 2) == [23, 24]
+    assert drafter.continuation("b", [21, 99], 8) == []  # nothing ever followed "21 99"
+    assert drafter.continuation("b", [21, 22], 0) == []
+    assert drafter.continuation("gone", [21], 4) == []
+    # The drafts are guesses' context only: nothing was committed, the look-up is unchanged.
+    assert drafter.lookup("b", 8).token_ids == [21]
+    # A private request neither reads the shared tree nor guesses from it.
+    drafter.add({"c": [9, 8, 20]}, private=["c"])
+    assert drafter.continuation("c", [21, 22], 8) == []
