@@ -11,6 +11,11 @@
   promises the most tokens per second: a look-up (suffix or n-gram) or the
   draft model.
 
+Guessed drafting: where a hybrid row drafts with the model, the suffix trees
+guess the draft model's next drafts (`SuffixDrafter.continuation`) and one draft
+pass runs over the guesses too; while the draft model's draws equal them, the
+pass yields several drafts. The drafts are the draft model's own either way.
+
 Look-up drafts are one-hot (a deterministic proposal), so the rejection
 sampler accepts each with the target's own probability of it and the output
 stays the target's distribution whoever proposed it.
