@@ -1002,15 +1002,12 @@ class SpeculativeEngine:
         ids = [rows[slot].request_id for slot in model_slots]
         return lambda num_drafted, confidences: stop(num_drafted, [confidences[i] for i in ids])
 
-    def _draft_guesses(self, rows: list[_Row], model_slots: list[int]) -> dict[Hashable, Callable] | None:
+    def _draft_guesses(self, rows: list[_Row], model_slots: list[int]) -> dict[Hashable, Callable]:
         """Per hybrid row drafting with the model: its suffix trees' guess of the draft model's next drafts."""
-        if not self.draft_guesses:
-            return None
-        suffix = self.suffix_drafter
         return {
-            rows[slot].request_id: functools.partial(suffix.continuation, rows[slot].request_id)
+            rows[slot].request_id: functools.partial(self.suffix_drafter.continuation, rows[slot].request_id)
             for slot in model_slots
-            if rows[slot].drafter == HYBRID
+            if self._guesses_for(rows[slot]) is not None
         }
 
     def _takes_runners_up(self, row: _Row) -> bool:

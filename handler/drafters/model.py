@@ -70,7 +70,6 @@ class ModelDrafter:
         self.fed_pending: dict[Hashable, list[int]] = {}
         self.prefix_cache = prefix_cache
         self.prefix_handles: dict[Hashable, object] = {}  # locked prefix-cache nodes, by request id
-        self.last_num_passes = 0  # draft passes the last proposal took
         # Per row of the last proposal's `sampling`: the passes after which it had all its drafts.
         self.last_passes_needed: dict[Hashable, int] = {}
 
@@ -198,7 +197,6 @@ class ModelDrafter:
         runners_up: list[list[tuple[int, float]]] = [[] for _ in range(num_rows)]
         feeds = [list(self.pending[request_id]) for request_id in self.order]
         num_drafts = 0  # drafts decided for the batch: every asking row has at least as many
-        num_passes = 0
         counts = {slot: [] for slot in asking}  # drafts after each pass
         while True:
             tried = [[] for _ in range(num_rows)]
@@ -209,7 +207,6 @@ class ModelDrafter:
             num_kept = 1 + max(len(tokens) for tokens in tried)
             input_ids, chunk_mask = left_pad([feed + extra for feed, extra in zip(feeds, tried)], self.pad_token_id)
             logits = self.cache.forward(self._draft_ids(input_ids), chunk_mask, logits_to_keep=num_kept)
-            num_passes += 1
             logits = fit_vocab(logits, self.vocab_size)  # [rows, num_kept, vocab]
             if shaped:
                 logits = logits.clone()
@@ -266,7 +263,6 @@ class ModelDrafter:
                 )
             if stop:
                 break
-        self.last_num_passes = num_passes
         self.last_passes_needed = {
             self.order[slot]: next(p for p, n in enumerate(counts[slot], 1) if n >= num_drafts) for slot in asking
         }
@@ -289,6 +285,11 @@ class ModelDrafter:
             for slot, request_id in enumerate(self.order)
             if request_id in sampling
         }
+
+    @property
+    def last_num_passes(self) -> int:
+        """The draft passes the last proposal took: until its slowest row had its drafts."""
+        return max(self.last_passes_needed.values(), default=0)
 
     def observe(self, committed: Mapping[Hashable, Sequence[int]]) -> None:
         """Takes each row's newly committed tokens and rolls the cache back to what it got right.

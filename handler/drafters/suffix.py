@@ -155,9 +155,7 @@ class SuffixDrafter:
         if not row.context:
             return NO_LOOKUP
         max_tokens = min(max_tokens, self.options.max_depth)
-        args = (row.context, max_tokens, SPEC_FACTOR, SPEC_OFFSET, self.options.min_token_prob, tree)
-        best = row.tree.speculate(*args)
-        other = self.global_tree.speculate(*args) if row.shared and self.held else None
+        best, other = self._speculate(row, row.context, max_tokens, tree)
         if tree and other is not None and other.token_ids:
             # A tree can hold both trees' candidates: merged path by path, best first.
             return _merge_drafts([best, other], max_tokens)
@@ -180,14 +178,17 @@ class SuffixDrafter:
         context = (row.context + list(drafts))[-depth:] if drafts else row.context
         if not context:
             return []
-        limit = min(max_tokens, depth)
-        args = (context, limit, SPEC_FACTOR, SPEC_OFFSET, self.options.min_token_prob, False)
-        best = row.tree.speculate(*args)
-        if row.shared and self.held:
-            other = self.global_tree.speculate(*args)
-            if other.score > best.score:
-                best = other
+        best, other = self._speculate(row, context, min(max_tokens, depth), tree=False)
+        if other is not None and other.score > best.score:
+            best = other
         return list(best.token_ids)
+
+    def _speculate(self, row: _RowState, context: list[int], max_tokens: int, tree: bool):
+        """Both trees' proposals after `context`: the row's own, and the shared tree's (None where
+        the row does not share or the shared tree holds nothing)."""
+        args = (context, max_tokens, SPEC_FACTOR, SPEC_OFFSET, self.options.min_token_prob, tree)
+        own = row.tree.speculate(*args)
+        return own, self.global_tree.speculate(*args) if row.shared and self.held else None
 
     def _hold(self, request_id: Hashable, row: _RowState, tokens: list[int]) -> None:
         """Appends a row's new output tokens to the global tree, evicting the oldest outputs beyond the bounds."""
