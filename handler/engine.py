@@ -166,6 +166,9 @@ class SpeculativeStats:
     tree_nodes: int = 0
     tree_accepted_depth: int = 0
     tree_other_branch: int = 0
+    # Draft-model passes that drafted for this request, counted once per request in a batch: fewer
+    # than its model drafts where guessed drafting (draft_guesses) drafted several in one pass.
+    draft_passes: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -210,6 +213,7 @@ class SpeculativeStats:
             "target_forward_passes": self.target_forward_passes,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "fell_back_to_target_only": self.fell_back,
+            "draft_passes": self.draft_passes,
             "by_drafter": {
                 name: {
                     "draft_tokens": self.draft_tokens_by_drafter[name],
@@ -1160,10 +1164,11 @@ class SpeculativeEngine:
             for slot, proposal in by_slot.items():
                 row = rows[slot]
                 if self._guesses_for(row) is not None:
-                    passes_needed = self.model_drafter.last_passes_needed[row.request_id]
+                    passes_needed = self.model_drafter.passes_needed(row.request_id, len(proposal.token_ids))
                     row.guess_rate.update(len(proposal.token_ids), passes_needed)
                 row.end_drafting()
                 step_ks[slot] = num = min(step_ks[slot], len(proposal.token_ids))
+                row.stats.draft_passes += self.model_drafter.passes_needed(row.request_id, num)
                 drafted[slot] = proposal.token_ids[:num], proposal.probs[:num]
                 if proposal.confidences:
                     model_drafts[slot] = _ModelDrafts(proposal.confidences[:num])

@@ -31,6 +31,7 @@ COUNTERS = {
     "SpecAcceptedTokens": "draft tokens accepted by the target",
     "SpecGeneratedTokens": "tokens emitted (completion tokens)",
     "SpecTargetForwardPasses": "target forward passes, counted once per request in a batch",
+    "SpecDraftPasses": "draft-model passes, counted once per request in a batch (fewer than its drafts: guesses)",
     "SpecFallbacks": "requests whose adaptive k fell back to target-only decoding",
     "SpecAbortedRequests": "requests dropped because their client disconnected",
     "spec_decode_num_drafts": "draft proposals (one request, one step, k > 0), as vLLM counts them",
@@ -102,6 +103,7 @@ class MetricsRecorder:
         self._add("SpecAcceptedTokens", stats.accepted_tokens, COUNT_UNIT, counter)
         self._add("SpecGeneratedTokens", stats.completion_tokens, COUNT_UNIT, counter)
         self._add("SpecTargetForwardPasses", stats.target_forward_passes, COUNT_UNIT, counter)
+        self._add("SpecDraftPasses", stats.draft_passes, COUNT_UNIT, counter)
         if stats.fell_back:
             self._add("SpecFallbacks", 1, COUNT_UNIT, counter)
         for drafter, num_drafted in stats.draft_tokens_by_drafter.items():

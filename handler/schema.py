@@ -79,6 +79,7 @@ SPECULATIVE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "target_forward_passes": int,
     "mean_accepted_length": (int, float),
     "fell_back_to_target_only": bool,
+    "draft_passes": int,  # draft-model passes; below by_drafter.model.draft_tokens where guesses came true
     "drafter": str,  # the request's drafter: model, ngram, suffix or hybrid
     "by_drafter": dict,  # proposer -> {"draft_tokens", "accepted_tokens"}
     "accepted_per_position": list,  # [j]: steps whose draft j was accepted

@@ -70,8 +70,10 @@ class ModelDrafter:
         self.fed_pending: dict[Hashable, list[int]] = {}
         self.prefix_cache = prefix_cache
         self.prefix_handles: dict[Hashable, object] = {}  # locked prefix-cache nodes, by request id
-        # Per row of the last proposal's `sampling`: the passes after which it had all its drafts.
-        self.last_passes_needed: dict[Hashable, int] = {}
+        # Per row of the last proposal's `sampling`: its drafts after each pass, and the drafts the
+        # proposal kept for every row.
+        self.last_draft_counts: dict[Hashable, list[int]] = {}
+        self.last_num_drafts = 0
 
     def add(self, prompts: Mapping[Hashable, Sequence[int]]) -> None:
         """Prefills the new requests' prompts, all but the last token, and appends their rows."""
@@ -263,9 +265,8 @@ class ModelDrafter:
                 )
             if stop:
                 break
-        self.last_passes_needed = {
-            self.order[slot]: next(p for p, n in enumerate(counts[slot], 1) if n >= num_drafts) for slot in asking
-        }
+        self.last_draft_counts = {self.order[slot]: counts[slot] for slot in asking}
+        self.last_num_drafts = num_drafts
         # Every row is cut back to the step's drafts; the cache keeps all of them but the last.
         lengths = self.cache.lengths.clone()
         for slot, request_id in enumerate(self.order):
@@ -285,6 +286,19 @@ class ModelDrafter:
             for slot, request_id in enumerate(self.order)
             if request_id in sampling
         }
+
+    def passes_needed(self, request_id: Hashable, num_drafts: int) -> int:
+        """The passes of the last proposal after which the row had its first `num_drafts` drafts."""
+        if num_drafts <= 0:
+            return 0
+        counts = self.last_draft_counts[request_id]
+        return next((p for p, n in enumerate(counts, 1) if n >= num_drafts), len(counts))
+
+    @property
+    def last_passes_needed(self) -> dict[Hashable, int]:
+        """Per row of the last proposal's `sampling`: the passes after which it had all its drafts."""
+        num_drafts = self.last_num_drafts
+        return {request_id: self.passes_needed(request_id, num_drafts) for request_id in self.last_draft_counts}
 
     @property
     def last_num_passes(self) -> int:

@@ -82,9 +82,12 @@ def test_wrong_guesses_cost_passes_not_drafts(tiny_pair):
         wrong = [*drafts[:3], drafts[3] + 1, *drafts[4:]]
         return {"a": lambda so_far, most: wrong[len(so_far) : len(so_far) + most]}
 
-    guessed = two_steps(drafter_for(tiny_pair, prompts), sampling, half_wrong)
+    drafter = drafter_for(tiny_pair, prompts)
+    guessed = two_steps(drafter, sampling, half_wrong)
     # Pass 1 keeps drafts 1-4 (the 4th drawn after the 3 right guesses); pass 2 draws 5 and 6.
     assert [passes for _, passes in guessed] == [2, 2]
+    # A row that uses fewer drafts than the step drew needed fewer passes (its draft_passes).
+    assert [drafter.passes_needed("a", n) for n in range(K + 1)] == [0, 1, 1, 1, 1, 2, 2]
     for (expected, _), (actual, _) in zip(plain, guessed):
         assert_same_drafts(expected, actual)
 
@@ -172,12 +175,22 @@ def test_hybrid_rows_with_guesses_give_the_targets_greedy_output(tiny_pair, gues
     passes = count_passes(guessing, monkeypatch)
     prompts = [encode(tokenizer, prompt) for prompt in PROMPTS]
     requests = [GenerationRequest(prompt_ids, 40, GREEDY, 6) for prompt_ids in prompts]
+    alone = []
     for request in requests:  # the first answers fill the suffix trees that guess the later ones
-        assert guessing.generate([request])[0].token_ids == reference_greedy(target, request.prompt_ids, 40)
+        seen_before = len(passes)
+        [result] = guessing.generate([request])
+        assert result.token_ids == reference_greedy(target, request.prompt_ids, 40)
+        # Alone, a request's draft_passes are the passes of the proposals made for it.
+        assert result.stats.draft_passes == sum(num for num, _ in passes[seen_before:])
+        alone.append(result.stats)
     batched = guessing.generate(requests)
     assert [r.token_ids for r in batched] == [reference_greedy(target, p, 40) for p in prompts]
-    # The guesses were taken: some proposals drew more drafts than they ran passes.
+    # The guesses were taken: some proposals drew more drafts than they ran passes, and the
+    # answers say so: fewer draft passes than model drafts.
     assert any(num_passes < num_drafts for num_passes, num_drafts in passes), passes
+    for stats in alone + [r.stats for r in batched]:
+        assert stats.draft_passes <= stats.draft_tokens_by_drafter.get("model", 0)
+    assert any(s.draft_passes < s.draft_tokens_by_drafter.get("model", 0) for s in alone + [r.stats for r in batched])
 
 
 def test_guesses_keep_a_seeded_request_on_its_seed(tiny_pair, guessing):

@@ -21,6 +21,7 @@ def test_hybrid_request_counts_each_proposer_under_its_label():
     stats.record("ngram", 4, 4)
     stats.record("model", 3, 1)
     stats.record("model", 2, 0)
+    stats.draft_passes = 4  # the model's 5 drafts, one of them guessed
     cache = RecordingCache()
     MetricsRecorder(cache).record_result(stats, latency_seconds=1.0)
     labelled = {
@@ -34,6 +35,7 @@ def test_hybrid_request_counts_each_proposer_under_its_label():
     }
     totals = {name: value for name, value, dims in cache.calls if not dims}
     assert totals["SpecDraftTokens"] == 9 and totals["SpecAcceptedTokens"] == 5
+    assert totals["SpecDraftPasses"] == 4
     assert stats.accepted_per_position == [2, 1, 1, 1]
     assert stats.num_drafts == 3 and stats.rejections == 2
 

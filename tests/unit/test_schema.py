@@ -14,6 +14,7 @@ SPECULATIVE = {
     "target_forward_passes": 3,
     "mean_accepted_length": 2.6667,
     "fell_back_to_target_only": False,
+    "draft_passes": 3,
     "drafter": "model",
     "by_drafter": {"model": {"draft_tokens": 4, "accepted_tokens": 3}},
     "accepted_per_position": [2, 1],
