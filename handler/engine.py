@@ -918,9 +918,8 @@ class SpeculativeEngine:
         """(k, drafts with the model) -> the cost table's seconds for a step of the batch; None without a table."""
         if self.cost_table is None:
             return None
-        if guesses is None:
-            return lambda k, model: self._pass_seconds(batch_size, k, k if model else 0)
-        return lambda k, model: self._pass_seconds(batch_size, k, guesses.passes(k) if model else 0)
+        rate = guesses or GuessRate()  # no guesses: one pass per draft
+        return lambda k, model: self._pass_seconds(batch_size, k, rate.passes(k) if model else 0)
 
     def _plan(self, rows: list[_Row], max_ks: list[int], proposers: list[str], curves: list[list[float]]) -> list[int]:
         """Each row's number of drafts this step (a tree's: its first nodes, best first)."""

@@ -295,15 +295,9 @@ class ModelDrafter:
         return next((p for p, n in enumerate(counts, 1) if n >= num_drafts), len(counts))
 
     @property
-    def last_passes_needed(self) -> dict[Hashable, int]:
-        """Per row of the last proposal's `sampling`: the passes after which it had all its drafts."""
-        num_drafts = self.last_num_drafts
-        return {request_id: self.passes_needed(request_id, num_drafts) for request_id in self.last_draft_counts}
-
-    @property
     def last_num_passes(self) -> int:
         """The draft passes the last proposal took: until its slowest row had its drafts."""
-        return max(self.last_passes_needed.values(), default=0)
+        return max((self.passes_needed(r, self.last_num_drafts) for r in self.last_draft_counts), default=0)
 
     def observe(self, committed: Mapping[Hashable, Sequence[int]]) -> None:
         """Takes each row's newly committed tokens and rolls the cache back to what it got right.
