@@ -58,7 +58,8 @@ from handler.drafters.hybrid import Candidate, choose
 from handler.drafters.model import ModelDrafter, Proposal
 from handler.drafters.ngram import NgramDrafter
 from handler.drafters.suffix import SuffixDrafter, SuffixOptions, SuffixTreeStats
-from handler.kv_cache import RaggedCache, kv_bytes_per_token, tree_attention_error
+from handler import runners
+from handler.kv_cache import kv_bytes_per_token, tree_attention_error
 from handler.logits_processors import process_row_logits, token_counts, token_mask
 from handler.memory_budget import prefix_cache_budget
 from handler.prefix_cache import PrefixCache, PrefixCacheStats, prefill_with_cache
@@ -419,6 +420,7 @@ class SpeculativeEngine:
         draft_confidence: bool = False,
         draft_guesses: bool = False,
         running_costs: bool = True,
+        runner: str | None = None,
     ) -> None:
         """
         Args:
@@ -450,6 +452,8 @@ class SpeculativeEngine:
                 guessed drafting); the drafts stay the draft model's own.
             running_costs: on a CPU, rescale the cost table by the passes the engine times
                 (`handler.cost_table.RunningCostTable`); False: the table stands as given.
+            runner: "dynamic" or "static", how both models hold the running batch's KV and run
+                their passes (`handler.runners`); None: `handler.runners.DEFAULT_RUNNER`.
         """
         assert suffix_estimate in SUFFIX_ESTIMATES, suffix_estimate
         assert speculative_tree in SPECULATIVE_TREE_MODES, speculative_tree
@@ -459,6 +463,9 @@ class SpeculativeEngine:
         self.pad_token_id = pad_token_id
         self.device = next(target.parameters()).device
         self.vocab_size = target.config.get_text_config().vocab_size
+        self.runner_kind = runner or runners.DEFAULT_RUNNER
+        assert self.runner_kind in (runners.DYNAMIC, runners.STATIC), self.runner_kind
+        self.target_runner = runners.make_runner(self.runner_kind, target)
         self.cost_table = cost_table
         if cost_table is not None and running_costs and self.device.type == "cpu":
             self.cost_table = RunningCostTable(cost_table)
@@ -473,7 +480,9 @@ class SpeculativeEngine:
                 draft_prefix_cache = PrefixCache(prefix_cache_max_bytes - target_bytes)
         self.model_drafter = None
         if draft is not None:
-            self.model_drafter = ModelDrafter(draft, self.vocab_size, pad_token_id, draft_prefix_cache)
+            self.model_drafter = ModelDrafter(
+                draft, self.vocab_size, pad_token_id, draft_prefix_cache, runners.make_runner(self.runner_kind, draft)
+            )
         self.ngram_drafter = NgramDrafter(prompt_lookup_min, prompt_lookup_max)
         self.suffix_drafter = SuffixDrafter(suffix)
         self.suffix_estimate = suffix_estimate
@@ -496,7 +505,7 @@ class SpeculativeEngine:
         self.drafters = DRAFTERS if draft is not None else MODEL_FREE
         self.default_drafter = default_drafter or (MODEL if draft is not None else NGRAM)
         assert self.default_drafter in self.drafters, (self.default_drafter, self.drafters)
-        self.target_cache: RaggedCache | None = None
+        self.target_cache: runners.BatchCache | None = None
         self.rows: list[_Row] = []  # in target cache row order
         self.waiting: list[_Row] = []
         self.aborted: set[Hashable] = set()
@@ -748,7 +757,7 @@ class SpeculativeEngine:
                 self.num_prompt_tokens += len(row.request.prompt_ids)
                 self.num_cached_tokens += num_cached
             if self.target_cache is None:
-                self.target_cache = filled.cache
+                self.target_cache = self.target_runner.adopt(filled.cache)
             else:
                 self.target_cache.extend(filled.cache)
             self.rows.extend(group)

@@ -7,7 +7,13 @@ own with `pytestmark`):
 - statistical: tests/statistical, chi-square tests of the output distribution;
 - models: tests/models, the engine and the handler on tiny random models;
 - e2e: tests/e2e, a real TorchServe on free loopback ports;
-- deploy: tests/deploy, static checks of the Dockerfile and the manifests.
+- deploy: tests/deploy, static checks of the Dockerfile and the manifests;
+- cuda: tests/cuda, the engine on a GPU; skipped without one (`make test-gpu`).
+
+`--runner static` runs every engine the tests build without naming a runner on
+the static runner (`handler.runners`) instead of the dynamic one; `make test`
+runs the model and statistical tiers under both. The tests in tests/cuda need a
+GPU and are skipped without one (`make test-gpu` runs them).
 
 The one model fixture, `tiny_models_dir`, builds the tiny random target/draft
 pair offline, once per session; `tiny_tokenizer` is the pair's tokenizer alone,
@@ -31,6 +37,7 @@ TIER_BY_FOLDER = {
     "models": "models",
     "e2e": "e2e",
     "deploy": "deploy",
+    "cuda": "cuda",
 }
 TIERS = frozenset(TIER_BY_FOLDER.values())
 
@@ -45,6 +52,21 @@ def run_module(module: str, *args: str, timeout_s: float = 300, check: bool = Fa
         timeout=timeout_s,
         check=check,
     )
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--runner",
+        choices=("dynamic", "static"),
+        default="dynamic",
+        help="the runner of engines built without one named (handler.runners)",
+    )
+
+
+def pytest_configure(config):
+    from handler import runners
+
+    runners.DEFAULT_RUNNER = config.getoption("--runner")
 
 
 def pytest_collection_modifyitems(config, items):

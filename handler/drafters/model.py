@@ -15,8 +15,9 @@ from typing import Callable, Hashable, Mapping, NamedTuple, Sequence
 import torch
 
 from handler.drafters import MODEL
-from handler.kv_cache import RaggedCache, left_pad
+from handler.kv_cache import left_pad
 from handler.prefix_cache import PrefixCache, prefill_with_cache
+from handler.runners import BatchCache, DynamicRunner
 from handler.rollback import draft_rollback
 from handler.sampler import sample_from_probs, warp_logits_to_probs
 
@@ -53,15 +54,19 @@ class ModelDrafter:
 
     name = MODEL
 
-    def __init__(self, model, vocab_size: int, pad_token_id: int, prefix_cache: PrefixCache | None = None) -> None:
+    def __init__(
+        self, model, vocab_size: int, pad_token_id: int, prefix_cache: PrefixCache | None = None, runner=None
+    ) -> None:
         """`vocab_size` is the target's: draft distributions are put on it. `prefix_cache` holds
-        the draft model's KV of earlier prompts and completions (keyed by the ids it was fed)."""
+        the draft model's KV of earlier prompts and completions (keyed by the ids it was fed).
+        `runner` holds the running batch (`handler.runners`); None: the dynamic one."""
         self.model = model
+        self.runner = runner or DynamicRunner(model)
         self.vocab_size = vocab_size
         self.draft_vocab_size = model.config.get_text_config().vocab_size
         self.pad_token_id = pad_token_id
         self.device = next(model.parameters()).device
-        self.cache: RaggedCache | None = None
+        self.cache: BatchCache | None = None
         self.order: list[Hashable] = []  # request ids, in cache row order
         self.pending: dict[Hashable, list[int]] = {}
         # Drafts fed to the cache by the last proposal, beyond the committed tokens.
@@ -84,7 +89,7 @@ class ModelDrafter:
         filled = prefill_with_cache(self.model, self.prefix_cache, prefixes, self.pad_token_id)
         new_cache = filled.cache
         if self.cache is None:
-            self.cache = new_cache
+            self.cache = self.runner.adopt(new_cache)
         else:
             self.cache.extend(new_cache)
         for request_id, handle in zip(ids, filled.handles):

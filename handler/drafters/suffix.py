@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Hashable, Mapping, Sequence
 
 from handler.drafters import NO_LOOKUP, SUFFIX, Lookup
@@ -97,14 +98,26 @@ class SuffixDrafter:
     def __init__(self, options: SuffixOptions = SuffixOptions()) -> None:
         assert options.max_depth >= 1 and 0.0 <= options.min_token_prob <= 1.0, options
         self.options = options
-        self._tree_class = _suffix_tree_class()
-        self.global_tree = self._tree_class(options.max_depth)
+        # The C++ trees are made on first use: a deployment that never drafts from suffix trees
+        # serves without arctic-inference built.
+        self._global_tree = None
         # Outputs in the global tree, oldest first: sequence id -> tokens held.
         self.held: collections.OrderedDict[int, int] = collections.OrderedDict()
         self.num_held_tokens = 0
         self.next_seq_id = 0
         self.rows: dict[Hashable, _RowState] = {}
         self.owner: dict[int, Hashable] = {}  # sequence id -> request id, while the request runs
+
+    @functools.cached_property
+    def _tree_class(self):
+        return _suffix_tree_class()
+
+    @property
+    def global_tree(self):
+        """The tree of recent outputs shared across requests."""
+        if self._global_tree is None:
+            self._global_tree = self._tree_class(self.options.max_depth)
+        return self._global_tree
 
     @property
     def stats(self) -> SuffixTreeStats:

@@ -1,0 +1,153 @@
+"""Model runners: what stands between the step loop and a model's forward pass.
+
+A runner owns one model's KV layout. The engine and the draft-model drafter never
+call a model directly: rows are prefilled into a `handler.kv_cache.RaggedCache`
+(eager, any width, the prefix cache's KV copied in), and the runner `adopt`s that
+cache as the running batch. The batch then takes every later pass through one
+interface, `BatchCache`:
+
+- `forward(input_ids, chunk_mask, logits_to_keep, tree)`: a chunk over every row;
+- `lengths` and `rollback(lengths)`: rollback is a length;
+- `keep_chunk_paths`, after a tree pass; `select_rows` and `extend`, as rows
+  leave and join; `row_kv`, a row's KV for the prefix cache.
+
+Two runners:
+
+- `dynamic` (`DynamicRunner`): the running batch is the ragged cache itself,
+  grown by concatenation and cropped on rollback. The CPU default.
+- `static` (`handler.runners.static.StaticRunner`): KV preallocated per row
+  slot; rollback moves a length; chunk widths, batch sizes and attended lengths
+  are bucketed to a few fixed shapes, and on CUDA each shape is captured once
+  as a CUDA graph.
+
+`auto` picks one by timing both at start-up (`choose_runner`).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Protocol, Sequence
+
+import torch
+
+from handler.kv_cache import RaggedCache, prefill
+
+logger = logging.getLogger(__name__)
+
+DYNAMIC, STATIC, AUTO = "dynamic", "static", "auto"
+RUNNERS = (AUTO, DYNAMIC, STATIC)
+# What an engine built without a runner named uses. The test suite runs its model tier under each
+# runner by setting this (tests/conftest.py, `--runner`).
+DEFAULT_RUNNER = DYNAMIC
+
+
+class BatchCache(Protocol):
+    """One model's KV for the running batch, row b for the engine's row b."""
+
+    lengths: torch.Tensor  # [rows] long, CPU: valid tokens per row
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        chunk_mask: torch.Tensor,
+        logits_to_keep: int,
+        tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor: ...
+
+    def rollback(self, lengths: torch.Tensor) -> None: ...
+
+    def keep_chunk_paths(self, chunk_width: int, paths: Sequence[Sequence[int]]) -> None: ...
+
+    def select_rows(self, rows: Sequence[int]) -> None: ...
+
+    def extend(self, other: RaggedCache) -> None: ...
+
+    def row_kv(self, slot: int, start: int, end: int) -> torch.Tensor: ...
+
+
+class ModelRunner(Protocol):
+    kind: str
+    model: torch.nn.Module
+
+    def adopt(self, prefilled: RaggedCache) -> BatchCache:
+        """The running batch, starting with the rows of a freshly prefilled cache."""
+        ...
+
+
+class DynamicRunner:
+    """Today's layout: the running batch is the ragged cache the rows were prefilled in."""
+
+    kind = DYNAMIC
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def adopt(self, prefilled: RaggedCache) -> RaggedCache:
+        return prefilled
+
+
+def make_runner(kind: str, model: torch.nn.Module | None, **options) -> ModelRunner | None:
+    """The runner of `kind` ("dynamic" or "static") for `model`; None for no model."""
+    if model is None:
+        return None
+    if kind == DYNAMIC:
+        return DynamicRunner(model)
+    if kind == STATIC:
+        from handler.runners.static import StaticRunner
+
+        return StaticRunner(model, **options)
+    raise ValueError(f"runner: {kind!r} is not one of {', '.join(RUNNERS)}")
+
+
+@torch.inference_mode()
+def time_runner_pass(runner: ModelRunner, batch_size: int, width: int, context: int, repeats: int) -> float:
+    """Median seconds of one pass of `width` tokens over `batch_size` rows of `context` tokens,
+    through `runner` (warm: its first passes, and any graph capture, are not timed)."""
+    model = runner.model
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, vocab, (batch_size, context), generator=generator).tolist()
+    batch = runner.adopt(prefill(model, prompts, 0))
+    lengths = batch.lengths.clone()
+    input_ids = torch.randint(0, vocab, (batch_size, width), generator=generator)
+    chunk_mask = torch.ones_like(input_ids)
+    device = next(model.parameters()).device
+    samples = []
+    for repeat in range(repeats + 2):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        batch.forward(input_ids, chunk_mask, logits_to_keep=width)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if repeat >= 2:
+            samples.append(time.perf_counter() - start)
+        batch.rollback(lengths)
+    return statistics.median(samples)
+
+
+def choose_runner(models: Sequence[torch.nn.Module | None], width: int, repeats: int = 5) -> str:
+    """`auto`: the runner whose passes are faster on this machine, timed now.
+
+    Each model is timed at batch 1, for one token (a draft step, a plain decoding step) and for
+    `width` tokens (a verify pass); the runner with the smaller sum wins. A tie keeps `dynamic`.
+    """
+    totals = {}
+    for kind in (DYNAMIC, STATIC):
+        total = 0.0
+        for model in models:
+            if model is None:
+                continue
+            runner = make_runner(kind, model)
+            total += time_runner_pass(runner, 1, 1, 64, repeats) + time_runner_pass(runner, 1, width, 64, repeats)
+        totals[kind] = total
+    choice = STATIC if totals[STATIC] < totals[DYNAMIC] else DYNAMIC
+    logger.info(
+        "runner: auto chose %s (dynamic %.2f ms, static %.2f ms, summed over the timed passes)",
+        choice,
+        totals[DYNAMIC] * 1e3,
+        totals[STATIC] * 1e3,
+    )
+    return choice

@@ -1,0 +1,495 @@
+"""The GPU check: the CUDA tests, then the runners timed on random-weight models of real shapes.
+
+    python -m scripts.gpu_check OUT_DIR              # on a CUDA machine: Qwen2.5 0.5B / 1.5B / 7B shapes
+    python -m scripts.gpu_check OUT_DIR --device cpu # tiny shapes, to check the script itself
+
+Timing does not depend on weight values, so the models are built from configs with
+random weights (nothing is downloaded): a Qwen2.5-0.5B-shaped draft and 1.5B- and
+7B-shaped targets, in bf16 on CUDA. It writes `gpu_check.json` and `gpu_check.md`
+to OUT_DIR, section by section, so a run cut short keeps what it measured:
+
+1. the CUDA tests (`pytest tests/cuda`), their summary line;
+2. per-pass times, eager (dynamic runner) against CUDA graphs (static runner), and
+   c, the draft's pass over the target's, both ways;
+3. the target's verify cost by width 1..17 (batch 1) and by batch 1..16 (width 5), with graphs;
+4. the engine: draft = target (every draft accepted), fixed k, against target-only
+   decoding in the same engine and HF `generate`; its own time per step (step wall
+   time minus the model passes) against the target's verify pass;
+5. HF assisted generation on the same models (draft = target, and the 0.5B draft);
+6. the predicted speedup E/(kc+1) at the acceptance the real pair shows on the CPU,
+   chains against chain-with-siblings trees, from the measured verify costs.
+
+Random weights make the 0.5B draft and the targets disagree, so the rows with the
+0.5B draft measure how each method behaves when drafts are rejected, not a real pair's speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import io
+import json
+import logging
+import os
+import pathlib
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from handler import runners
+from handler.adaptive import chain_expected_tokens
+from handler.config import SamplingParams
+from handler.engine import GenerationRequest, SpeculativeEngine
+from handler.runners.static import StaticRunner
+
+logger = logging.getLogger("gpu_check")
+
+# The real demo pair's per-draft acceptance on the CPU: the model drafter at fixed k=3 on the open
+# set accepted 0.64 of its drafts (docs/benchmark.md, open set, 2026-11-20 run).
+CPU_ACCEPTANCE = 0.64
+# Chain-with-siblings trees: the share of the rejected mass a draft's runner-up takes. The CPU runs
+# did not measure it; the table gives the tree's gain for each of these.
+RUNNER_UP_SHARES = (0.2, 0.4)
+
+# The 0.5B and 1.5B vocabulary. The real 7B's is 152064 (a padded LM head, 0.08% larger); one
+# vocabulary lets HF assisted generation pair any two of these without tokenizers.
+QWEN_VOCAB = 151936
+SHAPES: dict[str, dict[str, Any]] = {
+    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=QWEN_VOCAB, tie_word_embeddings=True),
+    "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=QWEN_VOCAB, tie_word_embeddings=True),
+    "7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=QWEN_VOCAB, tie_word_embeddings=False),
+}  # fmt: skip
+TINY_SHAPES: dict[str, dict[str, Any]] = {
+    name: dict(hidden_size=64 * scale, intermediate_size=128 * scale, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=384, tie_word_embeddings=False)
+    for name, scale in (("0.5B", 1), ("1.5B", 2), ("7B", 3))
+}  # fmt: skip
+
+
+def build_model(shape: dict[str, Any], device: torch.device, dtype: torch.dtype):
+    """A Qwen2 causal LM of `shape` with random weights, on `device`."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(max_position_embeddings=32768, rope_theta=1_000_000.0, **shape)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(run: Callable[[], Any], device: torch.device, repeats: int, warmups: int = 2) -> float:
+    samples = []
+    for index in range(warmups + repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        if index >= warmups:
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def pass_seconds(model, kind: str, batch_size: int, width: int, context: int, repeats: int) -> float:
+    return runners.time_runner_pass(runners.make_runner(kind, model), batch_size, width, context, repeats)
+
+
+class PassClock:
+    """Sums the seconds spent in the model passes of every runner (a synchronisation around each)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds = 0.0
+        self.patched: list[tuple[object, str, Callable]] = []
+
+    def __enter__(self) -> PassClock:
+        from handler.kv_cache import RaggedCache
+
+        for owner, name in ((StaticRunner, "run"), (RaggedCache, "_run")):
+            original = getattr(owner, name)
+
+            def timed(*args, _original=original, **kwargs):
+                synchronize(self.device)
+                start = time.perf_counter()
+                result = _original(*args, **kwargs)
+                synchronize(self.device)
+                self.seconds += time.perf_counter() - start
+                return result
+
+            setattr(owner, name, timed)
+            self.patched.append((owner, name, original))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in self.patched:
+            setattr(owner, name, original)
+
+
+def engine_run(engine: SpeculativeEngine, prompt_ids: list[int], max_new_tokens: int, k: int) -> dict[str, float]:
+    """One request to completion, step by step: tokens/s, steps, accepted drafts per step."""
+    device = engine.device
+    engine.add_request("r", GenerationRequest(tuple(prompt_ids), max_new_tokens, SamplingParams(), k))
+    synchronize(device)
+    start = time.perf_counter()
+    num_steps, result = 0, None
+    while result is None:
+        for output in engine.step():
+            result = output.result or result
+        num_steps += 1
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    return {
+        "tokens_per_s": len(result.token_ids) / seconds,
+        "steps": num_steps,
+        "seconds": seconds,
+        "tokens_per_step": len(result.token_ids) / num_steps,
+        "acceptance": result.stats.accepted_tokens / max(1, result.stats.draft_tokens),
+    }
+
+
+def text_tokenizer():
+    """The tiny pair's tokenizer: the engine decodes each result's text (ids it lacks decode to
+    nothing), and no tokenizer of the real models can be fetched here."""
+    from transformers import AutoTokenizer
+
+    from scripts.make_tiny_models import save_tokenizer
+
+    folder = tempfile.mkdtemp(prefix="gpu-check-tokenizer-")
+    save_tokenizer(pathlib.Path(folder))
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def make_engine(target, draft, tokenizer, runner: str) -> SpeculativeEngine:
+    """Drafts its fixed k (no cost table), chains only, no stop token: every step the same shape."""
+    return SpeculativeEngine(
+        target, draft, tokenizer, (), 0, runner=runner, speculative_tree="off", running_costs=False
+    )
+
+
+def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+def hf_generate(target, prompt_ids: list[int], max_new_tokens: int, assistant=None) -> float:
+    """Tokens/s of HF `generate`, greedy, with `assistant` as its assistant model if given."""
+    input_ids = torch.tensor([prompt_ids], device=target.device)
+    options = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    if assistant is not None:
+        options["assistant_model"] = assistant
+    synchronize(target.device)
+    start = time.perf_counter()
+    output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **options)
+    synchronize(target.device)
+    return (output.shape[1] - len(prompt_ids)) / (time.perf_counter() - start)
+
+
+class Report:
+    """The JSON and markdown written to OUT_DIR after every section."""
+
+    def __init__(self, out_dir: str, header: dict[str, Any]) -> None:
+        self.out_dir = out_dir
+        self.data: dict[str, Any] = {"header": header}
+        self.markdown: list[str] = [f"# GPU check, {header['date']}", "", f"Device: {header['device_name']}; "
+                                    f"torch {header['torch']}, transformers {header['transformers']}.", ""]  # fmt: skip
+
+    def section(self, name: str, data: Any, lines: list[str]) -> None:
+        self.data[name] = data
+        self.markdown += [f"## {name}", "", *lines, ""]
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, "gpu_check.json"), "w", encoding="utf-8") as file:
+            json.dump(self.data, file, indent=1)
+        with open(os.path.join(self.out_dir, "gpu_check.md"), "w", encoding="utf-8") as file:
+            file.write("\n".join(self.markdown))
+        print("\n".join([f"## {name}", *lines]), flush=True)
+
+
+def table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    def cell(value: Any) -> str:
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    return ["| " + " | ".join(str(name) for name in header) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join(cell(value) for value in row) + " |" for row in rows
+    ]
+
+
+def run_cuda_tests() -> tuple[dict[str, Any], list[str]]:
+    started = time.perf_counter()
+    command = [sys.executable, "-m", "pytest", "tests/cuda", "-q", "-ra", "-p", "no:cacheprovider"]
+    process = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    lines = process.stdout.strip().splitlines()
+    summary = lines[-1] if lines else process.stderr.strip()[-500:]
+    data = {"returncode": process.returncode, "summary": summary, "seconds": time.perf_counter() - started}
+    if process.returncode != 0:
+        data["tail"] = process.stdout[-4000:] + process.stderr[-2000:]
+    return data, [f"`pytest tests/cuda`: {summary} (exit {process.returncode})"]
+
+
+@dataclasses.dataclass
+class Setup:
+    """What every section shares."""
+
+    models: dict[str, torch.nn.Module]
+    device: torch.device
+    context: int  # tokens of context under each timed pass
+    k: int
+    repeats: int
+    max_new_tokens: int
+    report: Report
+    tokenizer: Any = None
+    prompt_generator: torch.Generator = dataclasses.field(default_factory=lambda: torch.Generator().manual_seed(1))
+
+    def label(self, kind: str) -> str:
+        if kind == runners.DYNAMIC:
+            return "eager"
+        return "graphs" if self.device.type == "cuda" else "static"
+
+    def prompt(self, target: torch.nn.Module) -> list[int]:
+        vocab = min(target.config.vocab_size, self.models["0.5B"].config.vocab_size)
+        return torch.randint(0, vocab, (64,), generator=self.prompt_generator).tolist()
+
+
+def pass_times(setup: Setup) -> dict[str, dict[str, float]]:
+    """Section 2: per-pass times, eager against the static runner, and c."""
+    k = setup.k
+    passes = {
+        name: {
+            f"{kind}_w{width}": pass_seconds(model, kind, 1, width, setup.context, setup.repeats)
+            for kind in (runners.DYNAMIC, runners.STATIC)
+            for width in (1, k + 1)
+        }
+        for name, model in setup.models.items()
+    }
+    static = setup.label(runners.STATIC)
+    rows = [[name, *(1e3 * times[key] for key in times)] for name, times in passes.items()]
+    header = ["model", "eager w1 (ms)", f"eager w{k + 1} (ms)", f"{static} w1 (ms)", f"{static} w{k + 1} (ms)"]
+    c_rows, c_data = [], {}
+    for target in ("1.5B", "7B"):
+        for kind in (runners.DYNAMIC, runners.STATIC):
+            draft_step = passes["0.5B"][f"{kind}_w1"]
+            c_step = draft_step / passes[target][f"{kind}_w1"]
+            c_verify = draft_step / passes[target][f"{kind}_w{k + 1}"]
+            c_data[f"{target}_{kind}"] = {"c_over_step": c_step, "c_over_verify": c_verify}
+            c_rows.append([f"0.5B -> {target}", setup.label(kind), c_step, c_verify])
+    c_header = ["pair", "runner", "c = draft step / target step", f"c = draft step / verify (w{k + 1})"]
+    setup.report.section(
+        "Pass times and c",
+        {"passes": passes, "c": c_data},
+        [
+            f"Batch 1, {setup.context} tokens of context; medians of {setup.repeats} passes.",
+            "",
+            *table(header, rows),
+            "",
+            *table(c_header, c_rows),
+        ],
+    )
+    return passes
+
+
+def verify_sweep(setup: Setup) -> dict[str, Any]:
+    """Section 3: the targets' verify cost by width and by batch, on the static runner."""
+    widths, batches = list(range(1, 18)), [1, 2, 4, 8, 16]
+    sweep: dict[str, Any] = {}
+    lines = []
+    for name in ("1.5B", "7B"):
+        model = setup.models[name]
+        by_width = [pass_seconds(model, runners.STATIC, 1, w, setup.context, setup.repeats) for w in widths]
+        by_batch = [pass_seconds(model, runners.STATIC, b, setup.k + 1, setup.context, setup.repeats) for b in batches]
+        sweep[name] = {"widths": widths, "by_width": by_width, "batches": batches, "by_batch": by_batch}
+        lines += [f"{name} target, {setup.label(runners.STATIC)}, ms:", ""]
+        lines += table(["width", *widths], [["ms", *(1e3 * s for s in by_width)]]) + [""]
+        lines += table([f"batch (width {setup.k + 1})", *batches], [["ms", *(1e3 * s for s in by_batch)]]) + [""]
+    setup.report.section("Verify cost by width and batch", sweep, lines)
+    return sweep
+
+
+def engine_rows(setup: Setup, passes: dict[str, dict[str, float]]) -> None:
+    """Section 4: draft = target against target-only in the engine and HF `generate`; the engine's own time."""
+    k, data, rows = setup.k, {}, []
+    for name in ("1.5B", "7B"):
+        target = setup.models[name]
+        prompt = setup.prompt(target)
+        for kind in (runners.DYNAMIC, runners.STATIC):
+            self_engine = make_engine(target, target, setup.tokenizer, kind)
+            plain_engine = make_engine(target, None, setup.tokenizer, kind)
+            engine_run(self_engine, prompt, 16, k)  # warm-up: graph captures, allocator
+            engine_run(plain_engine, prompt, 16, 0)
+            spec = median_run([engine_run(self_engine, prompt, setup.max_new_tokens, k) for _ in range(3)])
+            plain = median_run([engine_run(plain_engine, prompt, setup.max_new_tokens, 0) for _ in range(3)])
+            with PassClock(setup.device) as clock:
+                timed = engine_run(self_engine, prompt, setup.max_new_tokens, k)
+            own = (timed["seconds"] - clock.seconds) / timed["steps"]
+            verify = passes[name][f"{kind}_w{k + 1}"]
+            data[f"{name}_{kind}"] = {
+                "draft_equals_target": spec,
+                "target_only": plain,
+                "engine_own_seconds_per_step": own,
+                "model_seconds_per_step": clock.seconds / timed["steps"],
+                "own_over_verify": own / verify,
+            }
+            speedup = spec["tokens_per_s"] / plain["tokens_per_s"]
+            rows.append(
+                [name, setup.label(kind), spec["tokens_per_s"], spec["acceptance"], plain["tokens_per_s"], speedup,
+                 1e3 * own, own / verify]
+            )  # fmt: skip
+        hf = statistics.median(hf_generate(target, prompt, setup.max_new_tokens) for _ in range(3))
+        data[f"{name}_hf_generate"] = hf
+        rows.append([name, "HF generate (eager)", "-", "-", hf, "-", "-", "-"])
+    header = ["target", "runner", "draft = target tok/s", "acceptance", "target-only tok/s", "speedup",
+              "engine's own ms/step", "own / verify pass"]  # fmt: skip
+    setup.report.section(
+        "Engine: draft = target against target-only",
+        data,
+        [
+            f"Greedy, 64-token prompt, {setup.max_new_tokens} new tokens, fixed k = {k}, medians of 3 runs.",
+            "Engine's own time: a step's wall time minus its model passes (timed with a synchronisation each).",
+            "",
+            *table(header, rows),
+        ],
+    )
+
+
+def engine_profile(setup: Setup, out_dir: str) -> None:
+    """Where the engine's own time goes: one run of the 7B target drafting for itself, profiled."""
+    target = setup.models["7B"]
+    engine = make_engine(target, target, setup.tokenizer, runners.STATIC)
+    prompt = setup.prompt(target)
+    engine_run(engine, prompt, 16, setup.k)
+    profile = cProfile.Profile()
+    profile.enable()
+    engine_run(engine, prompt, setup.max_new_tokens, setup.k)
+    profile.disable()
+    stream = io.StringIO()
+    pstats.Stats(profile, stream=stream).sort_stats("tottime").print_stats(40)
+    with open(os.path.join(out_dir, "engine_profile.txt"), "w", encoding="utf-8") as file:
+        file.write(stream.getvalue())
+    setup.report.section("Engine profile", None, ["engine_profile.txt: the 40 functions with the most own time."])
+
+
+def assisted_rows(setup: Setup) -> None:
+    """Section 5: HF assisted generation against the engine on the same models."""
+    k, data, rows = setup.k, {}, []
+    for name in ("1.5B", "7B"):
+        target = setup.models[name]
+        prompt = setup.prompt(target)
+        for draft_name in (name, "0.5B"):
+            draft = setup.models[draft_name]
+            hf_generate(target, prompt, 16, draft)  # warm-up
+            hf = statistics.median(hf_generate(target, prompt, setup.max_new_tokens, draft) for _ in range(3))
+            engine = make_engine(target, draft, setup.tokenizer, runners.STATIC)
+            engine_run(engine, prompt, 16, k)
+            ours = median_run([engine_run(engine, prompt, setup.max_new_tokens, k) for _ in range(3)])
+            data[f"{draft_name}->{name}"] = {"hf_assisted": hf, "ours_static": ours}
+            rows.append([f"{draft_name} -> {name}", hf, ours["tokens_per_s"], ours["acceptance"],
+                         ours["tokens_per_s"] / hf])  # fmt: skip
+    setup.report.section(
+        "Against HF assisted generation",
+        data,
+        [
+            f"Greedy, {setup.max_new_tokens} new tokens; ours: {setup.label(runners.STATIC)}, fixed k = {k}; "
+            "HF: its default schedule.",
+            "",
+            *table(["pair", "HF assisted tok/s", "ours tok/s", "our acceptance", "ours / HF"], rows),
+        ],
+    )
+
+
+def predicted_speedups(setup: Setup, passes: dict[str, dict[str, float]], sweep: dict[str, Any]) -> None:
+    """Section 6: E/(kc+1) at the real pair's CPU acceptance, chains and chain-with-siblings trees."""
+    data: dict[str, Any] = {}
+    lines = [f"Acceptance per draft {CPU_ACCEPTANCE} (the real pair on the CPU); the static runner's costs.", ""]
+    for name in ("1.5B", "7B"):
+        by_width = sweep[name]["by_width"]  # by_width[i]: a pass of width i + 1
+        step = passes[name]["static_w1"]
+        draft_step = passes["0.5B"]["static_w1"]
+        rows = []
+        for num_drafts in range(1, 9):
+            chain = chain_expected_tokens([CPU_ACCEPTANCE] * num_drafts)
+            row = [num_drafts, chain, chain * step / (num_drafts * draft_step + by_width[num_drafts])]
+            for share in RUNNER_UP_SHARES:
+                # A sibling per draft: where the chain's draft is rejected, its runner-up is accepted
+                # with this share, and the walk gains that token (`handler.tree`).
+                tree = chain + share * (1 - CPU_ACCEPTANCE**num_drafts)
+                tree_cost = num_drafts * draft_step + by_width[min(2 * num_drafts, len(by_width) - 1)]
+                row.append(tree * step / tree_cost)
+            rows.append(row)
+        data[name] = rows
+        header = ["k", "E (chain)", "chain speedup", *(f"tree speedup, runner-up share {s}" for s in RUNNER_UP_SHARES)]
+        lines += [f"0.5B -> {name}:", "", *table(header, rows), ""]
+    setup.report.section("Predicted speedup E/(kc+1)", data, lines)
+
+
+def guarded(report: Report, name: str, section: Callable[[], Any]) -> Any:
+    """Runs a section; a failure is written to the report and the next section still runs."""
+    try:
+        return section()
+    except Exception as error:  # noqa: BLE001 - a benchmark section's failure is reported, not fatal
+        report.section(f"{name}: FAILED", {"error": repr(error), "traceback": traceback.format_exc()}, [repr(error)])
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", help="folder for gpu_check.json and gpu_check.md")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: tiny shapes, a dry run")
+    parser.add_argument("--skip-tests", action="store_true", help="do not run tests/cuda")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4, help="drafts per step of the engine rows")
+    parser.add_argument("--repeats", type=int, default=10, help="timed passes per point (median)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device here; --device cpu checks the script with tiny shapes")
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    import transformers
+
+    header = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device_name": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "dtype": str(dtype),
+        "k": args.k,
+    }
+    report = Report(args.out_dir, header)
+    if not args.skip_tests:
+        report.section("CUDA tests", *run_cuda_tests())
+    shapes = SHAPES if on_gpu else TINY_SHAPES
+    setup = Setup(
+        models={name: build_model(shape, device, dtype) for name, shape in shapes.items()},
+        device=device,
+        context=512 if on_gpu else 64,
+        k=args.k,
+        repeats=args.repeats,
+        max_new_tokens=args.max_new_tokens,
+        report=report,
+        tokenizer=text_tokenizer(),
+    )
+    passes = pass_times(setup)
+    sweep = verify_sweep(setup)
+    guarded(report, "Engine", lambda: engine_rows(setup, passes))
+    guarded(report, "Engine profile", lambda: engine_profile(setup, args.out_dir))
+    guarded(report, "HF assisted", lambda: assisted_rows(setup))
+    predicted_speedups(setup, passes, sweep)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The engine on a CUDA GPU, eager (dynamic runner) and with CUDA graphs (static runner).
+
+fp32 greedy output equals the target's own, alone and batched; seeded requests do
+not depend on the batch; sampled tokens follow the target's distribution (chi-square,
+with the check shown to catch a broken coupling); a bf16 run completes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from handler.config import SamplingParams
+from handler.engine import GenerationRequest
+from tests.models.conftest import make_engine
+from tests.statistical.test_distribution import BUG_P_VALUE, PASS_P_VALUE
+from tests.statistical.test_engine_distribution import SETTINGS, p_values, sample_two_tokens
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu)")
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "x", "import torch\nclass Model(torch.nn.Module):"]
+GREEDY = SamplingParams()
+RUNNERS = ["dynamic", "static"]
+
+
+def encode(tokenizer, prompt: str) -> tuple[int, ...]:
+    return tuple(tokenizer(prompt)["input_ids"])
+
+
+def reference_greedy(target, prompt_ids, max_new_tokens: int) -> list[int]:
+    input_ids = torch.tensor([prompt_ids], device=target.device)
+    output = target.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False
+    )
+    return output[0, len(prompt_ids) :].tolist()
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_output_equals_the_targets_on_cuda(cuda_pair, runner, k):
+    target, draft, tokenizer = cuda_pair
+    engine = make_engine(target, draft, tokenizer, runner=runner)
+    for prompt in PROMPTS:
+        prompt_ids = encode(tokenizer, prompt)
+        result = engine.generate([GenerationRequest(prompt_ids, 40, GREEDY, k)])[0]
+        assert result.token_ids == reference_greedy(target, prompt_ids, 40), prompt
+    if runner == "static":
+        assert engine.target_runner.num_captures > 0 and engine.model_drafter.runner.num_captures > 0
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_batched_greedy_equals_solo_on_cuda(cuda_pair, runner):
+    target, draft, tokenizer = cuda_pair
+    engine = make_engine(target, draft, tokenizer, runner=runner)
+    requests = [GenerationRequest(encode(tokenizer, p), 10 + 7 * i, GREEDY, 1 + i) for i, p in enumerate(PROMPTS)]
+    solo = [engine.generate([request])[0].token_ids for request in requests]
+    batched = [result.token_ids for result in engine.generate(requests)]
+    assert batched == solo
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_seeded_request_does_not_depend_on_its_batch_on_cuda(cuda_pair, runner):
+    target, draft, tokenizer = cuda_pair
+    engine = make_engine(target, draft, tokenizer, runner=runner)
+    sampled = SamplingParams(temperature=0.9, top_k=0, top_p=1.0)
+    seeded = GenerationRequest(encode(tokenizer, PROMPTS[0]), 30, sampled, 4, seed=1234)
+    alone = engine.generate([seeded])[0].token_ids
+    others = [GenerationRequest(encode(tokenizer, p), 25, sampled, 2) for p in PROMPTS[1:]]
+    assert engine.generate([*others, seeded])[-1].token_ids == alone
+    assert engine.generate([seeded])[0].token_ids == alone
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection_sampling", "coupled"])
+def test_sampled_tokens_follow_the_target_with_cuda_graphs(
+    cpu_pair, cuda_pair, seeded, reproducible_unseeded, graph_sized_batches
+):
+    target, draft, tokenizer = cuda_pair
+    engine = make_engine(target, draft, tokenizer, eos_token_ids=(), runner="static")
+    sampling = SETTINGS[0]
+    tokens = sample_two_tokens((target, tokenizer, engine), sampling, seeded)
+    assert min(p_values((cpu_pair[0], tokenizer, None), sampling, tokens)) > PASS_P_VALUE
+
+
+def test_the_cuda_check_catches_a_coupling_that_reuses_one_uniform(
+    cpu_pair, cuda_pair, monkeypatch, graph_sized_batches
+):
+    import handler.engine as engine_module
+    from handler.sampler import position_uniforms
+
+    monkeypatch.setattr(
+        engine_module, "position_uniforms", lambda seed, first, num: position_uniforms(seed, 0, 1).repeat(num)
+    )
+    target, draft, tokenizer = cuda_pair
+    engine = make_engine(target, draft, tokenizer, eos_token_ids=(), runner="static")
+    sampling = SETTINGS[0]
+    tokens = sample_two_tokens((target, tokenizer, engine), sampling, seeded=True)
+    assert min(p_values((cpu_pair[0], tokenizer, None), sampling, tokens)) < BUG_P_VALUE
+
+
+def test_bfloat16_with_cuda_graphs_runs(tiny_models_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models_dir / "target")
+    target = AutoModelForCausalLM.from_pretrained(tiny_models_dir / "target", dtype=torch.bfloat16).eval().cuda()
+    engine = make_engine(target, target, tokenizer, eos_token_ids=(), runner="static")
+    requests = [GenerationRequest(encode(tokenizer, p), 32, GREEDY, 4) for p in PROMPTS]
+    results = engine.generate(requests)
+    assert [len(result.token_ids) for result in results] == [32] * len(PROMPTS)
+    vocab = target.config.vocab_size
+    assert all(0 <= token < vocab for result in results for token in result.token_ids)
+    # Draft and target are one model: nearly every draft is accepted (bf16 may flip a near-tie
+    # between a width-1 and a wide pass).
+    accepted = sum(result.stats.accepted_tokens for result in results)
+    drafted = sum(result.stats.draft_tokens for result in results)
+    assert accepted >= 0.9 * drafted > 0
