@@ -33,7 +33,7 @@ INSTALL_STAMP := $(VENV)/.install-stamp
 TORCH_SPEC_FILE := $(VENV)/.torch-spec
 TINY_MODELS := models/tiny
 
-.PHONY: help install check-java test test-fast lint tiny-models package serve dev-serve register \
+.PHONY: help install check-java test test-fast test-gpu gpu-check lint tiny-models package serve dev-serve register \
 	unregister stop loadtest demo install-demo bench bench-agentic bench-prefix clean FORCE
 
 help: ## List the targets
@@ -60,8 +60,20 @@ $(INSTALL_STAMP): requirements.txt requirements-dev.txt scripts/install.sh $(TOR
 	PYTHON='$(PYTHON)' VENV='$(VENV)' TORCH_SPEC='$(TORCH_SPEC)' scripts/install.sh
 	@touch $@
 
-test: install ## Run the whole test suite (every tier)
+# The engine's tiers run twice: on the dynamic runner (with every other tier), then on the static one.
+STATIC_RUNNER_TESTS ?= tests/models tests/statistical
+
+test: install ## Run the whole test suite (every tier; the engine's under both runners)
 	$(PY) -m pytest tests -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest $(STATIC_RUNNER_TESTS) -q -ra --runner static $(PYTEST_ARGS)
+
+test-gpu: install ## Run the CUDA tests (tests/cuda; on a machine with a GPU and a CUDA torch)
+	$(PY) -m pytest tests/cuda -q -ra $(PYTEST_ARGS)
+
+GPU_CHECK_OUT ?= bench_results/gpu
+
+gpu-check: install ## The GPU check: CUDA tests and the runners timed on Qwen2.5-shaped models (GPU_CHECK_OUT)
+	$(PY) -m scripts.gpu_check $(GPU_CHECK_OUT)
 
 test-fast: install ## Run the unit tier only (under 30 s)
 	$(PY) -m pytest tests/unit tests/scripts -q -ra -m unit $(PYTEST_ARGS)

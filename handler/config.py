@@ -21,6 +21,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFT_QUANTIZATIONS = ("none", "int8", "auto")
 # handler.speculative_tree: trees of look-up candidates where the model allows ("auto"), or chains.
 SPECULATIVE_TREE_MODES = ("auto", "off")
+# handler.runner: how the models hold the running batch's KV and run their passes (handler.runners);
+# auto times both at start-up and keeps the faster.
+RUNNER_MODES = ("auto", "dynamic", "static")
 # Who proposes drafts (handler.drafters): DRAFTERS, of which MODEL_FREE need no draft model.
 # Longest n-gram the look-up matches; longer suffixes rarely add matches.
 MAX_PROMPT_LOOKUP = 16
@@ -284,6 +287,9 @@ class HandlerConfig:
     # auto: look-ups propose trees of candidates, verified in one pass, and the planner sizes them
     # from the cost table (handler.tree); off: chains only. A request may say off for itself.
     speculative_tree: str = "auto"
+    # dynamic: the KV grows and is cropped (the CPU's usual winner); static: preallocated KV in row
+    # slots with fixed shapes, captured as CUDA graphs on a GPU; auto: whichever passes run faster here.
+    runner: str = "auto"
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
     @property
@@ -416,6 +422,12 @@ class HandlerConfig:
                 f"got {tree!r}"
             )
         values["speculative_tree"] = tree
+        runner = raw.get("runner", default.runner)
+        if runner not in RUNNER_MODES:
+            raise ValueError(
+                f"model-config.yaml: handler.runner must be one of {', '.join(RUNNER_MODES)}, got {runner!r}"
+            )
+        values["runner"] = runner
         values["sampling"] = SamplingParams.from_dict(raw.get("sampling", {}))
         return cls(**values)
 

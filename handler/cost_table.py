@@ -4,9 +4,10 @@ What a speculative step costs depends on the machine far more than on the
 model: on a GPU a verification over 8 tokens costs about as much as one, while
 on some CPUs a forward over 4 tokens costs twice one. So the table is measured
 at start-up, on the real device, dtype and models, in the way the engine
-calls them: a chunk of `width` new tokens appended to a cached context of
-about 100 tokens per row, with explicit position ids and `logits_to_keep =
-width` (the engine keeps the logits of every verified position).
+calls them: through the serving runner (`handler.runners`), a chunk of
+`width` new tokens appended to a cached context of about 100 tokens per row,
+with `logits_to_keep = width` (the engine keeps the logits of every verified
+position).
 
 The grid is sparse (widths 1, 2, 3, 4, then powers of two, and the largest;
 batch sizes 1, powers of two, and the largest) and the table interpolates
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 # Tokens already in each row's cache when a chunk is timed: a short, typical decoding context.
 CONTEXT_LENGTH = 100
 # Bumped whenever the measuring method changes, so that old cached tables are re-measured.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 CACHE_FILE_PREFIX = "cost_table-"
 # The running correction (`RunningCostTable`): forward passes per model in its median, the passes
 # seen before it departs from the table, and the most it scales the table either way.
@@ -322,41 +323,32 @@ def _time_grid(
     batch_sizes: Sequence[int],
     repeats: int,
     warmups: int,
+    runner: str,
 ) -> tuple[list[list[float]], list[float] | None]:
-    from transformers import DynamicCache
+    from handler.kv_cache import prefill
+    from handler.runners import make_runner
 
     device = _device_of(target)
     generator = torch.Generator().manual_seed(0)
 
     def random_ids(model, batch_size: int, width: int) -> torch.Tensor:
         vocab = model.config.get_text_config().vocab_size
-        return torch.randint(0, vocab, (batch_size, width), generator=generator).to(device)  # [batch, width]
+        return torch.randint(0, vocab, (batch_size, width), generator=generator)  # [batch, width]
 
     def prefilled(model, batch_size: int):
-        cache = DynamicCache(config=model.config)
-        model(
-            input_ids=random_ids(model, batch_size, CONTEXT_LENGTH),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return cache
+        # The running batch as the engine holds it: prefilled, then adopted by the serving runner.
+        runner_of_model = make_runner(runner, model)
+        return runner_of_model.adopt(prefill(model, random_ids(model, batch_size, CONTEXT_LENGTH).tolist(), 0))
 
     def timed_chunk(model, cache, batch_size: int, width: int) -> float:
         input_ids = random_ids(model, batch_size, width)  # [batch, width]
-        position_ids = torch.arange(CONTEXT_LENGTH, CONTEXT_LENGTH + width, device=device).expand(batch_size, width)
+        lengths = cache.lengths.clone()
         _synchronize(device)
         start = time.perf_counter()
-        model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=width,
-        )
+        cache.forward(input_ids, torch.ones_like(input_ids), logits_to_keep=width)
         _synchronize(device)
         seconds = time.perf_counter() - start
-        cache.crop(-width)  # rollback is a length: the next chunk sees the same context
+        cache.rollback(lengths)  # rollback is a length: the next chunk sees the same context
         return seconds
 
     target_caches = {batch: prefilled(target, batch) for batch in batch_sizes}
@@ -444,6 +436,7 @@ def measure_cost_table(
     warmups: int = 1,
     cache_dir: str | None = None,
     model_identity: str = "",
+    runner: str = "dynamic",
 ) -> CostTable:
     """Times the target and the draft on their real device and dtype, or reads a cached table.
 
@@ -456,6 +449,8 @@ def measure_cost_table(
         warmups: untimed runs over the whole grid first (allocator, kernel choice, caches).
         cache_dir: a folder (the model dir) in which to cache the table as JSON; None never caches.
         model_identity: names the archive (model name and version), part of the cache key.
+        runner: the runner that serves ("dynamic" or "static", `handler.runners`): passes are
+            timed through it, as the engine will run them.
 
     Returns:
         The CostTable over widths sparse_grid(max_width) and batch sizes sparse_grid(max_batch_size).
@@ -473,6 +468,7 @@ def measure_cost_table(
         "widths": list(widths),
         "batch_sizes": list(batch_sizes),
         "context_length": CONTEXT_LENGTH,
+        "runner": runner,
     }
     path = _cache_path(cache_dir, key) if cache_dir else None
     if path is not None:
@@ -481,7 +477,7 @@ def measure_cost_table(
             logger.info("cost table read from %s", path)
             return cached
     start = time.perf_counter()
-    target_grid, draft_grid = _time_grid(target, draft, widths, batch_sizes, repeats, warmups)
+    target_grid, draft_grid = _time_grid(target, draft, widths, batch_sizes, repeats, warmups, runner)
     table = CostTable(
         widths=widths,
         batch_sizes=batch_sizes,

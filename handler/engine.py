@@ -38,6 +38,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
+from handler import runners
 from handler.adaptive import (
     MIN_STEPS_BEFORE_FALLBACK,
     PROBE_INTERVAL,
@@ -58,7 +59,6 @@ from handler.drafters.hybrid import Candidate, choose
 from handler.drafters.model import ModelDrafter, Proposal
 from handler.drafters.ngram import NgramDrafter
 from handler.drafters.suffix import SuffixDrafter, SuffixOptions, SuffixTreeStats
-from handler import runners
 from handler.kv_cache import kv_bytes_per_token, tree_attention_error
 from handler.logits_processors import process_row_logits, token_counts, token_mask
 from handler.memory_budget import prefix_cache_budget
@@ -522,8 +522,12 @@ class SpeculativeEngine:
 
         `options` are further keyword arguments of the constructor (a benchmark's `grammar_drafts`).
         The prefix cache's budget comes from the config (`handler.memory_budget`) unless `options`
-        give `prefix_cache_max_bytes`.
+        give `prefix_cache_max_bytes`; the runner is the config's (`auto` timed now,
+        `handler.runners.resolve_runner`) unless `options` give `runner`.
         """
+        if options.get("runner") is None:
+            width = config.num_speculative_tokens + 1
+            options["runner"] = runners.resolve_runner(config.runner, [models.target, models.draft], width)
         if "prefix_cache_max_bytes" not in options:
             budget = prefix_cache_budget(config, next(models.target.parameters()).device)
             options["prefix_cache_max_bytes"] = None if budget is None else budget.num_bytes

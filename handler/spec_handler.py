@@ -28,6 +28,7 @@ from handler.engine import SpeculativeEngine
 from handler.loading import load_models
 from handler.memory_budget import describe, prefix_cache_budget
 from handler.metrics import CostScaleTally, MetricsRecorder, PrefixCacheTally, SuffixTreeTally
+from handler.runners import resolve_runner
 from handler.serving import ContinuousBatcher, Reply, StaticBatch, parse_entry
 
 logger = logging.getLogger(__name__)
@@ -47,21 +48,30 @@ class SpeculativeHandler(BaseHandler):
         # Measured now, with the models loaded and before anything else takes memory.
         budget = prefix_cache_budget(self.config, next(self.models.target.parameters()).device)
         logger.info("prefix cache: %s", describe(budget))
+        # Wide enough for the longest look-up as well as the largest k.
+        max_width = max(self.config.max_num_speculative_tokens, self.config.prompt_lookup_num_tokens) + 1
+        runner = resolve_runner(
+            self.config.runner, [self.models.target, self.models.draft], self.config.num_speculative_tokens + 1
+        )
         cost_table = None
         if self.config.adaptive_k:
             # Measured here, on the device and dtype that serve, and cached in the model dir.
             cost_table = measure_cost_table(
                 self.models.target,
                 self.models.draft,
-                # Wide enough for the longest look-up as well as the largest k.
-                max_width=max(self.config.max_num_speculative_tokens, self.config.prompt_lookup_num_tokens) + 1,
+                max_width=max_width,
                 max_batch_size=int((context.model_yaml_config or {}).get("batchSize", 1)),
                 cache_dir=properties.get("model_dir"),
                 model_identity=f"{context.model_name}/{(self.manifest or {}).get('model', {}).get('modelVersion', '')}",
+                runner=runner,
             )
             logger.info("adaptive k: measured cost table\n%s", cost_table.format())
         self.engine = SpeculativeEngine.from_config(
-            self.models, self.config, cost_table, prefix_cache_max_bytes=None if budget is None else budget.num_bytes
+            self.models,
+            self.config,
+            cost_table,
+            prefix_cache_max_bytes=None if budget is None else budget.num_bytes,
+            runner=runner,
         )
         self.prefix_cache_tally = PrefixCacheTally()
         self.suffix_tree_tally = SuffixTreeTally()

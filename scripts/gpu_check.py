@@ -231,7 +231,8 @@ def table(header: list[str], rows: list[list[Any]]) -> list[str]:
 def run_cuda_tests() -> tuple[dict[str, Any], list[str]]:
     started = time.perf_counter()
     command = [sys.executable, "-m", "pytest", "tests/cuda", "-q", "-ra", "-p", "no:cacheprovider"]
-    process = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    repository = pathlib.Path(__file__).resolve().parents[1]
+    process = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=repository)
     lines = process.stdout.strip().splitlines()
     summary = lines[-1] if lines else process.stderr.strip()[-500:]
     data = {"returncode": process.returncode, "summary": summary, "seconds": time.perf_counter() - started}
@@ -335,29 +336,35 @@ def engine_rows(setup: Setup, passes: dict[str, dict[str, float]]) -> None:
                 timed = engine_run(self_engine, prompt, setup.max_new_tokens, k)
             own = (timed["seconds"] - clock.seconds) / timed["steps"]
             verify = passes[name][f"{kind}_w{k + 1}"]
+            # Without the clock's synchronisations, the host's work may overlap the GPU's: the step's
+            # wall time beyond its passes, each timed alone (k draft passes of one token, one verify).
+            beyond = spec["seconds"] / spec["steps"] - (k * passes[name][f"{kind}_w1"] + verify)
             data[f"{name}_{kind}"] = {
                 "draft_equals_target": spec,
                 "target_only": plain,
                 "engine_own_seconds_per_step": own,
                 "model_seconds_per_step": clock.seconds / timed["steps"],
                 "own_over_verify": own / verify,
+                "beyond_passes_seconds_per_step": beyond,
+                "beyond_over_verify": beyond / verify,
             }
             speedup = spec["tokens_per_s"] / plain["tokens_per_s"]
             rows.append(
                 [name, setup.label(kind), spec["tokens_per_s"], spec["acceptance"], plain["tokens_per_s"], speedup,
-                 1e3 * own, own / verify]
+                 1e3 * own, own / verify, 1e3 * beyond, beyond / verify]
             )  # fmt: skip
         hf = statistics.median(hf_generate(target, prompt, setup.max_new_tokens) for _ in range(3))
         data[f"{name}_hf_generate"] = hf
-        rows.append([name, "HF generate (eager)", "-", "-", hf, "-", "-", "-"])
+        rows.append([name, "HF generate (eager)", "-", "-", hf, "-", "-", "-", "-", "-"])
     header = ["target", "runner", "draft = target tok/s", "acceptance", "target-only tok/s", "speedup",
-              "engine's own ms/step", "own / verify pass"]  # fmt: skip
+              "engine's own ms/step", "own / verify pass", "beyond passes ms/step", "beyond / verify"]  # fmt: skip
     setup.report.section(
         "Engine: draft = target against target-only",
         data,
         [
             f"Greedy, 64-token prompt, {setup.max_new_tokens} new tokens, fixed k = {k}, medians of 3 runs.",
-            "Engine's own time: a step's wall time minus its model passes (timed with a synchronisation each).",
+            "Engine's own time: a step's wall time minus its model passes, each timed with a synchronisation;",
+            "beyond passes: the step's wall time, unsynchronised, minus k draft passes and a verify pass timed alone.",
             "",
             *table(header, rows),
         ],
@@ -434,6 +441,35 @@ def predicted_speedups(setup: Setup, passes: dict[str, dict[str, float]], sweep:
     setup.report.section("Predicted speedup E/(kc+1)", data, lines)
 
 
+def compiled_passes(setup: Setup, passes: dict[str, dict[str, float]]) -> None:
+    """Optional: the static runner's passes through `torch.compile` (kernels fused), still captured as graphs."""
+    data, rows = {}, []
+    for name, widths in (("0.5B", (1,)), ("7B", (1, setup.k + 1))):
+        runner = StaticRunner(setup.models[name])
+        started = time.perf_counter()
+        runner._pass = torch.compile(runner._pass, dynamic=False)
+        for width in widths:
+            seconds = runners.time_runner_pass(runner, 1, width, setup.context, setup.repeats)
+            data[f"{name}_w{width}"] = {"compiled": seconds, "graphs": passes[name][f"static_w{width}"]}
+            rows.append([name, width, 1e3 * passes[name][f"static_w{width}"], 1e3 * seconds])
+        data[f"{name}_compile_seconds"] = time.perf_counter() - started
+    c_compiled = data["0.5B_w1"]["compiled"] / data["7B_w1"]["compiled"]
+    c_verify = data["0.5B_w1"]["compiled"] / data[f"7B_w{setup.k + 1}"]["compiled"]
+    data["c_compiled"], data["c_compiled_over_verify"] = c_compiled, c_verify
+    setup.report.section(
+        "torch.compile of the static runner's passes",
+        data,
+        [
+            f"Batch 1; compiling took {data['0.5B_compile_seconds']:.0f} s (0.5B) and "
+            f"{data['7B_compile_seconds']:.0f} s (7B).",
+            "",
+            *table(["model", "width", "graphs (ms)", "compiled + graphs (ms)"], rows),
+            "",
+            f"c = 0.5B step / 7B step, compiled: {c_compiled:.3f}; over the 7B verify (w{setup.k + 1}): {c_verify:.3f}",
+        ],
+    )
+
+
 def guarded(report: Report, name: str, section: Callable[[], Any]) -> Any:
     """Runs a section; a failure is written to the report and the next section still runs."""
     try:
@@ -448,6 +484,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="folder for gpu_check.json and gpu_check.md")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: tiny shapes, a dry run")
     parser.add_argument("--skip-tests", action="store_true", help="do not run tests/cuda")
+    parser.add_argument(
+        "--sections",
+        default="sweep,engine,profile,assisted",
+        help="comma-separated, after the pass times: sweep (and the predicted speedups), engine, profile, "
+        "assisted, compile (torch.compile of the static passes; minutes of compiling)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4, help="drafts per step of the engine rows")
     parser.add_argument("--repeats", type=int, default=10, help="timed passes per point (median)")
@@ -482,12 +524,19 @@ def main(argv: list[str] | None = None) -> int:
         report=report,
         tokenizer=text_tokenizer(),
     )
+    sections = set(args.sections.split(","))
     passes = pass_times(setup)
-    sweep = verify_sweep(setup)
-    guarded(report, "Engine", lambda: engine_rows(setup, passes))
-    guarded(report, "Engine profile", lambda: engine_profile(setup, args.out_dir))
-    guarded(report, "HF assisted", lambda: assisted_rows(setup))
-    predicted_speedups(setup, passes, sweep)
+    sweep = verify_sweep(setup) if "sweep" in sections else None
+    if "engine" in sections:
+        guarded(report, "Engine", lambda: engine_rows(setup, passes))
+    if "profile" in sections:
+        guarded(report, "Engine profile", lambda: engine_profile(setup, args.out_dir))
+    if "assisted" in sections:
+        guarded(report, "HF assisted", lambda: assisted_rows(setup))
+    if sweep is not None:
+        predicted_speedups(setup, passes, sweep)
+    if "compile" in sections:
+        guarded(report, "Compile", lambda: compiled_passes(setup, passes))
     return 0
 
 

@@ -17,8 +17,8 @@ import torch
 from handler.drafters import MODEL
 from handler.kv_cache import left_pad
 from handler.prefix_cache import PrefixCache, prefill_with_cache
-from handler.runners import BatchCache, DynamicRunner
 from handler.rollback import draft_rollback
+from handler.runners import BatchCache, DynamicRunner
 from handler.sampler import sample_from_probs, warp_logits_to_probs
 
 

@@ -32,12 +32,12 @@ from typing import Protocol, Sequence
 
 import torch
 
+from handler.config import RUNNER_MODES
 from handler.kv_cache import RaggedCache, prefill
 
 logger = logging.getLogger(__name__)
 
-DYNAMIC, STATIC, AUTO = "dynamic", "static", "auto"
-RUNNERS = (AUTO, DYNAMIC, STATIC)
+AUTO, DYNAMIC, STATIC = RUNNER_MODES
 # What an engine built without a runner named uses. The test suite runs its model tier under each
 # runner by setting this (tests/conftest.py, `--runner`).
 DEFAULT_RUNNER = DYNAMIC
@@ -98,7 +98,7 @@ def make_runner(kind: str, model: torch.nn.Module | None, **options) -> ModelRun
         from handler.runners.static import StaticRunner
 
         return StaticRunner(model, **options)
-    raise ValueError(f"runner: {kind!r} is not one of {', '.join(RUNNERS)}")
+    raise ValueError(f"runner: {kind!r} is not one of {DYNAMIC}, {STATIC}")
 
 
 @torch.inference_mode()
@@ -128,26 +128,38 @@ def time_runner_pass(runner: ModelRunner, batch_size: int, width: int, context: 
     return statistics.median(samples)
 
 
-def choose_runner(models: Sequence[torch.nn.Module | None], width: int, repeats: int = 5) -> str:
+def resolve_runner(mode: str, models: Sequence[torch.nn.Module | None], width: int) -> str:
+    """The runner a `runner:` setting names: itself, or for `auto` the one `choose_runner` times faster."""
+    if mode == AUTO:
+        return choose_runner(models, width)
+    assert mode in (DYNAMIC, STATIC), mode
+    return mode
+
+
+def choose_runner(models: Sequence[torch.nn.Module | None], width: int, rounds: int = 3, repeats: int = 3) -> str:
     """`auto`: the runner whose passes are faster on this machine, timed now.
 
-    Each model is timed at batch 1, for one token (a draft step, a plain decoding step) and for
-    `width` tokens (a verify pass); the runner with the smaller sum wins. A tie keeps `dynamic`.
+    Each round times every model at batch 1, for one token (a draft step, a plain decoding step)
+    and for `width` tokens (a verify pass), under each runner in turn; the runner with the smaller
+    median round total wins, and a tie keeps `dynamic`. Rounds alternate the runners, so that a
+    burst of load from another process does not fall on one of them alone.
     """
-    totals = {}
-    for kind in (DYNAMIC, STATIC):
-        total = 0.0
-        for model in models:
-            if model is None:
-                continue
-            runner = make_runner(kind, model)
-            total += time_runner_pass(runner, 1, 1, 64, repeats) + time_runner_pass(runner, 1, width, 64, repeats)
-        totals[kind] = total
-    choice = STATIC if totals[STATIC] < totals[DYNAMIC] else DYNAMIC
+    totals: dict[str, list[float]] = {DYNAMIC: [], STATIC: []}
+    built = {kind: [make_runner(kind, model) for model in models if model is not None] for kind in totals}
+    for _ in range(rounds):
+        for kind, kind_runners in built.items():
+            totals[kind].append(
+                sum(
+                    time_runner_pass(runner, 1, 1, 64, repeats) + time_runner_pass(runner, 1, width, 64, repeats)
+                    for runner in kind_runners
+                )
+            )
+    medians = {kind: statistics.median(seconds) for kind, seconds in totals.items()}
+    choice = STATIC if medians[STATIC] < medians[DYNAMIC] else DYNAMIC
     logger.info(
-        "runner: auto chose %s (dynamic %.2f ms, static %.2f ms, summed over the timed passes)",
+        "runner: auto chose %s (per round, dynamic %.1f ms, static %.1f ms)",
         choice,
-        totals[DYNAMIC] * 1e3,
-        totals[STATIC] * 1e3,
+        medians[DYNAMIC] * 1e3,
+        medians[STATIC] * 1e3,
     )
     return choice

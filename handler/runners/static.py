@@ -38,6 +38,7 @@ and sharing KV by reference would need a paged layout with a block table.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import torch
@@ -68,6 +69,12 @@ def batch_bucket(num_slots: int) -> int:
 
 def column_bucket(columns: int) -> int:
     return -(-columns // COLUMN_STEP) * COLUMN_STEP
+
+
+@functools.cache
+def _chain_layout(width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's columns [width] and a chain's visibility [width, width] (each column sees those before it)."""
+    return torch.arange(width), torch.ones((width, width), dtype=torch.bool).tril()
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -281,16 +288,24 @@ class SlotCache:
         num_slots = batch_bucket(max(self.slots) + 1)
         runner = self.runner
         runner.reserve(num_slots, column_bucket(int(self.lengths.max()) + padded))
-        columns = torch.arange(padded)  # [padded]
+        columns, causal = _chain_layout(padded)  # [padded], [padded, padded]
+        num_kept = 1 if logits_to_keep == 1 else padded
+        dense = num_rows == num_slots and self.slots == list(range(num_rows))
+        if dense and tree is None and width == padded and bool(chunk_mask.all()):
+            # Every slot holds a row and no column is padding: the chunk goes in as it is.
+            positions = self.lengths[:, None] + columns  # [rows, padded]
+            offsets, allowed = columns.expand(num_rows, padded), causal.expand(num_rows, padded, padded)
+            logits = runner.run(input_ids, positions, self.lengths, offsets, allowed, num_kept)
+            self.lengths = self.lengths + width
+            # A copy where the logits are a graph's output, which the next replay overwrites.
+            return logits[:, num_kept - logits_to_keep :].clone() if runner.graphs else logits
         ids = torch.zeros((num_rows, padded), dtype=torch.long, device=input_ids.device)
         ids[:, padded - width :] = input_ids
         if tree is None:
             real = chunk_mask.sum(dim=1)  # [rows]
-            num_added = real
         else:
             allowed_chunk, depth = tree  # [rows, width, width] bool, [rows, width] long
             real = torch.full((num_rows,), width, dtype=torch.long)
-            num_added = real
         first = (padded - real)[:, None]  # [rows, 1]: each row's first real column
         is_real = columns[None, :] >= first  # [rows, padded]
         # Real columns first and in order, padding after them.
@@ -313,15 +328,13 @@ class SlotCache:
         all_positions = torch.zeros((num_slots, padded), dtype=torch.long)
         all_lengths = torch.zeros(num_slots, dtype=torch.long)
         all_offsets = columns.repeat(num_slots, 1)
-        all_allowed = torch.ones((padded, padded), dtype=torch.bool).tril().repeat(num_slots, 1, 1)
+        all_allowed = causal.repeat(num_slots, 1, 1)
         all_ids[slot_index.to(ids.device)] = ids
         all_positions[slot_index], all_lengths[slot_index] = positions, self.lengths
         all_offsets[slot_index], all_allowed[slot_index] = offsets, allowed
-        num_kept = 1 if logits_to_keep == 1 else padded
         logits = runner.run(all_ids, all_positions, all_lengths, all_offsets, all_allowed, num_kept)
-        self.lengths = self.lengths + num_added
-        # A copy: the next replay overwrites a graph's output.
-        return logits[slot_index.to(logits.device), num_kept - logits_to_keep :]
+        self.lengths = self.lengths + real
+        return logits[slot_index.to(logits.device), num_kept - logits_to_keep :]  # a copy
 
     def rollback(self, lengths: torch.Tensor) -> None:  # [rows] long, CPU
         """Keeps each row's first `lengths[b]` tokens: a length, nothing moves."""

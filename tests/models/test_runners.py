@@ -1,0 +1,109 @@
+"""The runners (handler.runners): the static runner's batch gives the dynamic one's logits, float32.
+
+Each test drives both through the same sequence of the batch-cache interface (chunks
+with padding, rollbacks, rows leaving and joining, tree passes with their paths kept)
+and compares the logits of every real column. The engine's own exactness under the
+static runner is the model tier run with `--runner static` (`make test`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from handler import runners
+from handler.kv_cache import RaggedCache, prefill
+from handler.runners.static import COLUMN_STEP, StaticRunner, width_bucket
+from handler.tree import chunk_attention
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+TOLERANCE = 1e-4
+
+
+@pytest.fixture
+def target(tiny_pair):
+    return tiny_pair[0]
+
+
+def both(target, prompts, **options) -> tuple[RaggedCache, runners.BatchCache]:
+    return prefill(target, prompts, 0), StaticRunner(target, **options).adopt(prefill(target, prompts, 0))
+
+
+def assert_same(dynamic, static, input_ids, chunk_mask, keep, tree=None) -> None:
+    expected = dynamic.forward(input_ids, chunk_mask, keep, tree=tree)
+    logits = static.forward(input_ids, chunk_mask, keep, tree=tree)
+    assert logits.shape == expected.shape
+    real = chunk_mask[:, -keep:, None].bool()  # padding columns' logits are nobody's
+    assert float(((logits - expected).abs() * real).max()) < TOLERANCE
+    assert static.lengths.tolist() == dynamic.lengths.tolist()
+
+
+@torch.inference_mode()
+def test_ragged_chunks_rollbacks_and_rows_leaving_and_joining(target):
+    dynamic, static = both(target, PROMPTS)
+    ids = torch.tensor([[0, 20, 21], [22, 23, 24], [0, 0, 25]])
+    assert_same(dynamic, static, ids, torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]]), keep=3)
+    lengths = torch.tensor([7, 3, 5])
+    dynamic.rollback(lengths)
+    static.rollback(lengths)
+    assert_same(dynamic, static, torch.tensor([[30], [31], [32]]), torch.ones(3, 1, dtype=torch.long), keep=1)
+    dynamic.select_rows([2, 0])
+    static.select_rows([2, 0])
+    joining = [[40, 41, 42, 43, 44]]
+    dynamic.extend(prefill(target, joining, 0))
+    static.extend(prefill(target, joining, 0))
+    assert static.slots == [2, 0, 1]  # the freed slot is taken again
+    assert_same(dynamic, static, torch.tensor([[1, 2], [3, 4], [5, 6]]), torch.ones(3, 2, dtype=torch.long), keep=2)
+    assert torch.equal(static.row_kv(2, 0, 5), dynamic.row_kv(2, 0, 5))
+
+
+@pytest.mark.parametrize("num_nodes", [3, 8])  # widths 4 (no padding) and 9 (padded to 10)
+@torch.inference_mode()
+def test_tree_passes_and_their_kept_paths(target, num_nodes):
+    dynamic, static = both(target, PROMPTS)
+    parents = [
+        [-1, *range(num_nodes - 1)],  # a chain
+        [-1, 0, *([-1] * (num_nodes - 2))],  # a branch, then siblings of the root's children
+        [-1, -1, 0, 1, *range(2, num_nodes - 2)][:num_nodes],  # two interleaved branches
+    ]
+    assert width_bucket(num_nodes + 1) >= num_nodes + 1
+    tree = chunk_attention(parents, num_nodes)
+    ids = torch.arange(num_nodes + 1).repeat(3, 1) + 50
+    assert_same(dynamic, static, ids, torch.ones_like(ids), keep=num_nodes + 1, tree=tree)
+    # Root-to-node paths (`handler.tree.verify_tree`'s): the whole chain, a sibling, a second branch.
+    paths = [list(range(num_nodes + 1)), [0, 3], [0, 2, 4] if num_nodes > 3 else [0, 2]]
+    dynamic.keep_chunk_paths(num_nodes + 1, paths)
+    static.keep_chunk_paths(num_nodes + 1, paths)
+    lengths = dynamic.lengths - (num_nodes + 1) + torch.tensor([len(path) for path in paths])
+    dynamic.rollback(lengths)
+    static.rollback(lengths)
+    assert_same(dynamic, static, torch.tensor([[9], [9], [9]]), torch.ones(3, 1, dtype=torch.long), keep=1)
+
+
+@torch.inference_mode()
+def test_the_buffers_grow_and_keep_what_they_hold(target):
+    dynamic, static = both(target, PROMPTS[:1], num_slots=1, num_columns=COLUMN_STEP)
+    runner = static.runner
+    long_chunk = torch.arange(2 * COLUMN_STEP)[None] % 300 + 3
+    assert_same(dynamic, static, long_chunk, torch.ones_like(long_chunk), keep=1)
+    assert runner.num_columns >= 2 * COLUMN_STEP + len(PROMPTS[0])
+    for prompt in PROMPTS[1:]:
+        dynamic.extend(prefill(target, [prompt], 0))
+        static.extend(prefill(target, [prompt], 0))
+    assert runner.num_slots >= 3
+    ids = torch.tensor([[60], [61], [62]])
+    assert_same(dynamic, static, ids, torch.ones_like(ids), keep=1)
+
+
+def test_graphs_need_cuda(target):
+    with pytest.raises(AssertionError, match="CUDA"):
+        StaticRunner(target, graphs=True)
+
+
+def test_auto_chooses_one_of_the_runners_and_the_named_ones_stand(target, tiny_pair):
+    draft = tiny_pair[1]
+    assert runners.resolve_runner("auto", [target, draft], 5) in (runners.DYNAMIC, runners.STATIC)
+    assert runners.resolve_runner("static", [target, None], 5) == runners.STATIC
+    assert runners.resolve_runner("dynamic", [target], 5) == runners.DYNAMIC
+    with pytest.raises(ValueError, match="runner"):
+        runners.make_runner("paged", target)

@@ -1,0 +1,49 @@
+"""scripts.gpu_check runs end to end on the CPU with tiny shapes: every section, its JSON and its tables.
+
+No timing is asserted: the GPU figures live in docs/benchmarks/.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scripts import gpu_check
+
+pytestmark = pytest.mark.models  # builds and runs models: not in the fast tier
+
+SECTIONS = [
+    "CUDA tests",
+    "Pass times and c",
+    "Verify cost by width and batch",
+    "Engine: draft = target against target-only",
+    "Engine profile",
+    "Against HF assisted generation",
+    "Predicted speedup E/(kc+1)",
+]
+
+
+def test_gpu_check_writes_every_section_on_the_cpu(tmp_path, capsys):
+    argv = [str(tmp_path), "--device", "cpu", "--max-new-tokens", "8", "--repeats", "1"]
+    assert gpu_check.main(argv) == 0
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(data) == ["header", *SECTIONS]  # no section FAILED
+    # Without a GPU the CUDA tier is collected and skipped, not failed.
+    assert data["CUDA tests"]["returncode"] == 0 and "skipped" in data["CUDA tests"]["summary"]
+    engine = data["Engine: draft = target against target-only"]
+    for kind in ("dynamic", "static"):
+        row = engine[f"1.5B_{kind}"]
+        assert row["draft_equals_target"]["acceptance"] == 1.0  # float32: the draft is the target
+        assert row["target_only"]["tokens_per_step"] == pytest.approx(8 / 8, abs=0.2)
+    assert set(data["Predicted speedup E/(kc+1)"]) == {"1.5B", "7B"}
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert all(f"## {section}" in markdown for section in SECTIONS)
+    assert "| 0.5B -> 7B | static |" in markdown
+    assert (tmp_path / "engine_profile.txt").read_text().strip()
+
+
+def test_gpu_check_refuses_cuda_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        gpu_check.main(["out", "--device", "cuda"])
