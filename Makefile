@@ -33,7 +33,7 @@ INSTALL_STAMP := $(VENV)/.install-stamp
 TORCH_SPEC_FILE := $(VENV)/.torch-spec
 TINY_MODELS := models/tiny
 
-.PHONY: help install check-java test test-fast test-gpu gpu-check lint tiny-models package serve dev-serve register \
+.PHONY: help install check-java test test-fast test-static test-gpu gpu-check lint tiny-models package serve dev-serve register \
 	unregister stop loadtest demo install-demo bench bench-agentic bench-prefix clean FORCE
 
 help: ## List the targets
@@ -60,12 +60,19 @@ $(INSTALL_STAMP): requirements.txt requirements-dev.txt scripts/install.sh $(TOR
 	PYTHON='$(PYTHON)' VENV='$(VENV)' TORCH_SPEC='$(TORCH_SPEC)' scripts/install.sh
 	@touch $@
 
-# The engine's tiers run twice: on the dynamic runner (with every other tier), then on the static one.
-STATIC_RUNNER_TESTS ?= tests/models tests/statistical
+# The engine's exactness and distribution tests run twice: on the dynamic runner (with every other
+# test), then on the static one. `make test-static` runs the whole model and statistical tiers on it.
+STATIC_RUNNER_TESTS ?= tests/models/test_engine.py tests/models/test_tree.py tests/models/test_step_api.py \
+	tests/models/test_prefix_cache.py tests/models/test_draft_guesses.py tests/models/test_constrained.py \
+	tests/statistical/test_engine_distribution.py tests/statistical/test_tree_distribution.py \
+	tests/statistical/test_lookup_distribution.py
 
 test: install ## Run the whole test suite (every tier; the engine's under both runners)
 	$(PY) -m pytest tests -q -ra $(PYTEST_ARGS)
 	$(PY) -m pytest $(STATIC_RUNNER_TESTS) -q -ra --runner static $(PYTEST_ARGS)
+
+test-static: install ## Run the model and statistical tiers on the static runner
+	$(PY) -m pytest tests/models tests/statistical -q -ra --runner static $(PYTEST_ARGS)
 
 test-gpu: install ## Run the CUDA tests (tests/cuda; on a machine with a GPU and a CUDA torch)
 	$(PY) -m pytest tests/cuda -q -ra $(PYTEST_ARGS)

@@ -12,7 +12,8 @@ own with `pytestmark`):
 
 `--runner static` runs every engine the tests build without naming a runner on
 the static runner (`handler.runners`) instead of the dynamic one; `make test`
-runs the model and statistical tiers under both. The tests in tests/cuda need a
+runs the engine's exactness and distribution tests under both, `make test-static`
+the whole model and statistical tiers on the static runner. The tests in tests/cuda need a
 GPU and are skipped without one (`make test-gpu` runs them).
 
 The one model fixture, `tiny_models_dir`, builds the tiny random target/draft
