@@ -18,7 +18,8 @@ columns):
 - width: the chunk's width rounded up to `WIDTH_BUCKETS`, with padding columns on
   the left, as in a ragged chunk;
 - kept logits: 1 or the whole width;
-- attended columns: the longest row plus the width, rounded up to `COLUMN_STEP`.
+- attended columns: the longest row plus the width, rounded up to a multiple of
+  `COLUMN_STEP` up to `LONG_COLUMNS`, of `LONG_COLUMN_STEP` beyond.
 
 Within a pass, chunk column j of row b is written to column lengths[b] + offset[b, j],
 real tokens first and in order, padding after them, and it attends to the row's
@@ -50,6 +51,13 @@ from handler.kv_cache import RaggedCache
 WIDTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32)
 # Attended columns are rounded up to a multiple of this.
 COLUMN_STEP = 128
+# Beyond this many columns the step is coarser: fewer shapes to capture for long contexts, where
+# attention over a few hundred extra masked columns costs little next to the weights.
+LONG_COLUMNS = 2048
+LONG_COLUMN_STEP = 1024
+# The most graphs a runner keeps; the least recently replayed goes first. Each holds its output
+# logits ([batch, kept, vocab]: up to ~150 MB for 16 rows of 32 over a 152k vocabulary in bf16).
+MAX_GRAPHS = 48
 # Shapes beyond these run eagerly even on CUDA (a long prompt's pending tokens, a huge batch).
 MAX_GRAPH_WIDTH = 32
 MAX_GRAPH_BATCH = 64
@@ -68,7 +76,8 @@ def batch_bucket(num_slots: int) -> int:
 
 
 def column_bucket(columns: int) -> int:
-    return -(-columns // COLUMN_STEP) * COLUMN_STEP
+    step = COLUMN_STEP if columns <= LONG_COLUMNS else LONG_COLUMN_STEP
+    return -(-columns // step) * step
 
 
 @functools.cache
@@ -153,6 +162,7 @@ class StaticRunner:
             for _ in range(self.num_layers)
         ]
         self.cache = Cache(layers=self.layers)
+        # (batch, width, kept logits, columns) -> its graph, least recently replayed first.
         self._graphs: dict[tuple[int, int, int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.num_captures = 0  # graphs captured since start (they are dropped when the buffers grow)
@@ -213,9 +223,12 @@ class StaticRunner:
             device_inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
             return self._pass(**device_inputs, num_kept=num_kept, num_columns=num_columns)
         key = (batch_size, width, num_kept, num_columns)
-        graph = self._graphs.get(key)
+        graph = self._graphs.pop(key, None)
         if graph is None:
-            graph = self._graphs[key] = self._capture(batch_size, width, num_kept, num_columns)
+            if len(self._graphs) >= MAX_GRAPHS:
+                del self._graphs[next(iter(self._graphs))]  # the least recently replayed
+            graph = self._capture(batch_size, width, num_kept, num_columns)
+        self._graphs[key] = graph  # last: the most recently replayed
         for name, tensor in inputs.items():
             graph.inputs[name].copy_(tensor, non_blocking=True)
         graph.graph.replay()

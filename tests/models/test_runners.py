@@ -107,3 +107,79 @@ def test_auto_chooses_one_of_the_runners_and_the_named_ones_stand(target, tiny_p
     assert runners.resolve_runner("dynamic", [target], 5) == runners.DYNAMIC
     with pytest.raises(ValueError, match="runner"):
         runners.make_runner("paged", target)
+
+
+class ReplayedPass:
+    """A stand-in for a CUDA graph on the CPU: replay runs the captured pass again and writes its
+    logits into the same output tensor, as a replay overwrites a graph's static output."""
+
+    def __init__(self, runner: StaticRunner, num_kept: int, num_columns: int) -> None:
+        self.runner, self.num_kept, self.num_columns = runner, num_kept, num_columns
+        self.record = None
+
+    def replay(self) -> None:
+        logits = self.runner._pass(**self.record.inputs, num_kept=self.num_kept, num_columns=self.num_columns)
+        self.record.logits.copy_(logits)
+
+
+def replayed_runner(target, monkeypatch) -> tuple[StaticRunner, list[tuple[int, int, int, int]]]:
+    """A static runner whose graphs are `ReplayedPass`es; the list collects the shapes captured."""
+    from handler.runners import static
+
+    runner = StaticRunner(target)
+    runner.graphs = True
+    captured = []
+
+    def capture(batch_size, width, num_kept, num_columns):
+        captured.append((batch_size, width, num_kept, num_columns))
+        inputs = {
+            "input_ids": torch.zeros((batch_size, width), dtype=torch.long),
+            "positions": torch.zeros((batch_size, width), dtype=torch.long),
+            "lengths": torch.zeros(batch_size, dtype=torch.long),
+            "offsets": torch.zeros((batch_size, width), dtype=torch.long),
+            "allowed": torch.ones((batch_size, width, width), dtype=torch.bool),
+        }
+        vocab = target.config.vocab_size
+        fake = ReplayedPass(runner, num_kept, num_columns)
+        fake.record = static._Graph(fake, inputs, torch.zeros((batch_size, num_kept, vocab)))
+        return fake.record
+
+    monkeypatch.setattr(runner, "_capture", capture)
+    return runner, captured
+
+
+@torch.inference_mode()
+def test_replayed_graphs_give_the_eager_logits_and_returned_logits_survive_the_next_replay(target, monkeypatch):
+    runner, captured = replayed_runner(target, monkeypatch)
+    dynamic, static = prefill(target, PROMPTS[:1], 0), runner.adopt(prefill(target, PROMPTS[:1], 0))
+    first = static.forward(torch.tensor([[20]]), torch.ones(1, 1, dtype=torch.long), 1)
+    expected = dynamic.forward(torch.tensor([[20]]), torch.ones(1, 1, dtype=torch.long), 1)
+    kept = first.clone()
+    second = static.forward(torch.tensor([[21]]), torch.ones(1, 1, dtype=torch.long), 1)
+    assert float((first - expected).abs().max()) < TOLERANCE
+    assert torch.equal(first, kept)  # a copy: the second replay of the same graph left it alone
+    assert (
+        float((second - dynamic.forward(torch.tensor([[21]]), torch.ones(1, 1, dtype=torch.long), 1)).abs().max())
+        < TOLERANCE
+    )
+    assert len(captured) == 1  # one shape, captured once, replayed twice
+
+
+@torch.inference_mode()
+def test_the_least_recently_replayed_graph_goes_first(target, monkeypatch):
+    from handler.runners import static as static_module
+
+    monkeypatch.setattr(static_module, "MAX_GRAPHS", 2)
+    runner, captured = replayed_runner(target, monkeypatch)
+    batch = runner.adopt(prefill(target, PROMPTS[:1], 0))
+    for width in (1, 2, 1, 3, 1, 2):  # 2 is evicted by 3, and captured again
+        ids = torch.arange(width)[None] + 30
+        batch.forward(ids, torch.ones_like(ids), 1)
+    assert [shape[1] for shape in captured] == [1, 2, 3, 2]
+    assert len(runner._graphs) == 2
+
+
+def test_attended_columns_are_bucketed_finely_then_coarsely():
+    from handler.runners.static import column_bucket
+
+    assert [column_bucket(n) for n in (1, 128, 129, 2048, 2049, 3073)] == [128, 128, 256, 2048, 3072, 4096]
