@@ -228,7 +228,8 @@ class GrammarCompiler:
         return result
 
 
-_COMPILERS: dict[int, tuple[object, GrammarCompiler]] = {}
+# Per tokenizer: its compiler, or why the grammar engine cannot read it.
+_COMPILERS: dict[int, tuple[object, GrammarCompiler | str]] = {}
 _COMPILERS_LOCK = threading.Lock()
 
 
@@ -237,15 +238,32 @@ def compiler_for(tokenizer, timeout_s: float | None = None) -> GrammarCompiler:
 
     `timeout_s` sets its compile bound (the config's); None leaves the bound as it is
     (DEFAULT_COMPILE_TIMEOUT_S for a new compiler).
+
+    Raises:
+        RequestError: 400, where the grammar engine cannot read this tokenizer (llguidance reads
+            byte-level and byte-fallback tokenizers, not every decoder `transformers` loads). Only
+            structured output needs the compiler: every other request serves. Asked once per
+            tokenizer; the answer is kept.
     """
     with _COMPILERS_LOCK:
         entry = _COMPILERS.get(id(tokenizer))
         if entry is None or entry[0] is not tokenizer:
-            entry = (tokenizer, GrammarCompiler(tokenizer))
+            try:
+                compiler: GrammarCompiler | str = GrammarCompiler(tokenizer)
+            except Exception as error:  # noqa: BLE001 - any failure to read the vocabulary means no grammars
+                compiler = f"{type(error).__name__}: {error}"
+            entry = (tokenizer, compiler)
             _COMPILERS[id(tokenizer)] = entry
+        compiler = entry[1]
+        if isinstance(compiler, str):
+            raise RequestError(
+                "structured output (json_schema, regex, grammar, response_format, a required or named "
+                "tool_choice) is not available for this model: the grammar engine cannot read its tokenizer "
+                f"({compiler})"
+            )
         if timeout_s is not None:
-            entry[1].timeout_s = timeout_s
-        return entry[1]
+            compiler.timeout_s = timeout_s
+        return compiler
 
 
 def _unpack_bitmask(bitmask: torch.Tensor, num_tokens: int) -> torch.Tensor:  # [words] int32

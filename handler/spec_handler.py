@@ -29,6 +29,7 @@ from handler.loading import load_models
 from handler.memory_budget import describe, prefix_cache_budget
 from handler.metrics import CostScaleTally, MetricsRecorder, PrefixCacheTally, SuffixTreeTally
 from handler.runners import resolve_runner
+from handler.schema import RequestError
 from handler.serving import ContinuousBatcher, Reply, StaticBatch, parse_entry
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,11 @@ class SpeculativeHandler(BaseHandler):
         self.cost_scale_tally = CostScaleTally()
         # The grammar engine's view of the vocabulary (about 1 s for 150k tokens), built now
         # rather than inside the first structured request while the batch waits.
-        compiler_for(self.models.tokenizer, self.config.grammar_compile_timeout_s)
+        try:
+            compiler_for(self.models.tokenizer, self.config.grammar_compile_timeout_s)
+        except RequestError as error:
+            # Said once here; each structured request gets it as its 400, and the rest serve.
+            logger.warning("%s", error)
         # The OpenAI routes: `model` must name the model as TorchServe serves it.
         self.model_name = context.model_name
         self.created = int(time.time())

@@ -21,7 +21,9 @@ HANDLER_SECTION = {
 
 def make_context(model_dir, handler_section=None) -> Context:
     yaml_config = {"batchSize": 4, "handler": dict(HANDLER_SECTION if handler_section is None else handler_section)}
-    return Context("tiny", str(model_dir), {"model": {"modelName": "tiny"}}, 4, None, "0.12.0", model_yaml_config=yaml_config)
+    return Context(
+        "tiny", str(model_dir), {"model": {"modelName": "tiny"}}, 4, None, "0.12.0", model_yaml_config=yaml_config
+    )
 
 
 def with_requests(context: Context, content_types) -> Context:
@@ -57,10 +59,15 @@ def test_answer_has_the_documented_fields(handler, tiny_models_dir):
 
 
 def test_bad_request_fails_alone_and_good_ones_match_their_solo_answers(handler, tiny_models_dir):
-    good = [{"prompt": "import numpy as np", "max_new_tokens": 10}, {"prompt": "Hello", "max_new_tokens": 14, "num_speculative_tokens": 2}]
+    good = [
+        {"prompt": "import numpy as np", "max_new_tokens": 10},
+        {"prompt": "Hello", "max_new_tokens": 14, "num_speculative_tokens": 2},
+    ]
     solo = [call(handler, tiny_models_dir, [body])[0][0] for body in good]
     bodies = [good[0], {"prompt": "x", "top_p": 2}, b"\xff\xfe", good[1]]
-    answers, statuses = call(handler, tiny_models_dir, bodies, ["application/json", "application/json", "text/plain", "application/json"])
+    answers, statuses = call(
+        handler, tiny_models_dir, bodies, ["application/json", "application/json", "text/plain", "application/json"]
+    )
     assert statuses == [200, 400, 400, 200]
     assert "top_p" in answers[1]["error"] and "UTF-8" in answers[2]["error"]
     assert answers[0]["token_ids"] == solo[0]["token_ids"]
@@ -148,7 +155,9 @@ def test_streamed_chunks_join_to_the_plain_answer_and_metrics_agree(handler, tin
     assert len(metrics.values["SpecTimeToFirstTokenSeconds"]) == 3
     assert all(
         0 < first <= last
-        for first, last in zip(metrics.values["SpecTimeToFirstTokenSeconds"], metrics.values["SpecRequestLatencySeconds"])
+        for first, last in zip(
+            metrics.values["SpecTimeToFirstTokenSeconds"], metrics.values["SpecRequestLatencySeconds"]
+        )
     )
     assert all(v > 0 for v in metrics.values["SpecRequestLatencySeconds"])
 
@@ -164,7 +173,9 @@ def test_stop_string_does_not_leak_into_the_stream(handler, tiny_models_dir, mon
     )
     full = call(handler, tiny_models_dir, [{"prompt": "def add(a, b):", "max_new_tokens": 30}])[0][0]
     stop = full["text"][10:13]
-    answers, _ = call(handler, tiny_models_dir, [{"prompt": "def add(a, b):", "max_new_tokens": 30, "stop": [stop], "stream": True}])
+    answers, _ = call(
+        handler, tiny_models_dir, [{"prompt": "def add(a, b):", "max_new_tokens": 30, "stop": [stop], "stream": True}]
+    )
     streamed = "".join(json.loads(r[0])["text_delta"] for r in sent) + json.loads(answers[0])["text_delta"]
     assert streamed == full["text"][: full["text"].index(stop)]
     assert json.loads(answers[0])["finish_reason"] == "stop"
@@ -219,7 +230,40 @@ def test_an_ngram_archive_serves_without_a_draft_model(tiny_models_dir):
     lookup = SpeculativeHandler()
     lookup.initialize(make_context(tiny_models_dir, section))
     assert lookup.models.draft is None
-    answers, statuses = call(lookup, tiny_models_dir, [{"prompt": "x", "max_new_tokens": 8}, {"prompt": "x", "drafter": "model"}])
+    answers, statuses = call(
+        lookup, tiny_models_dir, [{"prompt": "x", "max_new_tokens": 8}, {"prompt": "x", "drafter": "model"}]
+    )
     assert statuses == [200, 400]
     assert answers[0]["speculative"]["drafter"] == "ngram"
     assert "not available" in answers[1]["error"]
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_read_serves_all_but_structured_output(
+    tiny_models_dir, monkeypatch, caplog
+):
+    """The worker starts, says why once, answers plain requests and gives structured ones a 400.
+
+    The grammar engine is handed a WordLevel tokenizer with a Fuse decoder, which it cannot read
+    (`tests/unit/test_constraints.py`: transformers serves that tokenizer); the models keep theirs.
+    """
+    import logging
+
+    from handler import constraints
+    from tests.unit.test_constraints import fuse_word_level_tokenizer
+
+    unreadable = fuse_word_level_tokenizer()
+    real_compiler = constraints.GrammarCompiler
+    monkeypatch.setattr(constraints, "GrammarCompiler", lambda tokenizer: real_compiler(unreadable))
+    fused = SpeculativeHandler()
+    with caplog.at_level(logging.WARNING):
+        fused.initialize(make_context(tiny_models_dir))
+    assert caplog.text.count("grammar engine cannot read its tokenizer") == 1
+    bodies = [
+        {"prompt": "def add(a, b):", "max_new_tokens": 8},
+        {"prompt": "x", "json_schema": {"type": "object"}},
+        {"prompt": "def sub(a, b):", "max_new_tokens": 8, "drafter": "hybrid"},
+    ]
+    answers, statuses = call(fused, tiny_models_dir, bodies)
+    assert statuses == [200, 400, 200]
+    assert "structured output" in answers[1]["error"] and "Fuse" in answers[1]["error"]
+    assert answers[0]["usage"]["completion_tokens"] == 8

@@ -217,3 +217,32 @@ def test_a_special_token_whose_text_does_not_fit_is_refused(compiler, tiny_token
     assert not row.mask()[im_start]
     with pytest.raises(RuntimeError, match="grammar refused"):
         row.commit([im_start])
+
+
+def fuse_word_level_tokenizer():
+    """A character-level tokenizer that `transformers` loads and decodes but the grammar engine
+    cannot read: a WordLevel model with a `Fuse` decoder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    characters = list('abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ{}[]":,.()=+-_0123456789\n')
+    vocab = {"<unk>": 0, "</s>": 1, **{character: i + 2 for i, character in enumerate(characters)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="</s>", pad_token="</s>")
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_400_for_structured_requests_only(monkeypatch):
+    tokenizer = fuse_word_level_tokenizer()
+    assert tokenizer.decode(tokenizer("ab c")["input_ids"]) == "ab c"  # transformers serves it
+    built = []
+    monkeypatch.setattr(constraints, "GrammarCompiler", lambda t: built.append(t) or GrammarCompiler(t))
+    for _ in range(2):
+        with pytest.raises(RequestError, match="grammar engine cannot read its tokenizer.*Fuse") as caught:
+            constraints.compiler_for(tokenizer)
+        assert caught.value.status == 400
+    assert len(built) == 1  # asked once, the answer kept
+    assert parse_request({"prompt": "ab"}, CONFIG, tokenizer, max_context=512).generation.prompt_ids  # plain: parses
+    with pytest.raises(RequestError, match="structured output"):
+        parse_request({"prompt": "ab", "regex": "[a-z]+"}, CONFIG, tokenizer, max_context=512)
