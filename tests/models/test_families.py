@@ -1,0 +1,108 @@
+"""Model families beyond Qwen2: tiny random models of each, built from `transformers` configs, float32.
+
+For every family that serves, on both runners: greedy output equal to the target's own
+`generate` with the draft model and with the n-gram look-up, batched equal to solo, and a
+seeded request unchanged by its drafter. Families whose caches cannot be rolled back by a
+length (sliding-window layers) are refused by `check_cache_support`, naming the layers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import transformers
+
+from handler.config import SamplingParams
+from handler.engine import GenerationRequest
+from handler.kv_cache import check_cache_support
+from tests.models.conftest import make_engine
+
+VOCAB = 384  # the tiny tokenizer's
+TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+LAYERS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+# Family -> (config class, its fields beside the number of layers).
+SERVED = {
+    "llama": ("LlamaConfig", LAYERS),
+    "mistral": ("MistralConfig", {**LAYERS, "sliding_window": None}),
+    "mixtral": ("MixtralConfig", {**LAYERS, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "qwen2": ("Qwen2Config", LAYERS),
+    "qwen3": ("Qwen3Config", {**LAYERS, "head_dim": 16}),
+    "phi3": ("Phi3Config", LAYERS),
+    "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=64, n_head=4, n_positions=512)),
+    "gpt_neox": ("GPTNeoXConfig", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4)),
+    "starcoder2": ("Starcoder2Config", {**LAYERS, "sliding_window": None}),
+    "olmo2": ("Olmo2Config", LAYERS),
+    "granite": ("GraniteConfig", LAYERS),
+    "gemma": ("GemmaConfig", {**LAYERS, "head_dim": 16}),
+}
+REFUSED = {
+    "gemma2": ("Gemma2Config", {**LAYERS, "head_dim": 16}),  # alternating sliding-window layers
+    "gemma3": ("Gemma3TextConfig", {**LAYERS, "head_dim": 16}),  # interleaved local and global layers
+    "mistral_sliding": ("MistralConfig", {**LAYERS, "sliding_window": 32}),
+}
+PROMPTS = ["def fibonacci(n):", "x = [1, 2, 3]\nfor i in x:"]
+NUM_TOKENS = 16
+GREEDY = SamplingParams()
+
+
+def build(config_class: str, fields: dict, num_layers: int, seed: int) -> torch.nn.Module:
+    layers = {"n_layer": num_layers} if config_class == "GPT2Config" else {"num_hidden_layers": num_layers}
+    config = getattr(transformers, config_class)(**fields, **layers, **TOKENS)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@functools.cache
+def pair(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A family's target (2 layers) and draft (1 layer), built once per test session."""
+    config_class, fields = SERVED[name]
+    return build(config_class, fields, 2, 0), build(config_class, fields, 1, 1)
+
+
+def reference(target, prompt_ids) -> list[int]:
+    input_ids = torch.tensor([prompt_ids])
+    output = target.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=NUM_TOKENS,
+        min_new_tokens=NUM_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return output[0, len(prompt_ids) :].tolist()
+
+
+@pytest.mark.parametrize("runner", ["dynamic", "static"])
+@pytest.mark.parametrize("name", sorted(SERVED))
+def test_greedy_output_is_the_targets_with_each_drafter_alone_and_batched(name, runner, tiny_tokenizer):
+    target, draft = pair(name)
+    engine = make_engine(target, draft, tiny_tokenizer, eos_token_ids=(), runner=runner)
+    prompts = [tuple(tiny_tokenizer(prompt)["input_ids"]) for prompt in PROMPTS]
+    expected = [reference(target, prompt) for prompt in prompts]
+    for drafter in ("model", "ngram"):
+        requests = [GenerationRequest(p, NUM_TOKENS, GREEDY, 4, drafter=drafter) for p in prompts]
+        alone = [engine.generate([request])[0].token_ids for request in requests]
+        assert alone == expected, drafter
+        assert [result.token_ids for result in engine.generate(requests)] == expected, drafter
+
+
+@pytest.mark.parametrize("name", sorted(SERVED))
+def test_a_seeded_request_does_not_depend_on_its_drafter(name, tiny_tokenizer):
+    target, draft = pair(name)
+    engine = make_engine(target, draft, tiny_tokenizer, eos_token_ids=())
+    prompt = tuple(tiny_tokenizer(PROMPTS[0])["input_ids"])
+    sampled = SamplingParams(temperature=0.9)
+    outputs = [
+        engine.generate([GenerationRequest(prompt, NUM_TOKENS, sampled, k, seed=7, drafter=drafter)])[0].token_ids
+        for k, drafter in ((0, "model"), (4, "model"), (4, "ngram"))
+    ]
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_sliding_window_families_are_refused_naming_their_cache_layers(name):
+    config_class, fields = REFUSED[name]
+    with pytest.raises(ValueError, match="SlidingWindowLayer.*cannot be rolled back"):
+        check_cache_support(build(config_class, fields, 2, 0))
