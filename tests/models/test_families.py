@@ -4,8 +4,8 @@ For every family that serves: greedy output equal to the target's own `generate`
 drafter (model, ngram, suffix, hybrid; trees where the model takes a tree mask) on both runners,
 alone and batched; a seeded request unchanged by its drafter; the prefix cache on equal to off; a
 row that joins mid-run; a JSON-schema answer that validates and equals constrained plain decoding.
-Families whose caches cannot be rolled back by a length (sliding-window layers) are refused by
-`check_cache_support`, naming the layers.
+Families whose caches cannot be rolled back by a length (sliding-window, state-space and
+recurrent layers) are refused by `check_cache_support`, which loading calls, naming the layers.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ REFUSED = {
     "gemma2": ("Gemma2Config", {**LAYERS, "head_dim": 16}),  # alternating sliding-window layers
     "gemma3": ("Gemma3TextConfig", {**LAYERS, "head_dim": 16}),  # interleaved local and global layers
     "mistral_sliding": ("MistralConfig", {**LAYERS, "sliding_window": 32}),
+    # State-space and hybrid recurrent caches: nothing to crop.
+    "mamba": ("MambaConfig", {"vocab_size": VOCAB, "hidden_size": 64, "state_size": 8}),
+    "jamba": ("JambaConfig", {**LAYERS, "num_experts": 2}),
 }
 PROMPTS = ["def fibonacci(n):", "x = [1, 2, 3]\nfor i in x:"]
 NUM_TOKENS = 16
@@ -154,7 +157,7 @@ def test_a_json_schema_answer_validates_and_speculation_does_not_change_it(name,
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_sliding_window_families_are_refused_naming_their_cache_layers(name):
+def test_families_whose_caches_cannot_be_cropped_are_refused_naming_their_cache_layers(name):
     config_class, fields = REFUSED[name]
-    with pytest.raises(ValueError, match="SlidingWindowLayer.*cannot be rolled back"):
+    with pytest.raises(ValueError, match="(SlidingWindow|LinearAttention)Layer.*cannot be rolled back"):
         check_cache_support(build(config_class, fields, 2, 0))
