@@ -31,13 +31,15 @@ def encode(tokenizer, prompt: str) -> tuple[int, ...]:
     return tuple(tokenizer(prompt)["input_ids"])
 
 
-def reference_greedy(target, prompt_ids, max_new_tokens) -> list[int]:
+def reference_greedy(target, prompt_ids, max_new_tokens, **options) -> list[int]:
+    """The target's own greedy `generate`; `options` are further arguments of it (min_new_tokens)."""
     input_ids = torch.tensor([prompt_ids])
     output = target.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
         max_new_tokens=max_new_tokens,
         do_sample=False,
+        **options,
     )
     return output[0, len(prompt_ids) :].tolist()
 

@@ -23,6 +23,7 @@ from handler.constraints import Constraint
 from handler.engine import GenerationRequest
 from handler.kv_cache import check_cache_support
 from tests.models.conftest import make_engine
+from tests.models.test_engine import reference_greedy
 
 VOCAB = 384  # the tiny tokenizer's
 # Wide initial weights, as scripts.make_tiny_models uses: with the configs' default 0.02 some
@@ -72,16 +73,8 @@ def pair(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
 
 
 def reference(target, prompt_ids) -> list[int]:
-    input_ids = torch.tensor([prompt_ids])
-    output = target.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=NUM_TOKENS,
-        min_new_tokens=NUM_TOKENS,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return output[0, len(prompt_ids) :].tolist()
+    """The target's own greedy output, never stopped early: the engines here have no stop token."""
+    return reference_greedy(target, prompt_ids, NUM_TOKENS, min_new_tokens=NUM_TOKENS, pad_token_id=0)
 
 
 @pytest.mark.parametrize("runner", ["dynamic", "static"])
