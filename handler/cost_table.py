@@ -258,11 +258,6 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def cpu_model_and_flags() -> tuple[str | None, list[str]] | None:
     """The CPU's model name (None if not given) and flags, from /proc/cpuinfo; None where it cannot be read."""
     try:
@@ -325,31 +320,18 @@ def _time_grid(
     warmups: int,
     runner: str,
 ) -> tuple[list[list[float]], list[float] | None]:
-    from handler.kv_cache import prefill
-    from handler.runners import make_runner
+    from handler.runners import make_runner, random_batch, timed_pass
 
     device = _device_of(target)
     generator = torch.Generator().manual_seed(0)
 
-    def random_ids(model, batch_size: int, width: int) -> torch.Tensor:
-        vocab = model.config.get_text_config().vocab_size
-        return torch.randint(0, vocab, (batch_size, width), generator=generator)  # [batch, width]
-
     def prefilled(model, batch_size: int):
         # The running batch as the engine holds it: prefilled, then adopted by the serving runner.
-        runner_of_model = make_runner(runner, model)
-        return runner_of_model.adopt(prefill(model, random_ids(model, batch_size, CONTEXT_LENGTH).tolist(), 0))
+        return random_batch(make_runner(runner, model), batch_size, CONTEXT_LENGTH, generator)
 
     def timed_chunk(model, cache, batch_size: int, width: int) -> float:
-        input_ids = random_ids(model, batch_size, width)  # [batch, width]
-        lengths = cache.lengths.clone()
-        _synchronize(device)
-        start = time.perf_counter()
-        cache.forward(input_ids, torch.ones_like(input_ids), logits_to_keep=width)
-        _synchronize(device)
-        seconds = time.perf_counter() - start
-        cache.rollback(lengths)  # rollback is a length: the next chunk sees the same context
-        return seconds
+        vocab = model.config.get_text_config().vocab_size
+        return timed_pass(cache, torch.randint(0, vocab, (batch_size, width), generator=generator), device)
 
     target_caches = {batch: prefilled(target, batch) for batch in batch_sizes}
     draft_caches = {batch: prefilled(draft, batch) for batch in batch_sizes} if draft is not None else {}

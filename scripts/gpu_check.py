@@ -89,23 +89,6 @@ def build_model(shape: dict[str, Any], device: torch.device, dtype: torch.dtype)
     return model.eval()
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(run: Callable[[], Any], device: torch.device, repeats: int, warmups: int = 2) -> float:
-    samples = []
-    for index in range(warmups + repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        run()
-        synchronize(device)
-        if index >= warmups:
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def pass_seconds(model, kind: str, batch_size: int, width: int, context: int, repeats: int) -> float:
     return runners.time_runner_pass(runners.make_runner(kind, model), batch_size, width, context, repeats)
 
@@ -125,10 +108,10 @@ class PassClock:
             original = getattr(owner, name)
 
             def timed(*args, _original=original, **kwargs):
-                synchronize(self.device)
+                runners.synchronize(self.device)
                 start = time.perf_counter()
                 result = _original(*args, **kwargs)
-                synchronize(self.device)
+                runners.synchronize(self.device)
                 self.seconds += time.perf_counter() - start
                 return result
 
@@ -145,14 +128,14 @@ def engine_run(engine: SpeculativeEngine, prompt_ids: list[int], max_new_tokens:
     """One request to completion, step by step: tokens/s, steps, accepted drafts per step."""
     device = engine.device
     engine.add_request("r", GenerationRequest(tuple(prompt_ids), max_new_tokens, SamplingParams(), k))
-    synchronize(device)
+    runners.synchronize(device)
     start = time.perf_counter()
     num_steps, result = 0, None
     while result is None:
         for output in engine.step():
             result = output.result or result
         num_steps += 1
-    synchronize(device)
+    runners.synchronize(device)
     seconds = time.perf_counter() - start
     return {
         "tokens_per_s": len(result.token_ids) / seconds,
@@ -192,10 +175,10 @@ def hf_generate(target, prompt_ids: list[int], max_new_tokens: int, assistant=No
     options = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     if assistant is not None:
         options["assistant_model"] = assistant
-    synchronize(target.device)
+    runners.synchronize(target.device)
     start = time.perf_counter()
     output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **options)
-    synchronize(target.device)
+    runners.synchronize(target.device)
     return (output.shape[1] - len(prompt_ids)) / (time.perf_counter() - start)
 
 

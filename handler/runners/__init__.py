@@ -101,31 +101,43 @@ def make_runner(kind: str, model: torch.nn.Module | None, **options) -> ModelRun
     raise ValueError(f"runner: {kind!r} is not one of {DYNAMIC}, {STATIC}")
 
 
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (a no-op on the CPU), so that a wall clock times it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_batch(runner: ModelRunner, batch_size: int, context: int, generator: torch.Generator) -> BatchCache:
+    """A running batch of `batch_size` rows of `context` random tokens, prefilled and adopted by `runner`."""
+    vocab = runner.model.config.get_text_config().vocab_size
+    prompts = torch.randint(0, vocab, (batch_size, context), generator=generator).tolist()
+    return runner.adopt(prefill(runner.model, prompts, 0))
+
+
+def timed_pass(batch: BatchCache, input_ids: torch.Tensor, device: torch.device) -> float:  # [rows, width]
+    """Seconds of one pass of `input_ids` over every row of `batch` (its model on `device`), which is
+    then rolled back."""
+    lengths = batch.lengths.clone()
+    synchronize(device)
+    start = time.perf_counter()
+    batch.forward(input_ids, torch.ones_like(input_ids), logits_to_keep=input_ids.shape[1])
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    batch.rollback(lengths)  # rollback is a length: the next pass sees the same context
+    return seconds
+
+
 @torch.inference_mode()
 def time_runner_pass(runner: ModelRunner, batch_size: int, width: int, context: int, repeats: int) -> float:
     """Median seconds of one pass of `width` tokens over `batch_size` rows of `context` tokens,
     through `runner` (warm: its first passes, and any graph capture, are not timed)."""
-    model = runner.model
-    vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, vocab, (batch_size, context), generator=generator).tolist()
-    batch = runner.adopt(prefill(model, prompts, 0))
-    lengths = batch.lengths.clone()
+    batch = random_batch(runner, batch_size, context, generator)
+    vocab = runner.model.config.get_text_config().vocab_size
     input_ids = torch.randint(0, vocab, (batch_size, width), generator=generator)
-    chunk_mask = torch.ones_like(input_ids)
-    device = next(model.parameters()).device
-    samples = []
-    for repeat in range(repeats + 2):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        batch.forward(input_ids, chunk_mask, logits_to_keep=width)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if repeat >= 2:
-            samples.append(time.perf_counter() - start)
-        batch.rollback(lengths)
-    return statistics.median(samples)
+    device = next(runner.model.parameters()).device
+    samples = [timed_pass(batch, input_ids, device) for _ in range(repeats + 2)]
+    return statistics.median(samples[2:])
 
 
 def resolve_runner(mode: str, models: Sequence[torch.nn.Module | None], width: int) -> str:
