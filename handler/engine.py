@@ -463,8 +463,7 @@ class SpeculativeEngine:
         self.pad_token_id = pad_token_id
         self.device = next(target.parameters()).device
         self.vocab_size = target.config.get_text_config().vocab_size
-        self.runner_kind = runner or runners.DEFAULT_RUNNER
-        assert self.runner_kind in (runners.DYNAMIC, runners.STATIC), self.runner_kind
+        self.runner_kind = runner or runners.DEFAULT_RUNNER  # make_runner refuses any other kind
         self.target_runner = runners.make_runner(self.runner_kind, target)
         self.cost_table = cost_table
         if cost_table is not None and running_costs and self.device.type == "cpu":
@@ -523,11 +522,10 @@ class SpeculativeEngine:
         `options` are further keyword arguments of the constructor (a benchmark's `grammar_drafts`).
         The prefix cache's budget comes from the config (`handler.memory_budget`) unless `options`
         give `prefix_cache_max_bytes`; the runner is the config's (`auto` timed now,
-        `handler.runners.resolve_runner`) unless `options` give `runner`.
+        `handler.runners.config_runner`) unless `options` give `runner`.
         """
         if options.get("runner") is None:
-            width = config.num_speculative_tokens + 1
-            options["runner"] = runners.resolve_runner(config.runner, [models.target, models.draft], width)
+            options["runner"] = runners.config_runner(config, models)
         if "prefix_cache_max_bytes" not in options:
             budget = prefix_cache_budget(config, next(models.target.parameters()).device)
             options["prefix_cache_max_bytes"] = None if budget is None else budget.num_bytes

@@ -92,15 +92,21 @@ def tree_attention_error(model: torch.nn.Module) -> str | None:
     return None
 
 
-def kv_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of keys and values one token takes in the model's cache, over all layers."""
+def kv_layout(model: torch.nn.Module) -> tuple[int, int, int]:
+    """The model's cache layout: (layers, key-value heads, head dim)."""
     config = model.config.get_text_config()
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return config.num_hidden_layers, num_kv_heads, head_dim
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of keys and values one token takes in the model's cache, over all layers."""
+    num_layers, num_kv_heads, head_dim = kv_layout(model)
     # The model's dtype, not a parameter's: an int8-quantised model still caches in its float dtype.
     element_size = torch.empty((), dtype=model.dtype).element_size()
-    return config.num_hidden_layers * 2 * num_kv_heads * head_dim * element_size
+    return num_layers * 2 * num_kv_heads * head_dim * element_size
 
 
 def left_pad(token_lists: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

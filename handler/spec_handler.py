@@ -28,7 +28,7 @@ from handler.engine import SpeculativeEngine
 from handler.loading import load_models
 from handler.memory_budget import describe, prefix_cache_budget
 from handler.metrics import CostScaleTally, MetricsRecorder, PrefixCacheTally, SuffixTreeTally
-from handler.runners import resolve_runner
+from handler.runners import config_runner
 from handler.schema import RequestError
 from handler.serving import ContinuousBatcher, Reply, StaticBatch, parse_entry
 
@@ -51,9 +51,7 @@ class SpeculativeHandler(BaseHandler):
         logger.info("prefix cache: %s", describe(budget))
         # Wide enough for the longest look-up as well as the largest k.
         max_width = max(self.config.max_num_speculative_tokens, self.config.prompt_lookup_num_tokens) + 1
-        runner = resolve_runner(
-            self.config.runner, [self.models.target, self.models.draft], self.config.num_speculative_tokens + 1
-        )
+        runner = config_runner(self.config, self.models)
         cost_table = None
         if self.config.adaptive_k:
             # Measured here, on the device and dtype that serve, and cached in the model dir.

@@ -140,6 +140,12 @@ def time_runner_pass(runner: ModelRunner, batch_size: int, width: int, context: 
     return statistics.median(samples[2:])
 
 
+def config_runner(config, models) -> str:
+    """The runner a handler config names for its loaded models (`handler.loading.LoadedModels`),
+    `auto` timed at the config's verify width (`num_speculative_tokens + 1`)."""
+    return resolve_runner(config.runner, [models.target, models.draft], config.num_speculative_tokens + 1)
+
+
 def resolve_runner(mode: str, models: Sequence[torch.nn.Module | None], width: int) -> str:
     """The runner a `runner:` setting names: itself, or for `auto` the one `choose_runner` times faster."""
     if mode == AUTO:

@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from handler.kv_cache import RaggedCache
+from handler.kv_cache import RaggedCache, kv_layout
 
 # Widths a chunk is padded to; beyond the last, the next multiple of it.
 WIDTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32)
@@ -151,11 +151,7 @@ class StaticRunner:
         self.device = next(model.parameters()).device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         assert not self.graphs or self.device.type == "cuda", "CUDA graphs need a CUDA device"
-        config = model.config.get_text_config()
-        num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        self.num_layers = config.num_hidden_layers
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(model)
         self.dtype = model.dtype
         self.layers = [
             _SlotLayer(*(self._zeros(num_slots, column_bucket(num_columns)) for _ in range(2)))
@@ -217,8 +213,13 @@ class StaticRunner:
         batch_size, width = input_ids.shape
         num_columns = column_bucket(int(lengths.max()) + width)
         assert num_columns <= self.num_columns, (num_columns, self.num_columns)
-        inputs = {"input_ids": input_ids, "positions": positions, "lengths": lengths, "offsets": offsets}
-        inputs["allowed"] = allowed
+        inputs = {
+            "input_ids": input_ids,
+            "positions": positions,
+            "lengths": lengths,
+            "offsets": offsets,
+            "allowed": allowed,
+        }
         if not (self.graphs and width <= MAX_GRAPH_WIDTH and batch_size <= MAX_GRAPH_BATCH):
             device_inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
             return self._pass(**device_inputs, num_kept=num_kept, num_columns=num_columns)
