@@ -4,10 +4,11 @@ With a per-token acceptance rate a, a step with k drafts emits on average
 E(k) = (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al. 2023, eq. 1) and costs
 k draft passes plus one verification over k + 1 tokens. A request's tracker
 refines E(k) with an acceptance per draft position (`AcceptanceTracker`).
-`plan_step_k` picks the k that maximises a whole batch's expected tokens per
-second, with costs read from a measured `handler.cost_table.CostTable`; k = 0
-(plain decoding, still exact) wins whenever no k > 0 beats it. Adaptation never touches the
-sampler, so output stays lossless.
+`plan_batch` picks every row's k, and whether it drafts with the model or its
+look-up, to maximise the whole batch's expected tokens per second, with costs
+read from a measured `handler.cost_table.CostTable`; k = 0 (plain decoding,
+still exact) wins whenever drafting does not beat it. Adaptation never touches
+the sampler, so output stays lossless.
 
 `CostModel` is a linear cost table (a fixed cost per pass plus one per extra
 verified token), for tests and back-of-the-envelope estimates; a served model
@@ -19,16 +20,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from handler.cost_table import CostTable
 
 # Weight of past steps in the acceptance estimate (about the last 10 steps count).
 DECAY = 0.9
-# Steps observed before a request may fall back to k = 0.
+# Steps a request drafts before its own acceptance estimate plans it; until then, and again
+# after PROBE_INTERVAL steps without drafts, it is planned with the pool's: every request's
+# steps together (`POOL_DECAY`). A row whose own estimate keeps it at k = 0 then drafts once more
+# where a typical row would, so that its estimate can recover, and a new row under load is not
+# made to draft before the batch would gain from it.
 MIN_STEPS_BEFORE_FALLBACK = 4
-# Plain-decoding steps after which a row drafts once more (k = 1), so that its acceptance
-# estimate can recover; an estimate that is never updated would keep it at k = 0 for good.
-# One width-2 pass in this many costs a few percent at worst.
 PROBE_INTERVAL = 32
+# The pool's weight of past steps: about the last 100 row-steps of every request count.
+POOL_DECAY = 0.99
 # Draft positions with their own acceptance estimate (max_num_speculative_tokens is at most 32).
 MAX_POSITIONS = 32
 # Weight, in steps, of the overall rate in each position's estimate.
@@ -58,55 +61,107 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
-def _expected_curve(estimate: float | AcceptanceTracker | Sequence[float], max_k: int) -> Sequence[float]:
-    """E(0..max_k) for a row: its tracker's per-position estimate, a curve given as it is (a suffix
-    look-up's tree probabilities), or the geometric model of a rate."""
-    if isinstance(estimate, AcceptanceTracker):
-        return estimate.expected_curve(max_k)
-    if isinstance(estimate, (list, tuple)):
-        assert len(estimate) > max_k, (estimate, max_k)
-        return estimate
-    return [expected_tokens(estimate, k) for k in range(max_k + 1)]
+@dataclasses.dataclass(frozen=True)
+class Offer:
+    """What one row can verify this step, for `plan_batch`: expected tokens E(0..n) per way to draft.
+
+    Attributes:
+        lookup: E over the first n drafts of its look-up, a chain (free drafts: only the verify
+            pass widens); (1.0,) when it has none.
+        tree: E over the first n nodes of its look-up's tree, best first, when the look-up is a
+            tree (a tree pass may cost more than a chain's); None otherwise.
+        model: E over n draft-model drafts; (1.0,) when the draft model does not draft for it.
+        passes: n -> the draft passes its first n model drafts take (fewer than n where its
+            drafts are guessed); None: one pass per draft.
+    """
+
+    lookup: Sequence[float] = (1.0,)
+    tree: Sequence[float] | None = None
+    model: Sequence[float] = (1.0,)
+    passes: Callable[[int], float] | None = None
 
 
-def plan_step_k(
-    acceptances: Sequence[float | AcceptanceTracker | Sequence[float]],
-    max_ks: Sequence[int],
-    table: CostTable,
-    model_max_k: int,
-) -> int:
-    """The step's k, in 0..max(max_ks), with the most expected tokens per second for the batch.
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """`plan_batch`'s choice: each row's drafts and who drafts them, and what the step should give."""
 
-    A row drafts min(k, its max_k) useful tokens; the batch pays for
-    min(k, model_max_k) draft-model steps (none when only look-ups draft: they
-    are free) and one verification of width k + 1. Ties go to the smaller k,
-    so k = 0 wins unless speculation is strictly faster.
+    ks: tuple[int, ...]  # drafts (a tree's nodes) each row verifies
+    uses_model: tuple[bool, ...]  # the row drafts with the draft model (else its look-up, if ks > 0)
+    trees: bool  # look-up rows verify their trees (else their first-choice chains)
+    draft_passes: float  # draft-model passes the step needs
+    tokens: float  # expected tokens, bonus tokens included
+    seconds: float  # the cost table's seconds for the step
+
+    @property
+    def width(self) -> int:
+        """The most drafts any row verifies: the verify pass covers them and the pending token."""
+        return max(self.ks, default=0)
+
+
+def plan_batch(
+    offers: Sequence[Offer],
+    step_seconds: Callable[[int, float, bool], float],
+    explore: bool = False,
+) -> BatchPlan:
+    """Each row's drafts this step: the plan with the most expected tokens per second for the batch.
+
+    A step costs one verify pass as wide as its widest row (every row pays that width: the runner
+    pads to it) and, where any row drafts with the model, the draft passes of its most drafts (each
+    pass runs over every row the draft model holds). So the plan is a width w and a number of model
+    drafts d <= w: a row then verifies its look-up's first w drafts or d model drafts, whichever
+    promises more, and the step costs step_seconds(widest row, draft passes, trees). Every (w, d) is
+    priced, and k = 0 for every row (plain decoding) wins unless speculation is strictly faster:
+    under load, where a batch already shares one read of the weights, the planner backs off.
 
     Args:
-        acceptances: each row's acceptance: its tracker, its expected tokens E(0..max_k), or a
-            per-token rate in [0, 1].
-        max_ks: each row's largest useful k (its request's k, capped by what remains).
-        table: measured seconds per target forward and per draft step.
-        model_max_k: the largest max_k among the rows the draft model drafts for (0: none does).
-
-    Returns:
-        k, the number of drafts every row of the step gets.
+        offers: per row, what it can draft.
+        step_seconds: (width, draft passes, trees) -> seconds of the step, from the cost table;
+            trees: whether any row verifies a tree (a custom attention mask).
+        explore: draft even where it does not pay (w >= 1), to learn the acceptance.
     """
-    assert len(acceptances) == len(max_ks) and len(max_ks) > 0, (acceptances, max_ks)
-    assert min(max_ks) >= 0, max_ks
-    assert all(isinstance(a, (AcceptanceTracker, list, tuple)) or 0.0 <= a <= 1.0 for a in acceptances), acceptances
-    batch_size = len(max_ks)
-    draft_step = table.draft_seconds(batch_size) if model_max_k > 0 else 0.0
-    curves = [_expected_curve(a, max_k) for a, max_k in zip(acceptances, max_ks)]
-    # k = 0: one token per row.
-    best, best_rate = 0, len(max_ks) / table.target_seconds(batch_size, 1)
-    for k in range(1, max(max_ks) + 1):
-        tokens = sum(curve[min(k, max_k)] for curve, max_k in zip(curves, max_ks))
-        rate = tokens / (table.target_seconds(batch_size, k + 1) + min(k, model_max_k) * draft_step)
-        # A relative margin, so that rounding never breaks a tie in favour of drafting.
-        if rate > best_rate * (1.0 + 1e-9):
-            best, best_rate = k, rate
-    return best
+    assert offers
+    max_model = max(len(offer.model) - 1 for offer in offers)
+    max_lookup = max(max(len(offer.lookup), len(offer.tree or ())) - 1 for offer in offers)
+    with_trees = (False, True) if any(offer.tree is not None for offer in offers) else (False,)
+    best: BatchPlan | None = None
+    explored: BatchPlan | None = None
+    for trees in with_trees:
+        for drafts in range(max_model + 1):
+            for width in range(drafts, max(drafts, max_lookup) + 1):
+                plan = _priced(offers, width, drafts, trees, step_seconds)
+                if plan.width == 0 and (width or drafts):
+                    continue  # nothing to draft: the same as plain decoding
+                rate = plan.tokens / plan.seconds
+                # A relative margin, so that rounding never breaks a tie in favour of drafting.
+                if best is None or rate > best.tokens / best.seconds * (1.0 + 1e-9):
+                    best = plan
+                if plan.width and (explored is None or rate > explored.tokens / explored.seconds * (1.0 + 1e-9)):
+                    explored = plan
+    assert best is not None
+    return explored if explore and best.width == 0 and explored is not None else best
+
+
+def _priced(
+    offers: Sequence[Offer], width: int, drafts: int, trees: bool, step_seconds: Callable[[int, float, bool], float]
+) -> BatchPlan:
+    """The plan of width `width` and `drafts` model drafts: each row's better way, and the step's cost."""
+    ks, uses_model, tokens, passes, any_tree = [], [], 0.0, 0.0, False
+    for offer in offers:
+        lookup = offer.tree if trees and offer.tree is not None else offer.lookup
+        num_lookup = min(width, len(lookup) - 1)
+        num_model = min(drafts, len(offer.model) - 1)
+        if num_model and offer.model[num_model] > lookup[num_lookup]:
+            ks.append(num_model)
+            uses_model.append(True)
+            tokens += offer.model[num_model]
+            passes = max(passes, offer.passes(num_model) if offer.passes else float(num_model))
+        else:
+            ks.append(num_lookup)
+            uses_model.append(False)
+            tokens += lookup[num_lookup]
+            any_tree = any_tree or (lookup is offer.tree and num_lookup > 0)
+    seconds = step_seconds(max(ks), passes, any_tree)
+    return BatchPlan(tuple(ks), tuple(uses_model), any_tree, passes, tokens, seconds)
 
 
 class AcceptanceTracker:
@@ -125,7 +180,9 @@ class AcceptanceTracker:
     positions rarely reached fall back to the geometric model.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = DECAY) -> None:
+        """`decay`: the weight of past steps (a pool of every request's steps forgets slower)."""
+        self.decay = decay
         self.successes = 0.0
         self.failures = 0.0
         self.num_steps = 0
@@ -135,12 +192,13 @@ class AcceptanceTracker:
     def update(self, num_accepted: int, k: int) -> None:
         if k == 0:
             return
-        self.successes = DECAY * self.successes + num_accepted
-        self.failures = DECAY * self.failures + (1.0 if num_accepted < k else 0.0)
+        decay = self.decay
+        self.successes = decay * self.successes + num_accepted
+        self.failures = decay * self.failures + (1.0 if num_accepted < k else 0.0)
         self.num_steps += 1
         for j in range(MAX_POSITIONS):
-            self.reached[j] = DECAY * self.reached[j] + (1.0 if j <= num_accepted and j < k else 0.0)
-            self.passed[j] = DECAY * self.passed[j] + (1.0 if j < num_accepted else 0.0)
+            self.reached[j] = decay * self.reached[j] + (1.0 if j <= num_accepted and j < k else 0.0)
+            self.passed[j] = decay * self.passed[j] + (1.0 if j < num_accepted else 0.0)
 
     @property
     def acceptance(self) -> float:

@@ -197,6 +197,15 @@ class RunningCostTable:
         # their median once there are enough.
         self.shapes: dict[tuple[int, int], list[float]] = {}
         self._shape_medians: dict[tuple[int, int], float] = {}
+        # Tree passes (a custom attention mask, then the accepted path moved to the chunk's front):
+        # their seconds over a chain pass's of the same shape, as the corrected table prices it.
+        self.tree_ratios: list[float] = []
+        self._tree_median: float | None = None
+
+    @property
+    def tree_factor(self) -> float:
+        """A tree pass's seconds over a chain pass's of the same batch size and width; 1 until timed."""
+        return 1.0 if self._tree_median is None else self._tree_median
 
     @property
     def target_scale(self) -> float:
@@ -219,11 +228,17 @@ class RunningCostTable:
     def draft_seconds(self, batch_size: int) -> float:
         return self.table.draft_seconds(batch_size) * self.draft_scale
 
-    def observe_target(self, batch_size: int, width: int, seconds: float) -> None:
-        """One target forward of `width` new tokens per row over `batch_size` rows took `seconds`."""
+    def observe_target(self, batch_size: int, width: int, seconds: float, tree: bool = False) -> None:
+        """One target forward of `width` new tokens per row over `batch_size` rows took `seconds`
+        (`tree`: some row verified a tree, its seconds go to `tree_factor` only)."""
         measured = self.table.target_seconds(batch_size, width)
         if measured <= 0.0:
             return  # a table that calls a pass free has no ratio to offer (and must not fail a step)
+        if tree:
+            median = _windowed(self.tree_ratios, seconds / self.target_seconds(batch_size, width), self.window)
+            if median is not None:
+                self._tree_median = median
+            return
         ratio = seconds / measured
         self._observe("target", ratio)
         if self._medians["target"] is None:

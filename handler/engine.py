@@ -30,6 +30,7 @@ Nothing here imports TorchServe.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -42,14 +43,17 @@ from handler import runners
 from handler.adaptive import (
     MIN_STEPS_BEFORE_FALLBACK,
     PROBE_INTERVAL,
+    POOL_DECAY,
     AcceptanceTracker,
+    BatchPlan,
     BranchCalibration,
     ConfidenceCalibration,
     ConfidenceStop,
     GuessRate,
+    Offer,
     chain_expected_tokens,
     choose_runners_up,
-    plan_step_k,
+    plan_batch,
 )
 from handler.config import SPECULATIVE_TREE_MODES, HandlerConfig, SamplingParams
 from handler.constraints import Constraint, RowGrammar, compiler_for
@@ -93,6 +97,8 @@ DEFAULT_SUFFIX_OPTIONS = SuffixOptions()
 SUFFIX_ESTIMATES = ("tree", "tracker")
 # Not a drafter a request picks: the tokens a constraint's grammar forces, proposed as drafts.
 PROPOSER_GRAMMAR = "grammar"
+# Step records the engine keeps for its metrics (`recent_steps`).
+RECENT_STEPS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +121,35 @@ class GenerationRequest:
     constraint: Constraint | None = None
     # False: this request's look-ups propose chains only. None: the server's speculative_tree.
     speculative_tree: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """What one row can draft this step (`SpeculativeEngine._proposals`), before the plan picks."""
+
+    lookup: Lookup  # its best look-up, best first (NO_LOOKUP: none)
+    lookup_proposer: str | None  # who proposed it (None: no look-up drafts for this row)
+    lookup_curve: list[float]  # E(0..n) over its first n drafts
+    chain: Lookup | None  # a tree look-up's first-choice chain, and its E(0..n); None for a chain
+    chain_curve: list[float] | None
+    model_curve: list[float] | None  # E(0..cap) with the draft model; None: the model does not draft for it
+    guesses: GuessRate | None  # its model drafts' guess rate (guessed drafting), else None
+
+    def offer(self) -> Offer:
+        return Offer(
+            lookup=self.chain_curve if self.chain is not None else self.lookup_curve,
+            tree=self.lookup_curve if self.chain is not None else None,
+            model=self.model_curve or (1.0,),
+            passes=None if self.guesses is None else self.guesses.passes,
+        )
+
+    def pick(self, uses_model: bool, trees: bool) -> tuple[str, Lookup, list[float]]:
+        """The proposer, look-up (NO_LOOKUP for the model) and E(0..n) the plan chose."""
+        if uses_model or self.lookup_proposer is None:
+            return MODEL, NO_LOOKUP, self.model_curve or [1.0]
+        if self.chain is not None and not trees:
+            return self.lookup_proposer, self.chain, self.chain_curve
+        return self.lookup_proposer, self.lookup, self.lookup_curve
 
 
 @dataclasses.dataclass
@@ -253,6 +288,24 @@ class StepOutput:
     token_ids: list[int]  # everything emitted so far; do not mutate
     finish_reason: str | None  # set when the request finished this step
     result: GenerationResult | None  # set when the request finished this step
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What one step ran: the plan's outcome and where its time went (metrics, `scripts.bench_load`)."""
+
+    batch_size: int  # rows in the step
+    ks: tuple[int, ...]  # drafts each row verified (a tree's nodes), in batch order
+    draft_passes: int  # draft-model passes over the batch
+    seconds: float  # the whole step, joining requests' prefill included
+    prefill_seconds: float  # joining requests' prefill
+    draft_seconds: float  # the draft model's passes, with their warping and sampling
+    verify_seconds: float  # the target's verify pass (its forward only)
+
+    @property
+    def width(self) -> int:
+        """The verify pass's width: the widest row's drafts and its pending token."""
+        return max(self.ks, default=0) + 1
 
 
 def unseeded_generator() -> torch.Generator:
@@ -511,6 +564,15 @@ class SpeculativeEngine:
         # The last step's duration and the part of it spent on grammar masks (structured output).
         self.last_step_seconds = 0.0
         self.last_step_mask_seconds = 0.0
+        # Every request's acceptance per proposer together: the estimate of a row too new to have
+        # its own, or one that has not drafted for a while (`handler.adaptive`, PROBE_INTERVAL).
+        self.pool_trackers = {name: AcceptanceTracker(POOL_DECAY) for name in (MODEL, NGRAM, SUFFIX, PROPOSER_GRAMMAR)}
+        # The last step's plan and timings (None before the first step), and the recent ones.
+        self.last_step: StepRecord | None = None
+        self.recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=RECENT_STEPS)
+        self.num_steps = 0
+        self._draft_seconds = self._verify_seconds = 0.0
+        self._draft_passes = 0
         # Prompt tokens admitted, and those of them whose target KV came from the prefix cache.
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
@@ -630,18 +692,23 @@ class SpeculativeEngine:
         self._drop([row for row in self.rows if row.request_id in self.aborted])
         self.waiting = [row for row in self.waiting if row.request_id not in self.aborted]
         self.aborted.clear()
+        admitted = time.perf_counter()
         first_outputs = self._admit()
         if not self.rows:
             return first_outputs
         rows = self.rows
         started = time.perf_counter()
+        self._draft_seconds = self._verify_seconds = 0.0
+        self._draft_passes = 0
         mask_seconds_before = sum(row.stats.mask_seconds for row in rows)
-        lookups, proposers, curves = self._proposals(rows)
-        uses_model = [proposer == MODEL for proposer in proposers]
-        max_ks = [row.cap() if uses_model[i] else len(lookups[i].token_ids) for i, row in enumerate(rows)]
-        step_ks = self._plan(rows, max_ks, proposers, curves)
-        planned_trees = [lookup.is_tree for lookup in lookups]
-        lookups = [lookup.prefix(step_k) for lookup, step_k in zip(lookups, step_ks)]
+        options = self._proposals(rows)
+        plan = self._plan(rows, options)
+        step_ks, uses_model = list(plan.ks), list(plan.uses_model)
+        picks = [option.pick(model, plan.trees) for option, model in zip(options, uses_model)]
+        proposers = [proposer for proposer, _, _ in picks]
+        curves = [curve for _, _, curve in picks]
+        planned_trees = [option.lookup.is_tree and not model for option, model in zip(options, uses_model)]
+        lookups = [lookup.prefix(step_k) for (_, lookup, _), step_k in zip(picks, step_ks)]
         keep_drafting = self._confidence_stop(rows, step_ks, uses_model, curves)
         num_accepted, emitted, logits, paths, model_drafts = self._verify(
             rows, step_ks, lookups, uses_model, keep_drafting, curves
@@ -661,6 +728,7 @@ class SpeculativeEngine:
                 first_choice = path == first_choice_path(lookup.parents, accepted)
                 row.stats.record_tree(step_ks[slot], accepted, first_choice)
             row.trackers[proposer].update(accepted, reached)
+            self.pool_trackers[proposer].update(accepted, reached)
             if planned_trees[slot] and proposer in self.branch_calibrations:
                 self._calibrate_branches(proposer, lookup, path)
             if slot in model_drafts:
@@ -679,7 +747,19 @@ class SpeculativeEngine:
         for drafter in self._all_drafters():
             drafter.observe(committed)
         self._drop(finished)
-        self.last_step_seconds = time.perf_counter() - started
+        ended = time.perf_counter()
+        self.last_step_seconds = ended - started
+        self.last_step = StepRecord(
+            len(rows),
+            tuple(step_ks),
+            self._draft_passes,
+            ended - admitted,
+            started - admitted,
+            self._draft_seconds,
+            self._verify_seconds,
+        )
+        self.recent_steps.append(self.last_step)
+        self.num_steps += 1
         self.last_step_mask_seconds = sum(row.stats.mask_seconds for row in rows) - mask_seconds_before
         return _joined(first_outputs, outputs)
 
@@ -840,30 +920,28 @@ class SpeculativeEngine:
                 self.prefix_cache.unlock(row.prefix_handle)
                 row.prefix_handle = None
 
-    def _proposals(self, rows: list[_Row]) -> tuple[list[Lookup], list[str], list[list[float]]]:
-        """Each row's look-up drafts (none where the draft model drafts), who proposes them, and E(0..n).
+    def _proposals(self, rows: list[_Row]) -> list[_Options]:
+        """What each row can draft this step: its best look-up and, where it may, the draft model.
 
         A constrained row first takes the tokens its grammar forces (free one-hot drafts);
         otherwise its look-ups are cut at the first token the grammar refuses. A hybrid
-        row takes the candidate that promises the most (`handler.drafters.hybrid`). A row
-        whose logits no rule shapes may take a tree of look-up candidates (`handler.tree`).
+        row offers its most promising look-up (`handler.drafters.hybrid`) and the draft
+        model; the plan picks between them with the batch's costs (`_plan`). A row whose
+        logits no rule shapes may take a tree of look-up candidates (`handler.tree`).
         """
-        lookups, proposers, curves = [], [], []
+        options = []
         batch_size = len(rows)
         for row in rows:
             cap = row.lookup_cap(self.prompt_lookup_num_tokens)
             forced = []
             if row.grammar is not None and cap and self.grammar_drafts:
                 forced = row.grammar_call("forced_tokens", cap)
+            model_curve = None
+            if row.drafter in (MODEL, HYBRID) and not forced:
+                model_curve = self._tracker(row, MODEL).expected_curve(row.cap())
             if forced:
-                lookups.append(Lookup(forced))
-                proposers.append(PROPOSER_GRAMMAR)
-                curves.append(row.trackers[PROPOSER_GRAMMAR].expected_curve(len(forced)))
-                continue
-            if row.drafter == MODEL:
-                lookups.append(Lookup([]))
-                proposers.append(MODEL)
-                curves.append(row.trackers[MODEL].expected_curve(row.cap()))
+                curve = self._tracker(row, PROPOSER_GRAMMAR).expected_curve(len(forced))
+                options.append(_Options(Lookup(forced), PROPOSER_GRAMMAR, curve, None, None, None, None))
                 continue
             tree = self.trees and row.request.speculative_tree is not False and not row.shapes_logits
             candidates = []
@@ -876,14 +954,26 @@ class SpeculativeEngine:
                 if row.drafter == name or lookup.token_ids:
                     lookup, curve = self._estimate(row, name, lookup)
                     candidates.append(Candidate(name, lookup, len(lookup.token_ids), curve))
-            if row.drafter == HYBRID:
-                max_k = row.cap()
-                candidates.append(Candidate(MODEL, Lookup([]), max_k, row.trackers[MODEL].expected_curve(max_k)))
-            best = choose(candidates, self._step_seconds(batch_size, self._guesses_for(row)))
-            lookups.append(best.lookup)
-            proposers.append(best.proposer)
-            curves.append(best.curve)
-        return lookups, proposers, curves
+            guesses = self._guesses_for(row)
+            if not candidates:
+                options.append(_Options(NO_LOOKUP, None, [1.0], None, None, model_curve, guesses))
+                continue
+            best = choose(candidates, self._step_seconds(batch_size))
+            chain, chain_curve = None, None
+            if best.lookup.is_tree:
+                chain, chain_curve = _first_choice_chain(best.lookup, best.curve)
+            options.append(
+                _Options(best.lookup, best.proposer, list(best.curve), chain, chain_curve, model_curve, guesses)
+            )
+        return options
+
+    def _tracker(self, row: _Row, proposer: str) -> AcceptanceTracker:
+        """The acceptance estimate that plans a row: its own, or the pool's while it has drafted too
+        little to have one, and again after PROBE_INTERVAL steps without drafts (a probe)."""
+        own = row.trackers[proposer]
+        if own.num_steps < MIN_STEPS_BEFORE_FALLBACK or row.steps_without_drafts >= PROBE_INTERVAL:
+            return self.pool_trackers[proposer]
+        return own
 
     def _estimate(self, row: _Row, proposer: str, lookup: Lookup) -> tuple[Lookup, list[float]]:
         """A look-up's proposal, best draft first, and E(0..n) for its first n drafts.
@@ -899,7 +989,7 @@ class SpeculativeEngine:
             scores = list(lookup.probs)  # a tree's come best first already
         else:
             node_depths = depths(lookup.parents) if lookup.parents is not None else list(range(1, num + 1))
-            tracker_curve = row.trackers[proposer].expected_curve(max(node_depths, default=0))
+            tracker_curve = self._tracker(row, proposer).expected_curve(max(node_depths, default=0))
             shares = lookup.shares or _relative_probs(lookup, node_depths) or [1.0] * num
             scores = [share * (tracker_curve[d] - tracker_curve[d - 1]) for share, d in zip(shares, node_depths)]
         if lookup.is_tree:
@@ -913,51 +1003,69 @@ class SpeculativeEngine:
             curve.append(curve[-1] + score)
         return lookup, curve
 
-    def _pass_seconds(self, batch_size: int, width: int, num_draft_passes: float) -> float:
+    def _pass_seconds(self, batch_size: int, width: int, num_draft_passes: float, trees: bool = False) -> float:
         """The cost table's seconds for a step: a target pass over `width` drafts and the pending
-        token, after `num_draft_passes` draft-model passes."""
-        seconds = self.cost_table.target_seconds(batch_size, width + 1)
+        token (a tree pass at its measured premium), after `num_draft_passes` draft-model passes.
+
+        A draft pass runs over every row the draft model holds, and its first pass also feeds the
+        tokens each row committed since it last drafted: after steps without model drafts that
+        pass is wider, priced by the target's cost of that width (the draft has no table of its own).
+        """
+        table = self.cost_table
+        seconds = table.target_seconds(batch_size, width + 1)
+        if trees and isinstance(table, RunningCostTable):
+            seconds *= table.tree_factor
         if num_draft_passes:
-            seconds += num_draft_passes * self.cost_table.draft_seconds(batch_size)
+            draft_rows = max(1, self.model_drafter.num_rows)
+            one_pass = table.draft_seconds(draft_rows)
+            catch_up = self.model_drafter.max_pending
+            first_pass = one_pass * table.target_seconds(draft_rows, catch_up) / table.target_seconds(draft_rows, 1)
+            seconds += first_pass + max(0.0, num_draft_passes - 1) * one_pass
         return seconds
 
     def _guesses_for(self, row: _Row) -> GuessRate | None:
         """The row's guess rate where its model drafts are guessed (a hybrid row), else None."""
         return row.guess_rate if self.draft_guesses and row.drafter == HYBRID else None
 
-    def _step_seconds(self, batch_size: int, guesses: GuessRate | None = None) -> Callable[[int, bool], float] | None:
+    def _step_seconds(self, batch_size: int) -> Callable[[int, bool], float] | None:
         """(k, drafts with the model) -> the cost table's seconds for a step of the batch; None without a table."""
         if self.cost_table is None:
             return None
-        rate = guesses or GuessRate()  # no guesses: one pass per draft
-        return lambda k, model: self._pass_seconds(batch_size, k, rate.passes(k) if model else 0)
+        return lambda k, model: self._pass_seconds(batch_size, k, k if model else 0)
 
-    def _plan(self, rows: list[_Row], max_ks: list[int], proposers: list[str], curves: list[list[float]]) -> list[int]:
-        """Each row's number of drafts this step (a tree's: its first nodes, best first)."""
+    def _plan(self, rows: list[_Row], options: list[_Options]) -> BatchPlan:
+        """Each row's drafts this step (a tree's: its first nodes, best first), priced for the whole batch.
+
+        Without a cost table every row drafts its cap: with its look-up where it found one, else the
+        model. With one, `plan_batch` prices each width and number of model drafts; where the
+        draft's confidence stops it (`_confidence_stop`), model rows then draft up to their cap.
+        """
         if self.cost_table is None:
-            return list(max_ks)
-        estimates = [curve[: max_k + 1] for curve, max_k in zip(curves, max_ks)]
-        trackers = [row.trackers[proposer] for row, proposer in zip(rows, proposers)]
-        k = plan_step_k(
-            estimates,
-            max_ks,
-            self.cost_table,
-            model_max_k=max((max_k for max_k, proposer in zip(max_ks, proposers) if proposer == MODEL), default=0),
-        )
-        warming_up = any(tracker.num_steps < MIN_STEPS_BEFORE_FALLBACK for tracker in trackers)
-        probing = any(row.steps_without_drafts >= PROBE_INTERVAL for row, max_k in zip(rows, max_ks) if max_k > 0)
-        if k == 0 and (warming_up or probing):
-            k = 1  # too few steps observed to give up on drafting, or time to look again
-        step_ks = [min(k, max_k) for max_k in max_ks]
-        if k > 0 and self.draft_confidence:
-            # The plan says whether to draft; the draft's confidence says how far (`_confidence_stop`).
-            step_ks = [
-                max_k if proposer == MODEL else step_k for step_k, max_k, proposer in zip(step_ks, max_ks, proposers)
+            uses_model = [option.lookup_proposer is None and option.model_curve is not None for option in options]
+            ks = [
+                len(option.model_curve) - 1 if model else len(option.lookup.token_ids)
+                for option, model in zip(options, uses_model)
             ]
-        for row, step_k, max_k in zip(rows, step_ks, max_ks):
-            if step_k == 0 and max_k > 0:
+            return BatchPlan(tuple(ks), tuple(uses_model), True, 0.0, 0.0, 0.0)
+        offers = [option.offer() for option in options]
+        # Until the pool has seen a few steps of a way to draft, nothing says whether it pays: draft.
+        estimated = {MODEL for option in options if option.model_curve is not None}
+        estimated |= {option.lookup_proposer for option in options if option.lookup_proposer is not None}
+        if self.suffix_estimate == "tree":
+            estimated.discard(SUFFIX)  # a suffix look-up comes with its own probabilities
+        explore = any(self.pool_trackers[name].num_steps < MIN_STEPS_BEFORE_FALLBACK for name in estimated)
+        batch_size = len(rows)
+        plan = plan_batch(
+            offers, lambda width, passes, trees: self._pass_seconds(batch_size, width, passes, trees), explore
+        )
+        ks = list(plan.ks)
+        if plan.draft_passes and self.draft_confidence:
+            # The plan says whether to draft; the draft's confidence says how far (`_confidence_stop`).
+            ks = [len(option.model_curve) - 1 if model else k for option, model, k in zip(options, plan.uses_model, ks)]
+        for row, k, offer in zip(rows, ks, offers):
+            if k == 0 and max(len(offer.lookup), len(offer.model)) > 1:
                 row.stats.fell_back = True
-        return step_ks
+        return dataclasses.replace(plan, ks=tuple(ks))
 
     def _calibrate(self, row: _Row, drafts: _ModelDrafts, path: list[int]) -> None:
         """Teaches the calibrations what the target did with a row's model drafts (`path`: its walk)."""
@@ -1167,10 +1275,11 @@ class SpeculativeEngine:
                 guesses=self._draft_guesses(rows, model_slots),
             )
             by_slot = {slot: proposals[rows[slot].request_id] for slot in model_slots}
+            self._draft_seconds = time.perf_counter() - started
+            self._draft_passes = self.model_drafter.last_num_passes
             if isinstance(self.cost_table, RunningCostTable):
                 # Every row of the draft's batch takes part in every pass.
-                num_passes = self.model_drafter.last_num_passes
-                self.cost_table.observe_draft(self.model_drafter.num_rows, num_passes, time.perf_counter() - started)
+                self.cost_table.observe_draft(self.model_drafter.num_rows, self._draft_passes, self._draft_seconds)
             for slot, proposal in by_slot.items():
                 row = rows[slot]
                 if self._guesses_for(row) is not None:
@@ -1222,8 +1331,9 @@ class SpeculativeEngine:
         if logits is None:
             started = time.perf_counter()
             logits = self.target_cache.forward(input_ids, chunk_mask, logits_to_keep=k + 1, tree=tree)  # [b, k+1, v']
+            self._verify_seconds = time.perf_counter() - started
             if isinstance(self.cost_table, RunningCostTable):
-                self.cost_table.observe_target(batch_size, k + 1, time.perf_counter() - started)
+                self.cost_table.observe_target(batch_size, k + 1, self._verify_seconds, tree=tree is not None)
         else:
             assert k == 0 and logits.shape[:2] == (batch_size, 1), (k, logits.shape)
         logits = logits[..., : self.vocab_size]
@@ -1303,6 +1413,18 @@ class SpeculativeEngine:
             TokenLogprob(t, lp, tuple(zip(ids, values)))
             for t, lp, ids, values in zip(token_ids, chosen, top_ids, top_values)
         ]
+
+
+def _first_choice_chain(lookup: Lookup, curve: Sequence[float]) -> tuple[Lookup, list[float]]:
+    """A tree look-up's first-choice chain (the best child of each node down from the root) and its
+    E(0..n), from the tree's scores (each node's chance that it and its ancestors are accepted)."""
+    off = off_first_choice(lookup.parents, lookup.probs)
+    nodes = [index for index, is_off in enumerate(off) if not is_off]
+    scores = [curve[index + 1] - curve[index] for index in nodes]
+    chain_curve = [1.0]
+    for score in scores:
+        chain_curve.append(chain_curve[-1] + score)
+    return Lookup([lookup.token_ids[index] for index in nodes], scores), chain_curve
 
 
 def _relative_probs(lookup: Lookup, node_depths: list[int]) -> list[float] | None:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from handler.adaptive import plan_step_k
+from handler.adaptive import Offer, expected_tokens, plan_batch
 from handler.cost_table import MAX_SCALE, MIN_OBSERVATIONS, CostTable, RunningCostTable, _cache_path, sparse_grid
 
 # Batch 1 and 4; widths 1, 2, 4: verification costs grow with width and batch.
@@ -98,6 +98,17 @@ def test_the_running_table_starts_as_measured_and_follows_the_median_of_what_it_
     assert running.draft_scale == pytest.approx(1.0)
 
 
+def planned_k(acceptance: float, max_k: int, costs, with_model: bool) -> int:
+    """One row's drafts as `plan_batch` plans them on `costs`: the draft model's, or a free look-up's."""
+    curve = [expected_tokens(acceptance, k) for k in range(max_k + 1)]
+    offer = Offer(model=curve) if with_model else Offer(lookup=curve)
+
+    def seconds(width, passes, trees):
+        return costs.target_seconds(1, width + 1) + (passes * costs.draft_seconds(1) if passes else 0.0)
+
+    return plan_batch([offer], seconds).width
+
+
 def test_the_running_table_times_draft_steps_per_step_and_clamps_its_scale():
     running = RunningCostTable(TABLE)
     for _ in range(MIN_OBSERVATIONS):
@@ -115,14 +126,13 @@ def test_a_draft_slower_than_measured_stops_the_plan_from_drafting():
     """The table measured the draft at a fast moment; the passes the engine times correct the plan."""
     table = CostTable(widths=(1, 8), batch_sizes=(1,), target=((0.10, 0.12),), draft=(0.02,))
     running = RunningCostTable(table)
-    acceptance = [0.5]
-    assert plan_step_k(acceptance, [4], running, model_max_k=4) > 0
+    assert planned_k(0.5, 4, running, with_model=True) > 0
     for _ in range(MIN_OBSERVATIONS):
         running.observe_draft(1, 4, 4 * 0.06)  # each step took 3x the table's figure
         running.observe_target(1, 5, running.table.target_seconds(1, 5))
     assert running.draft_scale == pytest.approx(3.0)
     assert running.target_scale == pytest.approx(1.0)
-    assert plan_step_k(acceptance, [4], running, model_max_k=4) == 0
+    assert planned_k(0.5, 4, running, with_model=True) == 0
 
 
 def test_each_width_learns_its_own_shape_and_keeps_it_when_the_machine_slows_as_a_whole():
@@ -138,7 +148,7 @@ def test_each_width_learns_its_own_shape_and_keeps_it_when_the_machine_slows_as_
         for width, seconds in truth.items():
             running.observe_target(1, width, seconds)
     assert [running.target_seconds(1, width) for width in truth] == pytest.approx(list(truth.values()))
-    assert plan_step_k([0.5], [3], running, model_max_k=0) == 3, "a width-4 pass is cheaper than a width-2 one"
+    assert planned_k(0.5, 3, running, with_model=False) == 3, "a width-4 pass is cheaper than a width-2 one"
     assert running.target_seconds(4, 2) == pytest.approx(0.24), "another batch size keeps the table's shape"
     for _ in range(3 * 9):  # the whole machine now runs at half the speed: the scale moves, the shape stays
         for width, seconds in truth.items():

@@ -1,0 +1,515 @@
+#!/usr/bin/env python3
+"""Benchmark under load: speculation against plain decoding as concurrent requests grow.
+
+One run, one machine, the same loaded models (the demo pair and
+model-config/qwen-coder.yaml by default: its dtype, drafter, k cap and a cost
+table measured at start, as the handler measures it). Every ratio is to the
+`plain` row (k = 0, plain decoding in the same engine) of the same run.
+
+Load, driven through the engine's step API as the handler drives it with
+continuous batching (a request joins at the first step boundary after it
+arrives):
+
+- closed loop at each concurrency C (--concurrency): C clients, each sending
+  its next request as soon as its last one finished, --requests-per-client
+  requests each (at least --min-requests in all);
+- open loop (--rates, requests per second): Poisson arrivals of
+  --open-requests requests, at most --max-in-flight at once. By default the
+  rates are 30, 60 and 90 % of the saturation rate, the `plain` row's
+  closed-loop request rate at the largest C.
+
+Rows (--rows): `shipped` (the config as shipped), `plain` (k = 0), `k1`,
+`k2`, `k4`, `k8` (the model drafter at a fixed k, without the planner), and
+each drafter alone with the planner (`model`, `ngram`, `suffix`, `hybrid`).
+
+Prompts are distinct coding requests (chat template applied), greedy, up to
+--max-new-tokens tokens each. Each row has its own engine, warmed up by one
+request; its suffix trees start empty in every measure, so that no row drafts
+from an earlier row's answers to the same prompts, and the prefix cache is
+off. Per measure: tokens/s (completion tokens over the makespan), TPOT
+(seconds per output token after the first, per request) and TTFT (arrival to
+first token) at p50 and p99, and what the planner chose per step: the mean k
+over rows, the mean verify width, the share of rows drafting. Medians over
+--repeats repeats. Every step's record also goes to load.json, with the cost
+table's figure for each step's verify pass and draft passes beside the time
+measured (where the time goes).
+
+Outputs in --out-dir: load.json, load.md and load.png (tokens/s against C,
+one line per row).
+
+    python -m scripts.bench_load                            # every row, C 1..16, three rates
+    python -m scripts.bench_load --rows shipped,plain --rates ""  # the targets only
+    python -m scripts.bench_load --target models/tiny/target --draft models/tiny/draft \\
+        --config model-config/model-config.yaml --dtype float32 --concurrency 1,2 --rates 20 \\
+        --max-new-tokens 8 --open-requests 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import itertools
+import json
+import logging
+import os
+import pathlib
+import statistics
+import time
+
+from handler.config import SamplingParams
+from handler.cost_table import CostTable, measure_cost_table
+from handler.drafters import HYBRID, MODEL, NGRAM, SUFFIX
+from handler.drafters.suffix import SuffixDrafter
+from handler.engine import GenerationRequest, SpeculativeEngine, StepRecord
+from handler.loading import load_models
+from handler.runners import config_runner
+from scripts import bench
+from scripts.bench_prefix import percentile, poisson_arrivals
+
+logger = logging.getLogger("bench_load")
+
+SHIPPED, PLAIN = "shipped", "plain"
+FIXED_KS = (1, 2, 4, 8)
+DRAFTER_ROWS = (MODEL, NGRAM, SUFFIX, HYBRID)
+ROWS = (SHIPPED, PLAIN, *(f"k{k}" for k in FIXED_KS), *DRAFTER_ROWS)
+GREEDY = SamplingParams()
+# The open loop's default rates, as fractions of the saturation rate.
+RATE_FRACTIONS = (0.3, 0.6, 0.9)
+
+# Distinct coding requests: every task in every language.
+TASKS = (
+    "parses an ISO 8601 date string and returns the day of the week",
+    "merges two sorted lists into one sorted list",
+    "returns the n-th Fibonacci number with memoization",
+    "checks whether a string is a palindrome, ignoring case and punctuation",
+    "counts the words in a text file and prints the ten most common",
+    "flattens a nested list of arbitrary depth",
+    "validates an email address with a regular expression",
+    "computes the moving average of a list of numbers over a window",
+    "reads a CSV file and returns the sum of one column by name",
+    "implements binary search over a sorted array",
+    "removes duplicate items from a list while keeping their order",
+    "converts a Roman numeral to an integer",
+    "groups a list of records by a key into a dictionary of lists",
+    "implements an LRU cache with get and put",
+    "retries a function call with exponential backoff",
+    "returns the longest common prefix of a list of strings",
+    "transposes a matrix given as a list of rows",
+    "parses a query string into a dictionary",
+    "computes the Levenshtein distance between two strings",
+    "checks whether parentheses, brackets and braces in a string are balanced",
+)
+LANGUAGES = ("Python", "JavaScript")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    key: str
+    label: str
+    drafter: str
+    k: int
+    planned: bool
+
+
+def row_spec(key: str, config) -> Row:
+    cap = config.num_speculative_tokens
+    if key == SHIPPED:
+        return Row(key, f"as shipped: {config.drafter}, planned, k<={cap}", config.drafter, cap, config.adaptive_k)
+    if key == PLAIN:
+        return Row(key, "plain decoding (k=0)", MODEL, 0, False)
+    if key.startswith("k") and key[1:].isdigit():
+        return Row(key, f"model drafter, fixed k={key[1:]}", MODEL, int(key[1:]), False)
+    assert key in DRAFTER_ROWS, key
+    return Row(key, f"{key} drafter alone, planned, k<={cap}", key, cap, True)
+
+
+def coding_prompts(tokenizer, num: int) -> list[tuple[int, ...]]:
+    """`num` distinct coding requests as prompt ids (the chat template applied)."""
+    pairs = list(itertools.product(TASKS, LANGUAGES))
+    assert num <= len(pairs), f"at most {len(pairs)} distinct prompts"
+    prompts = []
+    for task, language in pairs[:num]:
+        messages = [{"role": "user", "content": f"Write a {language} function that {task}. Code only."}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompts.append(tuple(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return prompts
+
+
+def drive(
+    engine: SpeculativeEngine,
+    requests: list[GenerationRequest],
+    arrivals: list[float] | None,
+    concurrency: int,
+) -> dict:
+    """Runs `requests` through the engine: a closed loop of `concurrency` clients (arrivals None),
+    or arrivals in seconds from the start, at most `concurrency` in flight.
+
+    Returns the measure's figures, its per-step records and the outputs.
+    """
+    num = len(requests)
+    sent, first, done = [0.0] * num, [None] * num, [0.0] * num
+    results, steps = [None] * num, []
+    next_index, started = 0, time.perf_counter()
+    while next_index < num or engine.has_unfinished_requests():
+        now = time.perf_counter() - started
+        while next_index < num and engine.num_active_requests < concurrency:
+            if arrivals is not None and arrivals[next_index] > now:
+                break
+            sent[next_index] = now if arrivals is None else arrivals[next_index]
+            engine.add_request(next_index, requests[next_index])
+            next_index += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, arrivals[next_index] - now))
+            continue
+        outputs = engine.step()
+        now = time.perf_counter() - started
+        if engine.last_step is not None and engine.last_step.seconds > 0:
+            steps.append(engine.last_step)
+            engine.last_step = None
+        for output in outputs:
+            index = output.request_id
+            if first[index] is None and output.new_token_ids:
+                first[index] = now
+            if output.result is not None:
+                done[index], results[index] = now, output.result
+    tokens = [len(result.token_ids) for result in results]
+    ttft = [first_at - sent_at for first_at, sent_at in zip(first, sent)]
+    tpot = [(d - f) / (n - 1) for d, f, n in zip(done, first, tokens) if n > 1]
+    rows_drafting = sum(sum(k > 0 for k in step.ks) for step in steps)
+    row_steps = sum(step.batch_size for step in steps)
+    return {
+        "tokens_per_s": sum(tokens) / (max(done) - sent[0]),
+        "requests_per_s": num / (max(done) - sent[0]),
+        "tpot_p50_s": percentile(tpot, 50),
+        "tpot_p99_s": percentile(tpot, 99),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "mean_k": sum(sum(step.ks) for step in steps) / row_steps,
+        "mean_width": statistics.fmean(step.width for step in steps),
+        "drafting_share": rows_drafting / row_steps,
+        "tokens_per_pass": sum(tokens) / max(1, len(steps)),
+        "completion_tokens": sum(tokens),
+        "steps": [dataclasses.asdict(step) for step in steps],
+        "token_ids": [result.token_ids for result in results],
+    }
+
+
+class Bench:
+    """The loaded models, the cost table and one engine per row."""
+
+    def __init__(self, models, config, cost_table: CostTable | None, max_new_tokens: int, runner: str) -> None:
+        self.models, self.config, self.cost_table, self.runner = models, config, cost_table, runner
+        self.max_new_tokens = max_new_tokens
+        self.engines: dict[str, SpeculativeEngine] = {}
+
+    def engine(self, row: Row, warm_prompt: tuple[int, ...]) -> SpeculativeEngine:
+        if row.key not in self.engines:
+            config = dataclasses.replace(self.config, adaptive_k=row.planned)
+            engine = SpeculativeEngine.from_config(
+                self.models,
+                config,
+                self.cost_table if row.planned else None,
+                prefix_cache_max_bytes=None,
+                runner=self.runner,
+            )
+            engine.generate([self.request(row, warm_prompt)])
+            self.engines[row.key] = engine
+        return self.engines[row.key]
+
+    def request(self, row: Row, prompt_ids: tuple[int, ...]) -> GenerationRequest:
+        return GenerationRequest(
+            prompt_ids, self.max_new_tokens, GREEDY, num_speculative_tokens=row.k, drafter=row.drafter
+        )
+
+    def measure(self, row: Row, prompts: list, arrivals: list[float] | None, concurrency: int) -> dict:
+        engine = self.engine(row, prompts[-1])
+        engine.suffix_drafter = SuffixDrafter(engine.suffix_drafter.options)
+        return drive(engine, [self.request(row, p) for p in prompts], arrivals, concurrency)
+
+
+def step_costs(steps: list[dict], table: CostTable | None) -> dict | None:
+    """The measured step time against the cost table's, by batch size: where the time goes."""
+    if table is None or not steps:
+        return None
+    by_batch: dict[int, list[dict]] = collections.defaultdict(list)
+    for step in steps:
+        by_batch[step["batch_size"]].append(step)
+    summary = {}
+    for batch, group in sorted(by_batch.items()):
+        verify = [s["verify_seconds"] for s in group]
+        expected_verify = [table.target_seconds(batch, StepRecord(**s).width) for s in group]
+        draft = [s["draft_seconds"] for s in group if s["draft_passes"]]
+        expected_draft = [s["draft_passes"] * table.draft_seconds(batch) for s in group if s["draft_passes"]]
+        summary[batch] = {
+            "steps": len(group),
+            "step_s": statistics.median(s["seconds"] for s in group),
+            "verify_s": statistics.median(verify),
+            "verify_table_s": statistics.median(expected_verify),
+            "draft_s": statistics.median(draft) if draft else 0.0,
+            "draft_table_s": statistics.median(expected_draft) if expected_draft else 0.0,
+            "draft_passes": statistics.fmean(s["draft_passes"] for s in group),
+            "width": statistics.fmean(StepRecord(**s).width for s in group),
+            # Padding: verified columns beyond each row's own drafts and pending token.
+            "padding_share": sum(StepRecord(**s).width * batch - sum(s["ks"]) - batch for s in group)
+            / sum(StepRecord(**s).width * batch for s in group),
+            "other_s": statistics.median(s["seconds"] - s["verify_seconds"] - s["draft_seconds"] for s in group),
+        }
+    return summary
+
+
+SUMMARY_KEYS = (
+    "tokens_per_s",
+    "requests_per_s",
+    "tpot_p50_s",
+    "tpot_p99_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "mean_k",
+    "mean_width",
+    "drafting_share",
+    "tokens_per_pass",
+)
+
+
+def median_summary(runs: list[dict]) -> dict:
+    return {key: statistics.median(run[key] for run in runs) for key in SUMMARY_KEYS}
+
+
+def run_all(bench_: Bench, rows: list[Row], loads: list[tuple[str, float]], prompts: list, args) -> dict:
+    """Every (load, row) measure, repeated; rows rotate within each load so that drift spreads over them."""
+    results: dict[str, dict[str, list[dict]]] = {name: {row.key: [] for row in rows} for name, _ in loads}
+    for repeat in range(args.repeats):
+        for name, value in loads:
+            order = rows[repeat % len(rows) :] + rows[: repeat % len(rows)]
+            for row in order:
+                if name.startswith("C="):
+                    concurrency = int(value)
+                    num = max(args.min_requests, concurrency * args.requests_per_client)
+                    measure = bench_.measure(row, prompts[:num], None, concurrency)
+                else:
+                    arrivals = poisson_arrivals(args.open_requests, value, seed=repeat)
+                    measure = bench_.measure(row, prompts[: args.open_requests], arrivals, args.max_in_flight)
+                results[name][row.key].append(measure)
+                logger.info(
+                    "%s %-8s %.2f tok/s  k %.2f  width %.2f  drafting %.2f",
+                    name,
+                    row.key,
+                    measure["tokens_per_s"],
+                    measure["mean_k"],
+                    measure["mean_width"],
+                    measure["drafting_share"],
+                )
+    return results
+
+
+def summarize(rows: list[Row], results: dict, table: CostTable | None) -> dict:
+    summary = {}
+    for name, by_row in results.items():
+        plain = by_row.get(PLAIN)
+        plain_outputs = plain[0]["token_ids"] if plain else None
+        cells = {}
+        for row in rows:
+            cell = median_summary(by_row[row.key])
+            if plain:
+                cell["vs_plain"] = cell["tokens_per_s"] / median_summary(plain)["tokens_per_s"]
+                outputs = by_row[row.key][0]["token_ids"]
+                cell["outputs_differ"] = sum(a != b for a, b in zip(outputs, plain_outputs))
+            cell["by_batch"] = step_costs(by_row[row.key][0]["steps"], table)
+            cell["plan_histogram"] = plan_histogram(by_row[row.key][0]["steps"])
+            cells[row.key] = cell
+        summary[name] = cells
+    return summary
+
+
+def plan_histogram(steps: list[dict]) -> dict[int, dict[int, int]]:
+    """Batch size -> k -> rows that verified k drafts in steps of that batch size."""
+    histogram: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    for step in steps:
+        histogram[step["batch_size"]].update(step["ks"])
+    return {batch: dict(sorted(counts.items())) for batch, counts in sorted(histogram.items())}
+
+
+def _fmt(value, pattern: str = "{:.2f}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def markdown(report: dict) -> str:
+    settings = report["settings"]
+    lines = [
+        f"# Under load: speculation against plain decoding ({report['date']})",
+        "",
+        f"Machine: {report['machine']['description']}. Models: target {settings['target']}, "
+        f"draft {settings['draft']} ({settings['draft_note']}), {settings['dtype']}; config {settings['config']}.",
+        f"Greedy, up to {settings['max_new_tokens']} new tokens per request; closed loop: "
+        f"{settings['requests_per_client']} requests per client (at least {settings['min_requests']}); "
+        f"open loop: {settings['open_requests']} Poisson arrivals, at most {settings['max_in_flight']} in flight; "
+        f"medians of {settings['repeats']} repeat(s). Load average {report['load_average']['start']:.2f} at start, "
+        f"{report['load_average']['end']:.2f} at the end.",
+        "",
+        "| load | row | tok/s | × plain | TPOT p50 / p99 (ms) | TTFT p50 / p99 (s) | mean k | mean width "
+        "| drafting | tok/pass | outputs ≠ plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    labels = {row["key"]: row["label"] for row in report["rows"]}
+    for name, cells in report["loads"].items():
+        for key, cell in cells.items():
+            lines.append(
+                f"| {name} | {labels[key]} | {cell['tokens_per_s']:.2f} | {_fmt(cell.get('vs_plain'))}x "
+                f"| {cell['tpot_p50_s'] * 1e3:.0f} / {cell['tpot_p99_s'] * 1e3:.0f} "
+                f"| {cell['ttft_p50_s']:.2f} / {cell['ttft_p99_s']:.2f} | {cell['mean_k']:.2f} "
+                f"| {cell['mean_width']:.2f} | {cell['drafting_share']:.2f} | {cell['tokens_per_pass']:.2f} "
+                f"| {_fmt(cell.get('outputs_differ'), '{}')} |"
+            )
+    lines += ["", "Where the time goes (first repeat; medians per step, by batch size; table: the cost table's):", ""]
+    lines.append(
+        "| load | row | batch | steps | step ms | verify ms (table) | draft ms (table) | draft passes | width "
+        "| padding | other ms |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, cells in report["loads"].items():
+        for key, cell in cells.items():
+            for batch, c in (cell["by_batch"] or {}).items():
+                lines.append(
+                    f"| {name} | {key} | {batch} | {c['steps']} | {c['step_s'] * 1e3:.0f} "
+                    f"| {c['verify_s'] * 1e3:.0f} ({c['verify_table_s'] * 1e3:.0f}) "
+                    f"| {c['draft_s'] * 1e3:.0f} ({c['draft_table_s'] * 1e3:.0f}) | {c['draft_passes']:.2f} "
+                    f"| {c['width']:.2f} | {c['padding_share']:.2f} | {c['other_s'] * 1e3:.0f} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    closed = {name: cells for name, cells in report["loads"].items() if name.startswith("C=")}
+    if not closed:
+        return
+    concurrency = [int(name[2:]) for name in closed]
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for row in report["rows"]:
+        values = [cells[row["key"]]["tokens_per_s"] for cells in closed.values()]
+        axis.plot(concurrency, values, marker="o", label=row["label"], linewidth=2.5 if row["key"] == SHIPPED else 1)
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(concurrency, [str(c) for c in concurrency])
+    axis.set_xlabel("concurrent requests (closed loop)")
+    axis.set_ylabel("tokens/s")
+    axis.set_title(f"Tokens/s under load, {report['date']}")
+    axis.legend(fontsize=7)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=str(bench.DEFAULT_TARGET))
+    parser.add_argument("--draft", default=str(bench.DEFAULT_DRAFT))
+    parser.add_argument("--config", default=str(bench.DEFAULT_CONFIG))
+    parser.add_argument("--dtype", default=None, help="override the config's dtype")
+    parser.add_argument("--draft-quantization", default=None, help="override the config's draft_quantization")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    parser.add_argument("--concurrency", default="1,2,4,8,16", help="closed-loop client counts")
+    parser.add_argument(
+        "--rates",
+        default=None,
+        help="open-loop requests/s, comma-separated ('' for none); default: 30/60/90%% of saturation",
+    )
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--min-requests", type=int, default=4)
+    parser.add_argument("--open-requests", type=int, default=24)
+    parser.add_argument("--max-in-flight", type=int, default=16, help="open loop: the batch's room (batchSize)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out-dir", default="bench_results")
+    args = parser.parse_args(argv)
+    args.rows = [key.strip() for key in args.rows.split(",") if key.strip()]
+    unknown = sorted(set(args.rows) - set(ROWS))
+    if unknown:
+        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if args.rates is not None:
+        args.rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    started, load_at_start = time.perf_counter(), os.getloadavg()[0]
+    config = bench.bench_config(args)
+    models = load_models(config, None)
+    machine = bench.machine_info()
+    logger.info("machine: %s", machine["description"])
+    batch_room = max(args.max_in_flight, *args.concurrency)
+    runner_kind = config_runner(config, models)
+    # Measured afresh, as the handler measures it at start-up, up to the batch this run reaches.
+    cost_table = measure_cost_table(
+        models.target,
+        models.draft,
+        max_width=max(config.max_num_speculative_tokens, config.prompt_lookup_num_tokens) + 1,
+        max_batch_size=batch_room,
+        runner=runner_kind,
+    )
+    print("Cost table, measured at start:\n" + cost_table.format(), flush=True)
+    num_prompts = max(args.open_requests, args.min_requests, max(args.concurrency) * args.requests_per_client)
+    prompts = coding_prompts(models.tokenizer, num_prompts)
+    rows = [row_spec(key, config) for key in ROWS if key in args.rows]
+    runner = Bench(models, config, cost_table, args.max_new_tokens, runner_kind)
+    closed = [(f"C={c}", float(c)) for c in args.concurrency]
+    results = run_all(runner, rows, closed, prompts, args)
+    rates = args.rates
+    if rates is None:
+        saturation = None
+        if closed and PLAIN in args.rows:
+            saturation = median_summary(results[closed[-1][0]][PLAIN])["requests_per_s"]
+        rates = [round(fraction * saturation, 3) for fraction in RATE_FRACTIONS] if saturation else []
+    if rates:
+        results.update(run_all(runner, rows, [(f"{rate:g} req/s", rate) for rate in rates], prompts, args))
+
+    draft_note = "int8" if models.draft_quantization == "int8" else str(models.dtype).replace("torch.", "")
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine,
+        "load_average": {"start": load_at_start, "end": os.getloadavg()[0]},
+        "settings": {
+            "target": args.target,
+            "draft": args.draft,
+            "config": args.config,
+            "dtype": str(models.dtype).replace("torch.", ""),
+            "draft_note": draft_note,
+            "max_new_tokens": args.max_new_tokens,
+            "requests_per_client": args.requests_per_client,
+            "min_requests": args.min_requests,
+            "open_requests": args.open_requests,
+            "max_in_flight": args.max_in_flight,
+            "repeats": args.repeats,
+            "rates": rates,
+        },
+        "cost_table": bench.describe_cost_table(cost_table),
+        "rows": [dataclasses.asdict(row) for row in rows],
+        "loads": summarize(rows, results, cost_table),
+        "raw": {
+            name: {key: [run["steps"] for run in runs] for key, runs in by_row.items()}
+            for name, by_row in results.items()
+        },
+    }
+    report["wall_seconds"] = time.perf_counter() - started
+    out = pathlib.Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "load.json").write_text(json.dumps(report, indent=1))
+    table = markdown(report)
+    (out / "load.md").write_text(table)
+    plot(report, out / "load.png")
+    print(table)
+    print(f"wrote {out / 'load.json'}, {out / 'load.md'}, {out / 'load.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

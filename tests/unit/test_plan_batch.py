@@ -1,0 +1,154 @@
+"""plan_batch: every row's drafts, priced for the whole batch by an injected cost table."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from handler.adaptive import Offer, expected_tokens, plan_batch
+from handler.cost_table import CostTable
+
+WIDTHS = (1, 2, 3, 4, 8, 9)
+
+
+def table(per_width, draft: float | None = 0.1, batch_scale: float = 1.0) -> CostTable:
+    """Target seconds per width from `per_width(width)`; batch 4 costs `batch_scale` times batch 1."""
+    row = tuple(per_width(width) for width in WIDTHS)
+    return CostTable(
+        widths=WIDTHS,
+        batch_sizes=(1, 4),
+        target=(row, tuple(seconds * batch_scale for seconds in row)),
+        draft=None if draft is None else (draft, draft * batch_scale),
+    )
+
+
+def step_seconds(costs: CostTable, batch_size: int, tree_factor: float = 1.0):
+    """(width, draft passes, trees) -> seconds: one verify pass as wide as the widest row, and the passes."""
+
+    def seconds(width: int, passes: float, trees: bool) -> float:
+        verify = costs.target_seconds(batch_size, width + 1) * (tree_factor if trees else 1.0)
+        return verify + (passes * costs.draft_seconds(batch_size) if passes else 0.0)
+
+    return seconds
+
+
+def model(acceptance: float, cap: int = 8) -> Offer:
+    return Offer(model=[expected_tokens(acceptance, k) for k in range(cap + 1)])
+
+
+def lookup(acceptance: float, num: int) -> Offer:
+    return Offer(lookup=[expected_tokens(acceptance, k) for k in range(num + 1)])
+
+
+def plan(offers, costs: CostTable, **options):
+    return plan_batch(offers, step_seconds(costs, len(offers)), **options)
+
+
+# Verification costs as much as the tokens it checks: speculation can never pay.
+LINEAR = table(lambda width: 1.0 * width)
+# Verification is as cheap at width 9 as at width 1 (the GPU-like case).
+FLAT = table(lambda width: 1.0)
+
+
+def test_width_two_at_twice_width_one_means_plain_decoding():
+    assert plan([model(1.0)], LINEAR).ks == (0,)
+    assert plan([model(0.9), model(0.95), model(1.0)], LINEAR).ks == (0, 0, 0)
+    # Even with free drafting, a tie is not a win.
+    assert plan([lookup(1.0, 8)], table(lambda width: 1.0 * width, draft=None)).ks == (0,)
+
+
+def test_flat_verification_and_a_cheap_draft_give_a_large_k():
+    assert plan([model(0.9)], FLAT).width >= 6
+    assert plan([lookup(0.9, 8)], FLAT).ks == (8,)
+    assert plan([model(1.0), model(1.0)], table(lambda width: 1.0, draft=0.01)).ks == (8, 8)
+
+
+def test_k_grows_with_acceptance_and_drops_to_zero_when_drafts_are_rejected():
+    ks = [plan([model(a)], FLAT).width for a in (0.2, 0.5, 0.8, 0.95)]
+    assert ks == sorted(ks) and ks[0] < ks[-1]
+    assert plan([model(0.05)], FLAT).width == 0
+    assert plan([lookup(0.0, 8), lookup(0.0, 8)], FLAT).width == 0
+
+
+def test_each_row_drafts_up_to_its_own_cap():
+    assert plan([lookup(0.99, 3)], FLAT).ks == (3,)
+    assert plan([Offer(), Offer()], FLAT).ks == (0, 0)
+    chosen = plan([model(0.99, cap=1), model(0.99, cap=8)], table(lambda width: 1.0 + 0.05 * (width - 1), draft=0.02))
+    assert chosen.ks[0] == 1 and chosen.ks[1] > 1
+
+
+def test_under_load_the_plan_backs_off_where_the_same_rows_draft_alone():
+    """A batch shares one read of the weights: at batch 4 a wider pass costs more, a draft pass too."""
+    # Batch 1: width is nearly free (weights dominate). Batch 4: width 2 costs 1.6x width 1.
+    costs = CostTable(
+        widths=(1, 2, 4, 8, 9),
+        batch_sizes=(1, 4),
+        target=((1.0, 1.01, 1.02, 1.1, 1.12), (1.2, 1.9, 3.2, 6.0, 6.6)),
+        draft=(0.3, 0.45),
+    )
+    assert plan([model(0.8)], costs).width > 1
+    assert plan([model(0.8)] * 4, costs).ks == (0, 0, 0, 0)
+    # Free look-up drafts that the target mostly takes still pay at batch 4; one row's alone do not.
+    assert plan([lookup(0.9, 8)] * 4, costs).width > 0
+    assert plan([lookup(0.9, 8), model(0.8), model(0.8), model(0.8)], costs).ks == (0, 0, 0, 0)
+
+
+def test_a_hybrid_row_takes_the_look_up_or_the_model_by_the_batchs_price():
+    both = Offer(lookup=[expected_tokens(0.95, k) for k in range(9)], model=model(0.5).model)
+    costly_draft = table(lambda width: 1.0 + 0.01 * (width - 1), draft=0.5)
+    chosen = plan([both], costly_draft)
+    assert chosen.ks == (8,) and chosen.uses_model == (False,) and chosen.draft_passes == 0
+    weak_lookup = Offer(lookup=[1.0, 1.1], model=model(0.9).model)
+    chosen = plan([weak_lookup], table(lambda width: 1.0, draft=0.05))
+    assert chosen.uses_model == (True,) and chosen.ks[0] > 1
+
+
+def test_look_up_drafts_past_the_draft_models_k_cost_only_verify_width():
+    costly_draft = table(lambda width: 1.0 + 0.01 * (width - 1), draft=0.5)
+    # The batch pays for 2 draft passes at most, so the look-up row's 8 drafts are worth verifying.
+    chosen = plan([lookup(0.95, 8), model(0.5, cap=2)], costly_draft)
+    assert chosen.ks[0] == 8 and chosen.draft_passes <= 2
+
+
+def test_trees_are_verified_only_where_their_gain_beats_their_premium():
+    # A tree of 4 nodes holds one more expected token than its 4-node first-choice chain.
+    tree = Offer(lookup=[1.0, 1.5, 1.7, 1.8, 1.85], tree=[1.0, 1.5, 2.0, 2.4, 2.85])
+    cheap = table(lambda width: 1.0 + 0.05 * (width - 1), draft=None)
+    assert plan_batch([tree], step_seconds(cheap, 1, tree_factor=1.1)).trees
+    chosen = plan_batch([tree], step_seconds(cheap, 1, tree_factor=2.0))
+    assert not chosen.trees and chosen.width > 0
+
+
+def test_explore_drafts_where_nothing_pays_yet():
+    assert plan([model(0.8)], LINEAR).width == 0
+    assert plan([model(0.8)], LINEAR, explore=True).width >= 1
+    assert plan([Offer()], LINEAR, explore=True).width == 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_plan_is_the_best_of_every_assignment_of_drafts_to_rows(seed):
+    """Brute force over each row's k and way to draft: nothing beats the plan's tokens per second."""
+    import random
+
+    rng = random.Random(seed)
+    costs = table(lambda width: 1.0 + rng.uniform(0.0, 0.4) * (width - 1), draft=rng.uniform(0.05, 0.5))
+    offers = []
+    for _ in range(3):
+        kind = rng.choice(("model", "lookup", "both"))
+        model_curve = model(rng.random(), cap=3).model if kind != "lookup" else (1.0,)
+        lookup_curve = lookup(rng.random(), rng.randint(0, 4)).lookup if kind != "model" else (1.0,)
+        offers.append(Offer(lookup=lookup_curve, model=model_curve))
+    seconds = step_seconds(costs, len(offers))
+    chosen = plan_batch(offers, seconds)
+    best = 0.0
+    choices = [
+        [("lookup", k) for k in range(len(offer.lookup))] + [("model", k) for k in range(1, len(offer.model))]
+        for offer in offers
+    ]
+    for assignment in itertools.product(*choices):
+        tokens = sum(getattr(offer, way)[k] for offer, (way, k) in zip(offers, assignment))
+        passes = max((k for way, k in assignment if way == "model"), default=0)
+        best = max(best, tokens / seconds(max(k for _, k in assignment), passes, False))
+    assert chosen.tokens / chosen.seconds == pytest.approx(best)
+    assert chosen.seconds == pytest.approx(seconds(chosen.width, chosen.draft_passes, False))
