@@ -312,7 +312,8 @@ class SlotCache:
             logits = runner.run(input_ids, positions, self.lengths, offsets, allowed, num_kept)
             self.lengths = self.lengths + width
             # A copy where the logits are a graph's output, which the next replay overwrites.
-            return logits[:, num_kept - logits_to_keep :].clone() if runner.graphs else logits
+            logits = logits[:, num_kept - logits_to_keep :]
+            return logits.clone() if runner.graphs else logits
         ids = torch.zeros((num_rows, padded), dtype=torch.long, device=input_ids.device)
         ids[:, padded - width :] = input_ids
         if tree is None:

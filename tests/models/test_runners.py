@@ -57,6 +57,15 @@ def test_ragged_chunks_rollbacks_and_rows_leaving_and_joining(target):
     assert torch.equal(static.row_kv(2, 0, 5), dynamic.row_kv(2, 0, 5))
 
 
+@torch.inference_mode()
+def test_a_dense_pass_keeps_only_the_logits_asked_for(target):
+    """Every slot holds a row and no column pads (the dense path): 3 columns, the last 2 kept, as the
+    draft model asks where a row feeds two pending tokens and one guess."""
+    dynamic, static = both(target, PROMPTS[:2])
+    assert width_bucket(3) == 3
+    assert_same(dynamic, static, torch.tensor([[20, 21, 22], [23, 24, 25]]), torch.ones(2, 3, dtype=torch.long), keep=2)
+
+
 @pytest.mark.parametrize("num_nodes", [3, 8])  # widths 4 (no padding) and 9 (padded to 10)
 @torch.inference_mode()
 def test_tree_passes_and_their_kept_paths(target, num_nodes):
