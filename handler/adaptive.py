@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-
 # Weight of past steps in the acceptance estimate (about the last 10 steps count).
 DECAY = 0.9
 # Steps a request drafts before its own acceptance estimate plans it; until then, and again

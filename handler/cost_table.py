@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -178,7 +179,12 @@ class RunningCostTable:
     over 2 tokens, 130 ms over 5). So each (batch size, width) the engine runs
     keeps its own median of observed / expected, the expected being the
     table's figure times the model's scale of the moment: a machine that slows
-    down as a whole moves the scale, and the shape stays.
+    down as a whole moves the scale, and the shape stays. Batch sizes share
+    their nearest grid point's shape (7 rows learn with 8), so that a batch
+    whose size keeps changing under load still corrects its table quickly. The
+    draft step keeps a shape per batch size alike: its real step (guessed
+    drafts widen it, the warping grows with the rows) departs from the table's
+    one-token forward more at some sizes than at others.
 
     A draft step is timed whole: its forward, and the warping and sampling that
     every draft pays too. A target pass is timed over its forward only, the
@@ -197,6 +203,9 @@ class RunningCostTable:
         # their median once there are enough.
         self.shapes: dict[tuple[int, int], list[float]] = {}
         self._shape_medians: dict[tuple[int, int], float] = {}
+        # Per batch size: the latest draft steps' seconds over the scaled table's, and their median.
+        self.draft_shapes: dict[int, list[float]] = {}
+        self._draft_shape_medians: dict[int, float] = {}
         # Tree passes (a custom attention mask, then the accepted path moved to the chunk's front):
         # their seconds over a chain pass's of the same shape, as the corrected table prices it.
         self.tree_ratios: list[float] = []
@@ -221,12 +230,24 @@ class RunningCostTable:
         median = self._medians["draft"]
         return self.target_scale if median is None else median
 
+    def unobserved(self, batch_size: int, width: int) -> bool:
+        """Whether passes of this shape have yet to correct the table's figure for it (a scale is
+        known, but too few such passes were timed to take their shape)."""
+        if self._medians["target"] is None:
+            return False
+        return (self._bucket(batch_size), width) not in self._shape_medians
+
+    def _bucket(self, batch_size: int) -> int:
+        """The table's batch size nearest to `batch_size` (by ratio): whose shape it shares."""
+        return min(self.table.batch_sizes, key=lambda grid: abs(math.log(grid / batch_size)))
+
     def target_seconds(self, batch_size: int, width: int) -> float:
-        shape = self._shape_medians.get((batch_size, width), 1.0)
+        shape = self._shape_medians.get((self._bucket(batch_size), width), 1.0)
         return self.table.target_seconds(batch_size, width) * self.target_scale * shape
 
     def draft_seconds(self, batch_size: int) -> float:
-        return self.table.draft_seconds(batch_size) * self.draft_scale
+        shape = self._draft_shape_medians.get(self._bucket(batch_size), 1.0)
+        return self.table.draft_seconds(batch_size) * self.draft_scale * shape
 
     def observe_target(self, batch_size: int, width: int, seconds: float, tree: bool = False) -> None:
         """One target forward of `width` new tokens per row over `batch_size` rows took `seconds`
@@ -243,7 +264,7 @@ class RunningCostTable:
         self._observe("target", ratio)
         if self._medians["target"] is None:
             return  # no scale yet: a shape taken now would hold the scale too
-        key = (batch_size, width)
+        key = (self._bucket(batch_size), width)
         shape = _windowed(self.shapes.setdefault(key, []), ratio / self.target_scale, self.window)
         if shape is not None:
             self._shape_medians[key] = shape
@@ -251,8 +272,16 @@ class RunningCostTable:
     def observe_draft(self, batch_size: int, num_steps: int, seconds: float) -> None:
         """`num_steps` draft steps over `batch_size` rows took `seconds` in all."""
         measured = num_steps * self.table.draft_seconds(batch_size)
-        if measured > 0.0:
-            self._observe("draft", seconds / measured)
+        if measured <= 0.0:
+            return
+        ratio = seconds / measured
+        self._observe("draft", ratio)
+        if self._medians["draft"] is None:
+            return
+        key = self._bucket(batch_size)
+        shape = _windowed(self.draft_shapes.setdefault(key, []), ratio / self.draft_scale, self.window)
+        if shape is not None:
+            self._draft_shape_medians[key] = shape
 
     def _observe(self, model: str, ratio: float) -> None:
         """Adds a ratio of observed to measured seconds to the model's window."""

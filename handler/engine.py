@@ -42,8 +42,8 @@ import torch
 from handler import runners
 from handler.adaptive import (
     MIN_STEPS_BEFORE_FALLBACK,
-    PROBE_INTERVAL,
     POOL_DECAY,
+    PROBE_INTERVAL,
     AcceptanceTracker,
     BatchPlan,
     BranchCalibration,
@@ -97,6 +97,9 @@ DEFAULT_SUFFIX_OPTIONS = SuffixOptions()
 SUFFIX_ESTIMATES = ("tree", "tracker")
 # Not a drafter a request picks: the tokens a constraint's grammar forces, proposed as drafts.
 PROPOSER_GRAMMAR = "grammar"
+# While a plain pass's cost at the batch's size is not yet checked by passes the engine timed, one
+# step in this many decodes plainly (`_plan`).
+PLAIN_PROBE_EVERY = 4
 # Step records the engine keeps for its metrics (`recent_steps`).
 RECENT_STEPS = 64
 
@@ -1058,14 +1061,28 @@ class SpeculativeEngine:
         plan = plan_batch(
             offers, lambda width, passes, trees: self._pass_seconds(batch_size, width, passes, trees), explore
         )
-        ks = list(plan.ks)
-        if plan.draft_passes and self.draft_confidence:
-            # The plan says whether to draft; the draft's confidence says how far (`_confidence_stop`).
-            ks = [len(option.model_curve) - 1 if model else k for option, model, k in zip(options, plan.uses_model, ks)]
-        for row, k, offer in zip(rows, ks, offers):
+        for row, k, offer in zip(rows, plan.ks, offers):
             if k == 0 and max(len(offer.lookup), len(offer.model)) > 1:
                 row.stats.fell_back = True
-        return dataclasses.replace(plan, ks=tuple(ks))
+        table = self.cost_table
+        if (
+            plan.width
+            and isinstance(table, RunningCostTable)
+            and table.unobserved(batch_size, 1)
+            and self.num_steps % PLAIN_PROBE_EVERY == 0
+        ):
+            # The plan drafts against a plain pass whose cost at this batch size no pass has checked
+            # yet: a start-up measured at a busy moment would keep it drafting where plain decoding
+            # is faster. One step in PLAIN_PROBE_EVERY decodes plainly until the table has its shape.
+            return BatchPlan((0,) * batch_size, (False,) * batch_size, False, 0.0, float(batch_size), 0.0)
+        if plan.draft_passes and self.draft_confidence:
+            # The plan says whether to draft; the draft's confidence says how far (`_confidence_stop`).
+            ks = [
+                len(option.model_curve) - 1 if model else k
+                for option, model, k in zip(options, plan.uses_model, plan.ks)
+            ]
+            plan = dataclasses.replace(plan, ks=tuple(ks))
+        return plan
 
     def _calibrate(self, row: _Row, drafts: _ModelDrafts, path: list[int]) -> None:
         """Teaches the calibrations what the target did with a row's model drafts (`path`: its walk)."""

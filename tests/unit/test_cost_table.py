@@ -165,3 +165,39 @@ def test_a_table_that_calls_a_pass_free_is_left_as_it_is():
         running.observe_target(1, 2, 0.1)
         running.observe_draft(1, 3, 0.1)
     assert running.target_scale == running.draft_scale == 1.0 and running.target_seconds(1, 2) == 0.0
+
+
+def test_batch_sizes_share_their_nearest_grid_points_shape_and_plain_passes_are_unobserved_until_timed():
+    """Under load the batch's size keeps changing: 3 rows learn with 4, and width 1 stays unchecked
+    until plain passes are timed (the engine then decodes plainly now and then, `_plan`)."""
+    running = RunningCostTable(TABLE)
+    assert not running.unobserved(4, 1), "no scale yet: nothing to check against"
+    for _ in range(2 * MIN_OBSERVATIONS):  # the first ones set the scale, the next ones the shape
+        running.observe_target(1, 1, 0.10)
+    for _ in range(MIN_OBSERVATIONS):
+        running.observe_target(3, 2, 2 * TABLE.target_seconds(3, 2))
+    assert running.unobserved(4, 1) and not running.unobserved(1, 1)
+    assert running.target_seconds(4, 2) == pytest.approx(2 * TABLE.target_seconds(4, 2))
+    assert running.target_seconds(1, 2) == pytest.approx(TABLE.target_seconds(1, 2)), "batch 1 keeps its own"
+    for _ in range(MIN_OBSERVATIONS):
+        running.observe_target(4, 1, TABLE.target_seconds(4, 1))
+    assert not running.unobserved(4, 1)
+
+
+def test_the_draft_step_learns_its_shape_per_batch_size():
+    running = RunningCostTable(TABLE)
+    for _ in range(2 * MIN_OBSERVATIONS):
+        running.observe_draft(1, 2, 2 * 0.02)  # batch 1: as measured
+        running.observe_draft(4, 2, 2 * 0.05 * 3)  # batch 4: guesses widen its passes, 3x the table's
+    assert running.draft_seconds(1) == pytest.approx(0.02 * running.draft_scale)
+    assert running.draft_seconds(4) == pytest.approx(0.15, rel=0.01)
+
+
+def test_tree_passes_set_the_trees_premium_and_leave_the_chains_scale():
+    running = RunningCostTable(TABLE)
+    assert running.tree_factor == 1.0
+    for _ in range(MIN_OBSERVATIONS):
+        running.observe_target(1, 4, 0.20)
+        running.observe_target(1, 4, 0.30, tree=True)
+    assert running.target_scale == pytest.approx(1.0)
+    assert running.tree_factor == pytest.approx(1.5)
