@@ -356,7 +356,8 @@ class ConfidenceStop:
 # guesses: an n-gram continuation's share of the matched occurrences, or a suffix tree's counts,
 # times the row's acceptance at that depth. On code edits these guesses ran about 8x too high (8.5
 # accepted branch nodes expected, 1 seen, over 16 trees), so each step a tree paid for columns that
-# were almost never taken. `BranchCalibration` scales them by what was seen.
+# were almost never taken. `BranchCalibration` scales them by what was seen. The engine keeps one
+# more for a suffix look-up's own chain probabilities (its counts, not the target's acceptance).
 # Per tree step that verified branches: about the last 50 such steps count.
 BRANCH_DECAY = 0.98
 # Weight, in expected accepted nodes, of the prior belief that the guesses are right.

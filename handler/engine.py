@@ -557,6 +557,9 @@ class SpeculativeEngine:
         self.runner_up_calibration = ConfidenceCalibration()
         # How far each look-up's branch estimates hold (`_estimate`), learnt from the trees verified.
         self.branch_calibrations = {NGRAM: BranchCalibration(), SUFFIX: BranchCalibration()}
+        # How far a suffix look-up's own probabilities hold along its chain: its counts say how often
+        # a continuation followed, not how often the target takes it (`_calibrate_suffix`).
+        self.suffix_calibration = BranchCalibration()
         self.drafters = DRAFTERS if draft is not None else MODEL_FREE
         self.default_drafter = default_drafter or (MODEL if draft is not None else NGRAM)
         assert self.default_drafter in self.drafters, (self.default_drafter, self.drafters)
@@ -732,6 +735,8 @@ class SpeculativeEngine:
                 row.stats.record_tree(step_ks[slot], accepted, first_choice)
             row.trackers[proposer].update(accepted, reached)
             self.pool_trackers[proposer].update(accepted, reached)
+            if proposer == SUFFIX and not lookup.is_tree and step_ks[slot] and self.suffix_estimate == "tree":
+                self._calibrate_suffix(curves[slot], step_ks[slot], accepted)
             if planned_trees[slot] and proposer in self.branch_calibrations:
                 self._calibrate_branches(proposer, lookup, path)
             if slot in model_drafts:
@@ -989,7 +994,8 @@ class SpeculativeEngine:
         """
         num = len(lookup.token_ids)
         if proposer == SUFFIX and self.suffix_estimate == "tree" and lookup.probs is not None:
-            scores = list(lookup.probs)  # a tree's come best first already
+            factor = self.suffix_calibration.factor
+            scores = [prob * factor for prob in lookup.probs]  # a tree's come best first already
         else:
             node_depths = depths(lookup.parents) if lookup.parents is not None else list(range(1, num + 1))
             tracker_curve = self._tracker(row, proposer).expected_curve(max(node_depths, default=0))
@@ -1094,6 +1100,12 @@ class SpeculativeEngine:
         share = drafts.runner_up_shares.get(chain_accepted)
         if share is not None:
             self.runner_up_calibration.update([share], int(on_runner_up))
+
+    def _calibrate_suffix(self, curve: list[float], num_drafts: int, num_accepted: int) -> None:
+        """Teaches the suffix calibration a verified chain: `curve`, its E(0..n) as planned (scaled by
+        the factor, unchanged since `_estimate`), `num_drafts` verified, `num_accepted` taken."""
+        expected = (curve[num_drafts] - 1.0) / self.suffix_calibration.factor
+        self.suffix_calibration.update(expected, num_accepted)
 
     def _calibrate_branches(self, proposer: str, lookup: Lookup, path: list[int]) -> None:
         """Teaches a look-up's branch calibration what the walk did with a tree's branches (`path`:

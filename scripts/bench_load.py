@@ -18,13 +18,19 @@ arrives):
   rates are 30, 60 and 90 % of the saturation rate, the `plain` row's
   closed-loop request rate at the largest C.
 
+Warm server: before its first measure, each row's engine serves a closed
+loop of C requests of --warm-tokens tokens at each C (prompts from the end of
+the list, the measures' from its start), so that its calibrations and its
+running cost correction start from what serving taught them, as a server's
+do.
+
 Rows (--rows): `shipped` (the config as shipped), `plain` (k = 0), `k1`,
 `k2`, `k4`, `k8` (the model drafter at a fixed k, without the planner), and
 each drafter alone with the planner (`model`, `ngram`, `suffix`, `hybrid`).
 
 Prompts are distinct coding requests (chat template applied), greedy, up to
---max-new-tokens tokens each. Each row has its own engine, warmed up by one
-request; its suffix trees start empty in every measure, so that no row drafts
+--max-new-tokens tokens each. Each row has its own engine, warmed up (above);
+its suffix trees start empty in every measure, so that no row drafts
 from an earlier row's answers to the same prompts, and the prefix cache is
 off. Per measure: tokens/s (completion tokens over the makespan), TPOT
 (seconds per output token after the first, per request) and TTFT (arrival to
@@ -199,12 +205,18 @@ def drive(
 class Bench:
     """The loaded models, the cost table and one engine per row."""
 
-    def __init__(self, models, config, cost_table: CostTable | None, max_new_tokens: int, runner: str) -> None:
+    def __init__(self, models, config, cost_table: CostTable | None, runner: str, args) -> None:
         self.models, self.config, self.cost_table, self.runner = models, config, cost_table, runner
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens = args.max_new_tokens
+        self.warm_tokens = args.warm_tokens or args.max_new_tokens
+        self.warm_concurrency = args.concurrency if args.warm_tokens else [1]
+        # Taken from the end of the prompts, the measured ones from the start.
+        self.warm_prompts = coding_prompts(models.tokenizer, len(TASKS) * len(LANGUAGES))[::-1]
         self.engines: dict[str, SpeculativeEngine] = {}
 
-    def engine(self, row: Row, warm_prompt: tuple[int, ...]) -> SpeculativeEngine:
+    def engine(self, row: Row, warm_prompts: list) -> SpeculativeEngine:
+        """The row's engine; a new one first serves `warm_prompts` (a closed loop at each of
+        `warm_concurrency`), as a server has served traffic before it is measured."""
         if row.key not in self.engines:
             config = dataclasses.replace(self.config, adaptive_k=row.planned)
             engine = SpeculativeEngine.from_config(
@@ -214,17 +226,19 @@ class Bench:
                 prefix_cache_max_bytes=None,
                 runner=self.runner,
             )
-            engine.generate([self.request(row, warm_prompt)])
+            for concurrency in self.warm_concurrency:
+                requests = [self.request(row, p, self.warm_tokens) for p in warm_prompts[:concurrency]]
+                drive(engine, requests, None, concurrency)
             self.engines[row.key] = engine
         return self.engines[row.key]
 
-    def request(self, row: Row, prompt_ids: tuple[int, ...]) -> GenerationRequest:
+    def request(self, row: Row, prompt_ids: tuple[int, ...], max_new_tokens: int | None = None) -> GenerationRequest:
         return GenerationRequest(
-            prompt_ids, self.max_new_tokens, GREEDY, num_speculative_tokens=row.k, drafter=row.drafter
+            prompt_ids, max_new_tokens or self.max_new_tokens, GREEDY, num_speculative_tokens=row.k, drafter=row.drafter
         )
 
     def measure(self, row: Row, prompts: list, arrivals: list[float] | None, concurrency: int) -> dict:
-        engine = self.engine(row, prompts[-1])
+        engine = self.engine(row, self.warm_prompts)
         engine.suffix_drafter = SuffixDrafter(engine.suffix_drafter.options)
         return drive(engine, [self.request(row, p) for p in prompts], arrivals, concurrency)
 
@@ -345,7 +359,9 @@ def markdown(report: dict) -> str:
         f"Greedy, up to {settings['max_new_tokens']} new tokens per request; closed loop: "
         f"{settings['requests_per_client']} requests per client (at least {settings['min_requests']}); "
         f"open loop: {settings['open_requests']} Poisson arrivals, at most {settings['max_in_flight']} in flight; "
-        f"medians of {settings['repeats']} repeat(s). Load average {report['load_average']['start']:.2f} at start, "
+        f"medians of {settings['repeats']} repeat(s); each engine first served C requests of "
+        f"{settings['warm_tokens']} tokens at each C (0: one request). "
+        f"Load average {report['load_average']['start']:.2f} at start, "
         f"{report['load_average']['end']:.2f} at the end.",
         "",
         "| load | row | tok/s | × plain | TPOT p50 / p99 (ms) | TTFT p50 / p99 (s) | mean k | mean width "
@@ -426,6 +442,12 @@ def parse_args(argv):
     parser.add_argument("--max-in-flight", type=int, default=16, help="open loop: the batch's room (batchSize)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--warm-tokens",
+        type=int,
+        default=32,
+        help="warm-up: each engine serves C requests of this many tokens at each C first (0: one request)",
+    )
     parser.add_argument("--out-dir", default="bench_results")
     args = parser.parse_args(argv)
     args.rows = [key.strip() for key in args.rows.split(",") if key.strip()]
@@ -460,7 +482,7 @@ def main(argv=None) -> int:
     num_prompts = max(args.open_requests, args.min_requests, max(args.concurrency) * args.requests_per_client)
     prompts = coding_prompts(models.tokenizer, num_prompts)
     rows = [row_spec(key, config) for key in ROWS if key in args.rows]
-    runner = Bench(models, config, cost_table, args.max_new_tokens, runner_kind)
+    runner = Bench(models, config, cost_table, runner_kind, args)
     closed = [(f"C={c}", float(c)) for c in args.concurrency]
     results = run_all(runner, rows, closed, prompts, args)
     rates = args.rates
@@ -489,6 +511,7 @@ def main(argv=None) -> int:
             "open_requests": args.open_requests,
             "max_in_flight": args.max_in_flight,
             "repeats": args.repeats,
+            "warm_tokens": args.warm_tokens,
             "rates": rates,
         },
         "cost_table": bench.describe_cost_table(cost_table),
