@@ -18,6 +18,8 @@ plans with the table measured at start-up.
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from typing import Callable, Sequence
 
 # Weight of past steps in the acceptance estimate (about the last 10 steps count).
@@ -161,6 +163,63 @@ def _priced(
             any_tree = any_tree or (lookup is offer.tree and num_lookup > 0)
     seconds = step_seconds(max(ks), passes, any_tree)
     return BatchPlan(tuple(ks), tuple(uses_model), any_tree, passes, tokens, seconds)
+
+
+# The realized check of drafting against plain decoding (`OutcomeCheck`): step rates per arm and
+# batch size in its window, the steps each arm needs before a verdict, the turn on which the arm the
+# verdict leaves out still runs one step (every EXPLORE_CLOSE steps while the two arms are within
+# CLOSE_MARGIN of each other, else every EXPLORE_FAR), and the turn of an arm with too few steps.
+OUTCOME_WINDOW = 32
+OUTCOME_MIN_STEPS = 8
+EXPLORE_CLOSE = 8
+EXPLORE_FAR = 64
+CLOSE_MARGIN = 0.25
+EXPLORE_UNSEEN = 4
+
+
+def batch_bucket(batch_size: int) -> int:
+    """The power of two nearest to `batch_size` by ratio: the batch sizes `OutcomeCheck` pools."""
+    return 2 ** round(math.log2(batch_size))
+
+
+class OutcomeCheck:
+    """Whether the steps that drafted gave more tokens per second than the plain steps, as they ran.
+
+    The plan prices steps with a cost table, and on a busy machine the table can be off by the
+    10 to 20 % that separate drafting from plain decoding under load; there the plan would draft
+    at a loss it cannot see. So the engine times every step, per batch size (its nearest grid
+    point) and per arm (a step that drafted, a step that did not), as tokens per second per row,
+    and the medians over a window give a verdict: the plan runs where its arm is the faster, and
+    the other arm runs one step in a few, enough to notice when the verdict changes. Drafting or
+    not never changes the output, so neither does the check.
+    """
+
+    def __init__(self) -> None:
+        self.rates: dict[tuple[int, bool], list[float]] = {}
+
+    def observe(self, bucket: int, drafted: bool, rate: float) -> None:
+        """A step of this batch-size bucket, that drafted or not, gave `rate` tokens per second per row."""
+        window = self.rates.setdefault((bucket, drafted), [])
+        window.append(rate)
+        del window[:-OUTCOME_WINDOW]
+
+    def ratio(self, bucket: int) -> float | None:
+        """Drafting's median rate over plain decoding's at this bucket; None while either has too few steps."""
+        drafted, plain = self.rates.get((bucket, True), []), self.rates.get((bucket, False), [])
+        if len(drafted) < OUTCOME_MIN_STEPS or len(plain) < OUTCOME_MIN_STEPS:
+            return None
+        return statistics.median(drafted) / statistics.median(plain)
+
+    def arm(self, bucket: int, planned: bool, step: int) -> bool:
+        """Whether step number `step` at this bucket drafts, given whether the plan drafts."""
+        ratio = self.ratio(bucket)
+        if ratio is None:
+            # The arm with fewer steps runs one step in EXPLORE_UNSEEN, the plan the others.
+            unseen = len(self.rates.get((bucket, True), [])) <= len(self.rates.get((bucket, False), []))
+            return unseen if step % EXPLORE_UNSEEN == 0 else planned
+        faster = ratio > 1.0  # the plan's choice gives way where it lost as it ran
+        every = EXPLORE_CLOSE if abs(math.log(ratio)) < math.log(1.0 + CLOSE_MARGIN) else EXPLORE_FAR
+        return (not faster) if step % every == 0 else faster
 
 
 class AcceptanceTracker:

@@ -230,13 +230,6 @@ class RunningCostTable:
         median = self._medians["draft"]
         return self.target_scale if median is None else median
 
-    def unobserved(self, batch_size: int, width: int) -> bool:
-        """Whether passes of this shape have yet to correct the table's figure for it (a scale is
-        known, but too few such passes were timed to take their shape)."""
-        if self._medians["target"] is None:
-            return False
-        return (self._bucket(batch_size), width) not in self._shape_medians
-
     def _bucket(self, batch_size: int) -> int:
         """The table's batch size nearest to `batch_size` (by ratio): whose shape it shares."""
         return min(self.table.batch_sizes, key=lambda grid: abs(math.log(grid / batch_size)))

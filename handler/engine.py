@@ -51,6 +51,8 @@ from handler.adaptive import (
     ConfidenceStop,
     GuessRate,
     Offer,
+    OutcomeCheck,
+    batch_bucket,
     chain_expected_tokens,
     choose_runners_up,
     plan_batch,
@@ -97,9 +99,6 @@ DEFAULT_SUFFIX_OPTIONS = SuffixOptions()
 SUFFIX_ESTIMATES = ("tree", "tracker")
 # Not a drafter a request picks: the tokens a constraint's grammar forces, proposed as drafts.
 PROPOSER_GRAMMAR = "grammar"
-# While a plain pass's cost at the batch's size is not yet checked by passes the engine timed, one
-# step in this many decodes plainly (`_plan`).
-PLAIN_PROBE_EVERY = 4
 # Step records the engine keeps for its metrics (`recent_steps`).
 RECENT_STEPS = 64
 
@@ -522,8 +521,12 @@ class SpeculativeEngine:
         self.runner_kind = runner or runners.DEFAULT_RUNNER  # make_runner refuses any other kind
         self.target_runner = runners.make_runner(self.runner_kind, target)
         self.cost_table = cost_table
+        # Where the engine times its passes, it also checks the plan's choice to draft against plain
+        # decoding as the steps ran (`handler.adaptive.OutcomeCheck`).
+        self.outcome_check: OutcomeCheck | None = None
         if cost_table is not None and running_costs and self.device.type == "cpu":
             self.cost_table = RunningCostTable(cost_table)
+            self.outcome_check = OutcomeCheck()
         self.prefix_cache, draft_prefix_cache = None, None
         if prefix_cache_max_bytes is not None:
             # Split in proportion to each model's KV bytes per token: both then hold about as many tokens.
@@ -766,6 +769,10 @@ class SpeculativeEngine:
             self._draft_seconds,
             self._verify_seconds,
         )
+        if self.outcome_check is not None and ended > started:
+            tokens = sum(len(output.new_token_ids) for output in outputs)
+            rate = tokens / (ended - started) / len(rows)
+            self.outcome_check.observe(batch_bucket(len(rows)), max(step_ks) > 0, rate)
         self.recent_steps.append(self.last_step)
         self.num_steps += 1
         self.last_step_mask_seconds = sum(row.stats.mask_seconds for row in rows) - mask_seconds_before
@@ -1064,23 +1071,20 @@ class SpeculativeEngine:
             estimated.discard(SUFFIX)  # a suffix look-up comes with its own probabilities
         explore = any(self.pool_trackers[name].num_steps < MIN_STEPS_BEFORE_FALLBACK for name in estimated)
         batch_size = len(rows)
-        plan = plan_batch(
-            offers, lambda width, passes, trees: self._pass_seconds(batch_size, width, passes, trees), explore
-        )
+
+        def plan_seconds(width: int, passes: float, trees: bool) -> float:
+            return self._pass_seconds(batch_size, width, passes, trees)
+
+        plan = plan_batch(offers, plan_seconds, explore)
         for row, k, offer in zip(rows, plan.ks, offers):
             if k == 0 and max(len(offer.lookup), len(offer.model)) > 1:
                 row.stats.fell_back = True
-        table = self.cost_table
-        if (
-            plan.width
-            and isinstance(table, RunningCostTable)
-            and table.unobserved(batch_size, 1)
-            and self.num_steps % PLAIN_PROBE_EVERY == 0
-        ):
-            # The plan drafts against a plain pass whose cost at this batch size no pass has checked
-            # yet: a start-up measured at a busy moment would keep it drafting where plain decoding
-            # is faster. One step in PLAIN_PROBE_EVERY decodes plainly until the table has its shape.
-            return BatchPlan((0,) * batch_size, (False,) * batch_size, False, 0.0, float(batch_size), 0.0)
+        if self.outcome_check is not None:
+            drafts = self.outcome_check.arm(batch_bucket(batch_size), plan.width > 0, self.num_steps)
+            if drafts and not plan.width:
+                plan = plan_batch(offers, plan_seconds, explore=True)
+            elif plan.width and not drafts:
+                return BatchPlan((0,) * batch_size, (False,) * batch_size, False, 0.0, float(batch_size), 0.0)
         if plan.draft_passes and self.draft_confidence:
             # The plan says whether to draft; the draft's confidence says how far (`_confidence_stop`).
             ks = [
