@@ -300,7 +300,7 @@ class StepRecord:
     ks: tuple[int, ...]  # drafts each row verified (a tree's nodes), in batch order
     draft_passes: int  # draft-model passes over the batch
     seconds: float  # the whole step, joining requests' prefill included
-    prefill_seconds: float  # joining requests' prefill
+    prefill_seconds: float  # joining requests' prefill, and the draft model's of rows drafting first
     draft_seconds: float  # the draft model's passes, with their warping and sampling
     verify_seconds: float  # the target's verify pass (its forward only)
 
@@ -580,7 +580,7 @@ class SpeculativeEngine:
         self.last_step: StepRecord | None = None
         self.recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=RECENT_STEPS)
         self.num_steps = 0
-        self._draft_seconds = self._verify_seconds = 0.0
+        self._draft_seconds = self._verify_seconds = self._fill_seconds = 0.0
         self._draft_passes = 0
         # Prompt tokens admitted, and those of them whose target KV came from the prefix cache.
         self.num_prompt_tokens = 0
@@ -707,7 +707,7 @@ class SpeculativeEngine:
             return first_outputs
         rows = self.rows
         started = time.perf_counter()
-        self._draft_seconds = self._verify_seconds = 0.0
+        self._draft_seconds = self._verify_seconds = self._fill_seconds = 0.0
         self._draft_passes = 0
         mask_seconds_before = sum(row.stats.mask_seconds for row in rows)
         options = self._proposals(rows)
@@ -765,7 +765,7 @@ class SpeculativeEngine:
             tuple(step_ks),
             self._draft_passes,
             ended - admitted,
-            started - admitted,
+            started - admitted + self._fill_seconds,
             self._draft_seconds,
             self._verify_seconds,
         )
@@ -1019,6 +1019,18 @@ class SpeculativeEngine:
             curve.append(curve[-1] + score)
         return lookup, curve
 
+    def _fill_share(self, row: _Row, model_curve: list[float]) -> float:
+        """The seconds per step of the draft model's prefill of a row it has not drafted for (`fill`):
+        priced by the target's cost of that width (the draft has no table of its own), and spread
+        over the steps the row has left at its cap's expected tokens, as the prefill serves them all."""
+        num_tokens = self.model_drafter.unfilled_tokens(row.request_id)
+        if not num_tokens:
+            return 0.0
+        table = self.cost_table
+        seconds = table.draft_seconds(1) * table.target_seconds(1, num_tokens) / table.target_seconds(1, 1)
+        steps_left = max(1.0, row.remaining / model_curve[-1])
+        return seconds / steps_left
+
     def _pass_seconds(self, batch_size: int, width: int, num_draft_passes: float, trees: bool = False) -> float:
         """The cost table's seconds for a step: a target pass over `width` drafts and the pending
         token (a tree pass at its measured premium), after `num_draft_passes` draft-model passes.
@@ -1072,10 +1084,27 @@ class SpeculativeEngine:
         explore = any(self.pool_trackers[name].num_steps < MIN_STEPS_BEFORE_FALLBACK for name in estimated)
         batch_size = len(rows)
 
-        def plan_seconds(width: int, passes: float, trees: bool) -> float:
-            return self._pass_seconds(batch_size, width, passes, trees)
+        # A row the draft model has not drafted for yet must be prefilled first: priced as a whole, with
+        # the plan where such rows do not draft with the model as the alternative.
+        fill = [
+            self._fill_share(row, option.model_curve) if option.model_curve is not None else 0.0
+            for row, option in zip(rows, options)
+        ]
 
+        def seconds_with(fill_seconds: float) -> Callable[[int, float, bool], float]:
+            return lambda width, passes, trees: (
+                self._pass_seconds(batch_size, width, passes, trees) + (fill_seconds if passes else 0.0)
+            )
+
+        plan_seconds = seconds_with(sum(fill))
         plan = plan_batch(offers, plan_seconds, explore)
+        if any(fill) and not explore:
+            filled_only = [
+                dataclasses.replace(offer, model=(1.0,)) if share else offer for share, offer in zip(fill, offers)
+            ]
+            without = plan_batch(filled_only, seconds_with(0.0))
+            if without.tokens / without.seconds > plan.tokens / plan.seconds * (1.0 + 1e-9):
+                plan = without
         for row, k, offer in zip(rows, plan.ks, offers):
             if k == 0 and max(len(offer.lookup), len(offer.model)) > 1:
                 row.stats.fell_back = True
@@ -1286,6 +1315,9 @@ class SpeculativeEngine:
         model_slots = [slot for slot in range(batch_size) if uses_model[slot] and step_ks[slot] > 0]
         drafted, model_drafts = {}, {}
         if model_slots:
+            started = time.perf_counter()
+            self.model_drafter.fill([rows[slot].request_id for slot in model_slots])
+            self._fill_seconds = time.perf_counter() - started
             started = time.perf_counter()
             proposals = self.model_drafter.propose(
                 {

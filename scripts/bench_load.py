@@ -19,10 +19,11 @@ arrives):
   closed-loop request rate at the largest C.
 
 Warm server: before its first measure, each row's engine serves a closed
-loop of C requests of --warm-tokens tokens at each C (prompts from the end of
-the list, the measures' from its start), so that its calibrations and its
-running cost correction start from what serving taught them, as a server's
-do.
+loop of 2C requests (4 at least) of --warm-tokens tokens at each C (the same
+prompts, taken from the end of the list), so that its calibrations, its
+running cost correction and its check of drafting against plain decoding
+start from what serving taught them, as a server's do. No answer carries
+over: the suffix trees start empty in every measure.
 
 Rows (--rows): `shipped` (the config as shipped), `plain` (k = 0), `k1`,
 `k2`, `k4`, `k8` (the model drafter at a fixed k, without the planner), and
@@ -227,7 +228,8 @@ class Bench:
                 runner=self.runner,
             )
             for concurrency in self.warm_concurrency:
-                requests = [self.request(row, p, self.warm_tokens) for p in warm_prompts[:concurrency]]
+                num = max(4, 2 * concurrency)
+                requests = [self.request(row, p, self.warm_tokens) for p in warm_prompts[:num]]
                 drive(engine, requests, None, concurrency)
             self.engines[row.key] = engine
         return self.engines[row.key]
@@ -359,8 +361,8 @@ def markdown(report: dict) -> str:
         f"Greedy, up to {settings['max_new_tokens']} new tokens per request; closed loop: "
         f"{settings['requests_per_client']} requests per client (at least {settings['min_requests']}); "
         f"open loop: {settings['open_requests']} Poisson arrivals, at most {settings['max_in_flight']} in flight; "
-        f"medians of {settings['repeats']} repeat(s); each engine first served C requests of "
-        f"{settings['warm_tokens']} tokens at each C (0: one request). "
+        f"medians of {settings['repeats']} repeat(s); each engine first served 2C requests of "
+        f"{settings['warm_tokens']} tokens at each C. "
         f"Load average {report['load_average']['start']:.2f} at start, "
         f"{report['load_average']['end']:.2f} at the end.",
         "",
@@ -446,7 +448,7 @@ def parse_args(argv):
         "--warm-tokens",
         type=int,
         default=32,
-        help="warm-up: each engine serves C requests of this many tokens at each C first (0: one request)",
+        help="warm-up: each engine serves 2C requests of this many tokens at each C first (0: 4 requests at C=1)",
     )
     parser.add_argument("--out-dir", default="bench_results")
     args = parser.parse_args(argv)

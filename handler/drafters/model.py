@@ -1,8 +1,12 @@
 """The draft-model drafter: a small causal LM samples up to k draft tokens, one forward pass each.
 
-It keeps its own ragged KV cache, one row per request it drafts for. Tokens
-committed by the engine that the draft model has not processed yet are its
-pending tokens: the prompt's last token at first, then whatever the target
+It keeps its own ragged KV cache, one row per request it has drafted for. A
+request joins the cache when it first drafts (`fill`), not when it arrives:
+under load a batch may decode plainly for a long time, and the draft's
+prefill of every prompt would be time spent for nothing (on a CPU an int8
+draft prefills about as slowly as the target). Tokens committed by the
+engine that the draft model has not processed yet are its pending tokens:
+the last token of what it prefilled at first, then whatever the target
 emitted that differs from what the draft fed itself (the recovered or bonus
 token, or look-up drafts accepted in hybrid mode). They are fed at the start
 of the next proposal, so the cache never has to recompute a prefix.
@@ -75,17 +79,30 @@ class ModelDrafter:
         self.fed_pending: dict[Hashable, list[int]] = {}
         self.prefix_cache = prefix_cache
         self.prefix_handles: dict[Hashable, object] = {}  # locked prefix-cache nodes, by request id
+        # Requests not in the cache yet: their prompt and the tokens committed since (`fill`).
+        self.unfilled: dict[Hashable, list[int]] = {}
         # Per row of the last proposal's `sampling`: its drafts after each pass, and the drafts the
         # proposal kept for every row.
         self.last_draft_counts: dict[Hashable, list[int]] = {}
         self.last_num_drafts = 0
 
     def add(self, prompts: Mapping[Hashable, Sequence[int]]) -> None:
-        """Prefills the new requests' prompts, all but the last token, and appends their rows."""
-        ids = list(prompts)
+        """Takes the new requests' prompts; each joins the cache when it first drafts (`fill`)."""
+        for request_id, prompt_ids in prompts.items():
+            assert request_id not in self.unfilled and request_id not in self.pending, request_id
+            self.unfilled[request_id] = list(prompt_ids)
+
+    def unfilled_tokens(self, request_id: Hashable) -> int:
+        """The tokens `fill` would prefill for a request not in the cache yet (0 for one in it)."""
+        return len(self.unfilled.get(request_id, ()))
+
+    def fill(self, request_ids: Sequence[Hashable]) -> None:
+        """Prefills the requests' sequences so far, all but the last token, and appends their rows."""
+        ids = [request_id for request_id in request_ids if request_id in self.unfilled]
         if not ids:
             return
-        prefixes = [self._draft_ids(prompts[request_id][:-1]) for request_id in ids]
+        sequences = {request_id: self.unfilled.pop(request_id) for request_id in ids}
+        prefixes = [self._draft_ids(sequences[request_id][:-1]) for request_id in ids]
         filled = prefill_with_cache(self.model, self.prefix_cache, prefixes, self.pad_token_id)
         new_cache = filled.cache
         if self.cache is None:
@@ -96,7 +113,7 @@ class ModelDrafter:
             if handle is not None:
                 self.prefix_handles[request_id] = handle
             self.order.append(request_id)
-            self.pending[request_id] = list(prompts[request_id][-1:])
+            self.pending[request_id] = list(sequences[request_id][-1:])
             self.fed[request_id] = []
             self.fed_pending[request_id] = []
 
@@ -119,6 +136,8 @@ class ModelDrafter:
                 consistent (after a step): what the draft cache holds of it goes
                 into the prefix cache. None after a failed step.
         """
+        for request_id in request_ids:
+            self.unfilled.pop(request_id, None)
         gone = set(request_ids) & set(self.order)
         if not gone:
             return
@@ -318,6 +337,8 @@ class ModelDrafter:
         become pending. A row absent from `committed` committed nothing.
         The arithmetic is `handler.rollback.draft_rollback`.
         """
+        for request_id, tokens in self.unfilled.items():
+            tokens.extend(committed.get(request_id, ()))
         if self.cache is None:
             return
         lengths = self.cache.lengths.clone()

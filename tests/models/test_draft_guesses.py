@@ -26,6 +26,7 @@ def drafter_for(tiny_pair, prompts: dict) -> ModelDrafter:
     target, draft, tokenizer = tiny_pair
     drafter = ModelDrafter(draft, target.config.vocab_size, tokenizer.pad_token_id)
     drafter.add(prompts)
+    drafter.fill(list(prompts))
     return drafter
 
 
