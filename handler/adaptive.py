@@ -171,7 +171,7 @@ def _priced(
 # CLOSE_MARGIN of each other, else every EXPLORE_FAR), and the turn of an arm with too few steps.
 OUTCOME_WINDOW = 32
 OUTCOME_MIN_STEPS = 8
-EXPLORE_CLOSE = 8
+EXPLORE_CLOSE = 16
 EXPLORE_FAR = 64
 CLOSE_MARGIN = 0.25
 EXPLORE_UNSEEN = 4
