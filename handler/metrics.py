@@ -56,6 +56,7 @@ GAUGES = {
     "SpecSuffixTreeTokens": "tokens of the completions held in the suffix drafter's shared tree",
     "SpecTargetCostPercent": "a target pass's time as a percent of the start-up cost table's (CPU; 100: as measured)",
     "SpecDraftCostPercent": "a draft step's time as a percent of the start-up cost table's (CPU; 100: as measured)",
+    "SpecDraftingRowsPercent": "rows that drafted, as a percent of the rows of the steps since the last value",
 }
 HISTOGRAMS = {
     "SpecRequestLatencySeconds": "handler time from the request's arrival to its last token",
@@ -63,14 +64,18 @@ HISTOGRAMS = {
     "SpecTimeToFirstTokenSeconds": "arrival in the handler to the first step that emitted a token, once per request",
     "SpecQueueWaitSeconds": "time a request waited in the handler for room in the batch (max_batch_tokens)",
     "SpecGrammarMaskSecondsPerStep": "constrained requests: time in grammar masks per target pass, on average",
+    "SpecPlannedDraftsPerRow": "drafts per row the planner gave a step (label batch_size: rows in the step); "
+    "one step in PLAN_SAMPLE_EVERY",
 }
 POSITION_DIMENSION = "position"
+BATCH_SIZE_DIMENSION = "batch_size"
 DRAFTER_DIMENSION = "drafter"
-# Counters with a label of their own, passed before the ModelName and Level TorchServe appends.
-LABELLED_COUNTERS = {
+# Metrics with a label of their own, passed before the ModelName and Level TorchServe appends.
+LABELLED_METRICS = {
     "spec_decode_num_accepted_tokens_per_pos": POSITION_DIMENSION,
     "SpecDrafterDraftTokens": DRAFTER_DIMENSION,
     "SpecDrafterAcceptedTokens": DRAFTER_DIMENSION,
+    "SpecPlannedDraftsPerRow": BATCH_SIZE_DIMENSION,
 }
 COUNT_UNIT = "Count"
 SECONDS_UNIT = "Seconds"
@@ -78,6 +83,10 @@ BYTES_UNIT = "Bytes"
 PERCENT_UNIT = "Percent"
 # The cost gauges go out when either moved by this many points since they last went out.
 COST_PERCENT_STEP = 5.0
+# The planner's histogram takes one step in this many (a metric is one worker-log line: not every
+# step); the drafting gauge goes out when it moved by DRAFTING_PERCENT_STEP points.
+PLAN_SAMPLE_EVERY = 8
+DRAFTING_PERCENT_STEP = 5.0
 
 
 class MetricsRecorder:
@@ -168,6 +177,14 @@ class MetricsRecorder:
         """The planner's running correction of its cost table (`handler.cost_table.RunningCostTable`)."""
         self._add("SpecTargetCostPercent", round(target_percent, 1), PERCENT_UNIT, MetricTypes.GAUGE)
         self._add("SpecDraftCostPercent", round(draft_percent, 1), PERCENT_UNIT, MetricTypes.GAUGE)
+
+    def record_plan(self, batch_size: int, drafts_per_row: float) -> None:
+        """One step's plan: the drafts per row it verified, labelled by the step's batch size."""
+        label = [Dimension(BATCH_SIZE_DIMENSION, str(batch_size))]
+        self._add("SpecPlannedDraftsPerRow", round(drafts_per_row, 3), COUNT_UNIT, MetricTypes.HISTOGRAM, label)
+
+    def record_drafting_rows(self, percent: float) -> None:
+        self._add("SpecDraftingRowsPercent", round(percent, 1), PERCENT_UNIT, MetricTypes.GAUGE)
 
     def record_batch_occupancy(self, num_requests: int) -> None:
         self._add("SpecBatchOccupancy", num_requests, COUNT_UNIT, MetricTypes.GAUGE)
@@ -262,3 +279,29 @@ class CostScaleTally:
         if self.last is None or max(abs(new - old) for new, old in zip(percents, self.last)) >= COST_PERCENT_STEP:
             metrics.record_cost_scales(*percents)
             self.last = percents
+
+
+class PlanTally:
+    """Sends what the planner chose in the steps since the last recording, so that operators see it
+    back off under load: a sample of the steps' drafts per row by batch size (a histogram), and the
+    share of rows that drafted (a gauge, when it moved by `DRAFTING_PERCENT_STEP` points)."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.percent: float | None = None
+
+    def record(self, metrics: MetricsRecorder, num_steps: int, recent_steps: Sequence) -> None:
+        """Args: num_steps: the engine's steps since start-up; recent_steps: its latest `StepRecord`s."""
+        new = min(num_steps - self.num_steps, len(recent_steps))
+        if new <= 0:
+            return
+        steps = list(recent_steps)[-new:]
+        for number, step in enumerate(steps, num_steps - new):
+            if number % PLAN_SAMPLE_EVERY == 0:
+                metrics.record_plan(step.batch_size, sum(step.ks) / step.batch_size)
+        drafting = sum(sum(k > 0 for k in step.ks) for step in steps)
+        percent = 100.0 * drafting / sum(step.batch_size for step in steps)
+        if self.percent is None or abs(percent - self.percent) >= DRAFTING_PERCENT_STEP:
+            metrics.record_drafting_rows(percent)
+            self.percent = percent
+        self.num_steps = num_steps

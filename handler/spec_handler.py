@@ -27,7 +27,7 @@ from handler.cost_table import measure_cost_table
 from handler.engine import SpeculativeEngine
 from handler.loading import load_models
 from handler.memory_budget import describe, prefix_cache_budget
-from handler.metrics import CostScaleTally, MetricsRecorder, PrefixCacheTally, SuffixTreeTally
+from handler.metrics import CostScaleTally, MetricsRecorder, PlanTally, PrefixCacheTally, SuffixTreeTally
 from handler.runners import config_runner
 from handler.schema import RequestError
 from handler.serving import ContinuousBatcher, Reply, StaticBatch, parse_entry
@@ -75,6 +75,7 @@ class SpeculativeHandler(BaseHandler):
         self.prefix_cache_tally = PrefixCacheTally()
         self.suffix_tree_tally = SuffixTreeTally()
         self.cost_scale_tally = CostScaleTally()
+        self.plan_tally = PlanTally()
         # The grammar engine's view of the vocabulary (about 1 s for 150k tokens), built now
         # rather than inside the first structured request while the batch waits.
         try:
@@ -116,6 +117,7 @@ class SpeculativeHandler(BaseHandler):
         self.prefix_cache_tally.record(metrics, self.engine.prefix_cache_stats)
         self.suffix_tree_tally.record(metrics, self.engine.suffix_tree_stats)
         self.cost_scale_tally.record(metrics, self.engine.cost_scales)
+        self.plan_tally.record(metrics, self.engine.num_steps, self.engine.recent_steps)
         return self._answer(replies)
 
     def preprocess(self, data):

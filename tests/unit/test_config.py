@@ -90,7 +90,7 @@ def test_handler_section_must_be_a_mapping():
 
 def test_every_handler_metric_is_declared_in_metrics_yaml():
     """TorchServe drops undeclared model metrics silently, so a missing declaration is a silent outage."""
-    from handler.metrics import COUNTERS, GAUGES, HISTOGRAMS, LABELLED_COUNTERS, POSITION_DIMENSION
+    from handler.metrics import COUNTERS, GAUGES, HISTOGRAMS, LABELLED_METRICS, POSITION_DIMENSION
 
     declared = yaml.safe_load((REPO_ROOT / "model-config" / "metrics.yaml").read_text())["model_metrics"]
     assert {m["name"] for m in declared["counter"]} >= set(COUNTERS)
@@ -100,9 +100,9 @@ def test_every_handler_metric_is_declared_in_metrics_yaml():
     # passes the position first, TorchServe appends ModelName and Level.
     dimensions = {m["name"]: m["dimensions"] for kind in declared.values() for m in kind}
     assert dimensions["spec_decode_num_accepted_tokens_per_pos"] == [POSITION_DIMENSION, "ModelName", "Level"]
-    for name, label in LABELLED_COUNTERS.items():
+    for name, label in LABELLED_METRICS.items():
         assert dimensions[name] == [label, "ModelName", "Level"], name
-    others = [dims for name, dims in dimensions.items() if name not in LABELLED_COUNTERS]
+    others = [dims for name, dims in dimensions.items() if name not in LABELLED_METRICS]
     assert all(dims == ["ModelName", "Level"] for dims in others)
     assert yaml.safe_load((REPO_ROOT / "model-config" / "metrics.yaml").read_text())["ts_metrics"]["counter"]
 

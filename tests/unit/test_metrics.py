@@ -140,3 +140,28 @@ def test_tree_counters_go_out_only_for_requests_that_verified_trees():
     MetricsRecorder(cache).record_result(stats, latency_seconds=1.0)
     trees = {name: value for name, value, _ in cache.calls if name.startswith("SpecTree")}
     assert trees == {"SpecTreeSteps": 2, "SpecTreeNodes": 10, "SpecTreeAcceptedDepth": 4, "SpecTreeOtherBranch": 1}
+
+
+def test_the_plan_goes_out_as_a_sample_of_steps_by_batch_size_and_a_drafting_share():
+    from handler.engine import StepRecord
+    from handler.metrics import PLAN_SAMPLE_EVERY, PlanTally
+
+    def step(ks):
+        return StepRecord(len(ks), tuple(ks), 0, 0.1, 0.0, 0.0, 0.1)
+
+    tally, cache = PlanTally(), RecordingCache()
+    recorder = MetricsRecorder(cache)
+    tally.record(recorder, 0, [])
+    assert cache.calls == []
+    steps = [step([4, 0])] * PLAN_SAMPLE_EVERY + [step([0, 0, 0, 0])] * PLAN_SAMPLE_EVERY
+    tally.record(recorder, len(steps), steps)
+    plans = [(value, dims) for name, value, dims in cache.calls if name == "SpecPlannedDraftsPerRow"]
+    assert plans == [(2.0, [("batch_size", "2")]), (0.0, [("batch_size", "4")])]
+    assert [(n, v) for n, v, _ in cache.calls if n == "SpecDraftingRowsPercent"] == [
+        ("SpecDraftingRowsPercent", round(100.0 / 6, 1))
+    ]
+    cache.calls.clear()
+    tally.record(recorder, len(steps), steps)
+    assert cache.calls == [], "no new step: nothing sent"
+    tally.record(recorder, len(steps) + 1, [*steps, step([1, 1, 1, 1])])
+    assert [n for n, _, _ in cache.calls] == ["SpecDraftingRowsPercent"], "one step in eight is sampled"
