@@ -34,7 +34,7 @@ TORCH_SPEC_FILE := $(VENV)/.torch-spec
 TINY_MODELS := models/tiny
 
 .PHONY: help install check-java test test-fast test-static test-gpu gpu-check lint tiny-models package serve dev-serve register \
-	unregister stop loadtest demo install-demo bench bench-agentic bench-prefix clean FORCE
+	unregister stop loadtest demo install-demo bench bench-agentic bench-load bench-prefix clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [VAR=value ...]"
@@ -142,9 +142,17 @@ demo: install-demo ## Run the demo (scripts.demo)
 BENCH_ARGS ?=
 BENCH_AGENTIC_ARGS ?=
 
-bench: install-demo ## Benchmark against HF generate: open, grounded and agentic sets (~1.5 h on 2 cores)
+bench: install-demo ## Benchmark against HF generate (open, grounded, agentic) and under load (~3 h on 2 cores)
 	$(PY) -m scripts.bench $(BENCH_ARGS)
 	$(PY) -m scripts.bench_agentic $(BENCH_AGENTIC_ARGS)
+	$(PY) -m scripts.bench_load $(BENCH_LOAD_ARGS)
+
+# Concurrent requests, closed loop at C = 1..16 and Poisson arrivals: the shipped config against plain
+# decoding, fixed k and each drafter alone. Results in bench_results/load.json, load.md, load.png.
+BENCH_LOAD_ARGS ?=
+
+bench-load: install-demo ## Benchmark under load: shipped against plain decoding by concurrency (BENCH_LOAD_ARGS)
+	$(PY) -m scripts.bench_load $(BENCH_LOAD_ARGS)
 
 # An agentic trace (SQL over one schema, coding tasks asked again, a tool loop, an edit
 # session), every drafter against HF generate. Results in bench_results/agentic.*.

@@ -502,9 +502,9 @@ def main(argv=None) -> int:
         "machine": machine,
         "load_average": {"start": load_at_start, "end": os.getloadavg()[0]},
         "settings": {
-            "target": args.target,
-            "draft": args.draft,
-            "config": args.config,
+            "target": bench._shown(args.target),
+            "draft": bench._shown(args.draft),
+            "config": bench._shown(args.config),
             "dtype": str(models.dtype).replace("torch.", ""),
             "draft_note": draft_note,
             "max_new_tokens": args.max_new_tokens,

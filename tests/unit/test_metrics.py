@@ -163,5 +163,6 @@ def test_the_plan_goes_out_as_a_sample_of_steps_by_batch_size_and_a_drafting_sha
     cache.calls.clear()
     tally.record(recorder, len(steps), steps)
     assert cache.calls == [], "no new step: nothing sent"
-    tally.record(recorder, len(steps) + 1, [*steps, step([1, 1, 1, 1])])
-    assert [n for n, _, _ in cache.calls] == ["SpecDraftingRowsPercent"], "one step in eight is sampled"
+    tally.record(recorder, len(steps) + 2, [*steps, step([1, 1, 1, 1]), step([1, 1, 1, 1])])
+    # Step 16 is sampled, step 17 is not; the share moved from 17 % to 100 %.
+    assert [(n, v) for n, v, _ in cache.calls] == [("SpecPlannedDraftsPerRow", 1.0), ("SpecDraftingRowsPercent", 100.0)]

@@ -1,0 +1,44 @@
+"""scripts.bench_load runs end to end on the tiny pair and reports what it measured.
+
+No timing is asserted (benchmarks are programs): what is checked is that every
+load and row is measured and printed, that every step's plan and timings are
+recorded, that the plot is written, and, in float32, that every greedy output
+equals plain decoding's whatever the load.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scripts import bench_load
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.models  # loads and runs the tiny pair: not in the fast tier
+
+
+def test_bench_load_measures_every_load_and_row_with_the_plain_rows_outputs(tiny_models_dir, tmp_path, capsys):
+    bench_load.main(
+        [
+            *("--target", str(tiny_models_dir / "target"), "--draft", str(tiny_models_dir / "draft")),
+            *("--config", str(REPO_ROOT / "model-config" / "qwen-coder.yaml"), "--dtype", "float32"),
+            *("--draft-quantization", "none", "--rows", "shipped,plain,k2,ngram", "--concurrency", "1,3"),
+            *("--rates", "40", "--open-requests", "4", "--max-new-tokens", "8", "--warm-tokens", "4"),
+            *("--out-dir", str(tmp_path)),
+        ]
+    )
+    report = json.loads((tmp_path / "load.json").read_text())
+    assert list(report["loads"]) == ["C=1", "C=3", "40 req/s"]
+    for cells in report["loads"].values():
+        assert list(cells) == ["shipped", "plain", "k2", "ngram"]
+        assert cells["plain"]["vs_plain"] == 1.0 and cells["plain"]["mean_k"] == 0.0
+        assert all(cell["outputs_differ"] == 0 for cell in cells.values()), "float32: every output is plain's"
+        assert cells["k2"]["mean_width"] > 1.0
+        assert all(0.0 <= cell["drafting_share"] <= 1.0 for cell in cells.values())
+    steps = report["raw"]["C=3"]["shipped"][0]
+    assert max(step["batch_size"] for step in steps) == 3
+    assert all(len(step["ks"]) == step["batch_size"] for step in steps)
+    assert (tmp_path / "load.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "| C=3 | plain decoding (k=0) |" in printed and "Where the time goes" in printed
