@@ -1096,12 +1096,13 @@ class SpeculativeEngine:
                 self._pass_seconds(batch_size, width, passes, trees) + (fill_seconds if passes else 0.0)
             )
 
-        plan_seconds = seconds_with(sum(fill))
-        plan = plan_batch(offers, plan_seconds, explore)
+        # The same offers where a row the draft has not prefilled cannot draft with the model.
+        filled_only = [
+            dataclasses.replace(offer, model=(1.0,)) if share else offer for share, offer in zip(fill, offers)
+        ]
+        plan = plan_batch(offers, seconds_with(sum(fill)), explore)
+        # While the pool learns the acceptance, the plan drafts, a prefill included.
         if any(fill) and not explore:
-            filled_only = [
-                dataclasses.replace(offer, model=(1.0,)) if share else offer for share, offer in zip(fill, offers)
-            ]
             without = plan_batch(filled_only, seconds_with(0.0))
             if without.tokens / without.seconds > plan.tokens / plan.seconds * (1.0 + 1e-9):
                 plan = without
@@ -1111,7 +1112,8 @@ class SpeculativeEngine:
         if self.outcome_check is not None:
             drafts = self.outcome_check.arm(batch_bucket(batch_size), plan.width > 0, self.num_steps)
             if drafts and not plan.width:
-                plan = plan_batch(offers, plan_seconds, explore=True)
+                # Only rows the draft already holds: a step run to learn must not prefill the batch.
+                plan = plan_batch(filled_only, seconds_with(0.0), explore=True)
             elif plan.width and not drafts:
                 return BatchPlan((0,) * batch_size, (False,) * batch_size, False, 0.0, float(batch_size), 0.0)
         if plan.draft_passes and self.draft_confidence:
