@@ -63,10 +63,25 @@ def test_what_cannot_be_enforced_is_a_400_naming_the_field(compiler, constraint,
     assert raised.value.status == 400
 
 
-def test_compiling_past_the_time_bound_is_a_400(tiny_tokenizer):
-    slow = GrammarCompiler(tiny_tokenizer, timeout_s=1e-9)
-    with pytest.raises(RequestError, match="took longer than"):
-        slow.compile(Constraint.json_schema(PERSON))
+def test_compiling_past_the_time_bound_is_a_400(tiny_tokenizer, monkeypatch):
+    import threading
+
+    # A compile that outlasts the bound whatever the machine's speed (a tiny grammar on a fast
+    # thread could otherwise finish within even a nanosecond's join).
+    release = threading.Event()
+    real_grammar_text = constraints._grammar_text
+
+    def slow_grammar_text(constraint):
+        release.wait(5.0)
+        return real_grammar_text(constraint)
+
+    monkeypatch.setattr(constraints, "_grammar_text", slow_grammar_text)
+    slow = GrammarCompiler(tiny_tokenizer, timeout_s=0.05)
+    try:
+        with pytest.raises(RequestError, match="took longer than"):
+            slow.compile(Constraint.json_schema(PERSON))
+    finally:
+        release.set()
 
 
 @pytest.mark.parametrize(
