@@ -166,15 +166,19 @@ def _priced(
 
 
 # The realized check of drafting against plain decoding (`OutcomeCheck`): step rates per arm and
-# batch size in its window, the steps each arm needs before a verdict, the turn on which the arm the
-# verdict leaves out still runs one step (every EXPLORE_CLOSE steps while the two arms are within
-# CLOSE_MARGIN of each other, else every EXPLORE_FAR), and the turn of an arm with too few steps.
+# batch size in its window, the steps each arm needs before a verdict, how often the arm the
+# verdict leaves out still runs (one step in EXPLORE_CLOSE while the two arms are within
+# CLOSE_MARGIN of each other, else one in EXPLORE_FAR), and how often an arm with too few steps runs.
 OUTCOME_WINDOW = 32
 OUTCOME_MIN_STEPS = 8
 EXPLORE_CLOSE = 16
 EXPLORE_FAR = 64
 CLOSE_MARGIN = 0.25
 EXPLORE_UNSEEN = 4
+# The other arm runs in bursts of this many steps: the first drafting step after plain ones feeds
+# the draft every token it missed (a wide catch-up pass) and is not a fair sample; the engine
+# samples a drafting step only after one that drafted.
+EXPLORE_BURST = 4
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -214,12 +218,18 @@ class OutcomeCheck:
         """Whether step number `step` at this bucket drafts, given whether the plan drafts."""
         ratio = self.ratio(bucket)
         if ratio is None:
-            # The arm with fewer steps runs one step in EXPLORE_UNSEEN, the plan the others.
+            # The arm with fewer steps takes a burst in every EXPLORE_UNSEEN, the plan the others.
             unseen = len(self.rates.get((bucket, True), [])) <= len(self.rates.get((bucket, False), []))
-            return unseen if step % EXPLORE_UNSEEN == 0 else planned
+            return unseen if _burst(step, EXPLORE_UNSEEN) else planned
         faster = ratio > 1.0  # the plan's choice gives way where it lost as it ran
         every = EXPLORE_CLOSE if abs(math.log(ratio)) < math.log(1.0 + CLOSE_MARGIN) else EXPLORE_FAR
-        return (not faster) if step % every == 0 else faster
+        return (not faster) if _burst(step, every) else faster
+
+
+def _burst(step: int, every: int) -> bool:
+    """Whether step number `step` falls in the burst of EXPLORE_BURST steps that opens every
+    `every` bursts' worth of steps: one step in `every` on average, in runs."""
+    return step % (every * EXPLORE_BURST) < EXPLORE_BURST
 
 
 class AcceptanceTracker:

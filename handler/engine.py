@@ -769,10 +769,14 @@ class SpeculativeEngine:
             self._draft_seconds,
             self._verify_seconds,
         )
-        if self.outcome_check is not None and ended > started:
+        drafted = max(step_ks) > 0
+        # A drafting step right after plain ones paid the draft's catch-up (`EXPLORE_BURST`): no sample.
+        previous = self.recent_steps[-1] if self.recent_steps else None
+        fair = not drafted or (previous is not None and previous.width > 1)
+        if self.outcome_check is not None and ended > started and fair:
             tokens = sum(len(output.new_token_ids) for output in outputs)
             rate = tokens / (ended - started) / len(rows)
-            self.outcome_check.observe(batch_bucket(len(rows)), max(step_ks) > 0, rate)
+            self.outcome_check.observe(batch_bucket(len(rows)), drafted, rate)
         self.recent_steps.append(self.last_step)
         self.num_steps += 1
         self.last_step_mask_seconds = sum(row.stats.mask_seconds for row in rows) - mask_seconds_before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from handler.adaptive import (
+    EXPLORE_BURST,
     EXPLORE_CLOSE,
     EXPLORE_FAR,
     EXPLORE_UNSEEN,
@@ -28,8 +29,9 @@ def test_an_arm_with_too_few_steps_runs_one_step_in_a_few():
     assert arms.count(True) == len(arms)
     for _ in range(OUTCOME_MIN_STEPS):
         check.observe(8, True, 1.0)
-    arms = steps_run(check, 8, True, 4 * EXPLORE_UNSEEN)
-    assert arms.count(False) == 4, "plain decoding, not yet timed, runs one step in EXPLORE_UNSEEN"
+    arms = steps_run(check, 8, True, 4 * EXPLORE_UNSEEN * EXPLORE_BURST)
+    assert arms.count(False) == 4 * EXPLORE_BURST, "plain decoding, not yet timed, runs one step in EXPLORE_UNSEEN"
+    assert arms[:EXPLORE_BURST] == [False] * EXPLORE_BURST, "in bursts"
 
 
 def test_a_plan_that_lost_as_it_ran_gives_way_and_the_loser_is_still_sampled():
@@ -38,15 +40,15 @@ def test_a_plan_that_lost_as_it_ran_gives_way_and_the_loser_is_still_sampled():
         check.observe(8, True, 0.9)  # drafting steps: 0.9 tokens/s per row
         check.observe(8, False, 1.0)
     assert check.ratio(8) == 0.9
-    arms = steps_run(check, 8, True, 4 * EXPLORE_CLOSE)
-    assert arms.count(True) == 4, "drafting, close behind, keeps one step in EXPLORE_CLOSE"
+    arms = steps_run(check, 8, True, 4 * EXPLORE_CLOSE * EXPLORE_BURST)
+    assert arms.count(True) == 4 * EXPLORE_BURST, "drafting, close behind, keeps one step in EXPLORE_CLOSE"
     check.observe(1, True, 2.0)
     for _ in range(OUTCOME_MIN_STEPS):
         check.observe(1, True, 2.0)
         check.observe(1, False, 1.0)
-    arms = steps_run(check, 1, True, 2 * EXPLORE_FAR)
-    assert arms.count(False) == 2, "a plan far ahead samples the other arm rarely"
-    assert check.arm(8, False, 1) is False and check.ratio(4) is None
+    arms = steps_run(check, 1, True, 2 * EXPLORE_FAR * EXPLORE_BURST)
+    assert arms.count(False) == 2 * EXPLORE_BURST, "a plan far ahead samples the other arm rarely"
+    assert check.arm(8, False, EXPLORE_BURST) is False and check.ratio(4) is None
 
 
 def test_a_window_forgets_the_old_steps():
