@@ -875,15 +875,19 @@ def main(argv=None) -> int:
         "rest": measure_rest(args, sets["open"]["held_out"]) if args.rest_url and "open" in sets else None,
     }
     report["wall_seconds"] = time.perf_counter() - started
-    out = pathlib.Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(report, indent=2))
-    table = markdown(report)
-    (out / "bench.md").write_text(table)
-    plot(report, out / "bench.png")
-    print(table)
-    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
+    write_report(pathlib.Path(args.out_dir), "bench", report, markdown, plot)
     return 0
+
+
+def write_report(out: pathlib.Path, stem: str, report: dict, to_markdown, to_plot, indent: int = 2) -> None:
+    """Writes `stem`.json, .md and .png into `out` and prints the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=indent))
+    table = to_markdown(report)
+    (out / f"{stem}.md").write_text(table)
+    to_plot(report, out / f"{stem}.png")
+    print(table)
+    print(f"wrote {out / f'{stem}.json'}, {out / f'{stem}.md'}, {out / f'{stem}.png'}")
 
 
 def rest_only(args, sets: dict) -> int:

@@ -58,7 +58,6 @@ import collections
 import dataclasses
 import datetime
 import itertools
-import json
 import logging
 import os
 import pathlib
@@ -525,14 +524,7 @@ def main(argv=None) -> int:
         },
     }
     report["wall_seconds"] = time.perf_counter() - started
-    out = pathlib.Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "load.json").write_text(json.dumps(report, indent=1))
-    table = markdown(report)
-    (out / "load.md").write_text(table)
-    plot(report, out / "load.png")
-    print(table)
-    print(f"wrote {out / 'load.json'}, {out / 'load.md'}, {out / 'load.png'}")
+    bench.write_report(pathlib.Path(args.out_dir), "load", report, markdown, plot, indent=1)
     return 0
 
 
