@@ -576,8 +576,7 @@ class SpeculativeEngine:
         # Every request's acceptance per proposer together: the estimate of a row too new to have
         # its own, or one that has not drafted for a while (`handler.adaptive`, PROBE_INTERVAL).
         self.pool_trackers = {name: AcceptanceTracker(POOL_DECAY) for name in (MODEL, NGRAM, SUFFIX, PROPOSER_GRAMMAR)}
-        # The last step's plan and timings (None before the first step), and the recent ones.
-        self.last_step: StepRecord | None = None
+        # The recent steps' plans and timings, the last one last, and the steps run since start-up.
         self.recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=RECENT_STEPS)
         self.num_steps = 0
         self._draft_seconds = self._verify_seconds = self._fill_seconds = 0.0
@@ -760,7 +759,7 @@ class SpeculativeEngine:
         self._drop(finished)
         ended = time.perf_counter()
         self.last_step_seconds = ended - started
-        self.last_step = StepRecord(
+        record = StepRecord(
             len(rows),
             tuple(step_ks),
             self._draft_passes,
@@ -777,7 +776,7 @@ class SpeculativeEngine:
             tokens = sum(len(output.new_token_ids) for output in outputs)
             rate = tokens / (ended - started) / len(rows)
             self.outcome_check.observe(batch_bucket(len(rows)), drafted, rate)
-        self.recent_steps.append(self.last_step)
+        self.recent_steps.append(record)
         self.num_steps += 1
         self.last_step_mask_seconds = sum(row.stats.mask_seconds for row in rows) - mask_seconds_before
         return _joined(first_outputs, outputs)

@@ -72,7 +72,7 @@ from handler.engine import GenerationRequest, SpeculativeEngine, StepRecord
 from handler.loading import load_models
 from handler.runners import config_runner
 from scripts import bench
-from scripts.bench_prefix import percentile, poisson_arrivals
+from scripts.bench_prefix import Traffic, drive, percentile, poisson_arrivals
 
 logger = logging.getLogger("bench_load")
 
@@ -143,43 +143,10 @@ def coding_prompts(tokenizer, num: int) -> list[tuple[int, ...]]:
     return prompts
 
 
-def drive(
-    engine: SpeculativeEngine,
-    requests: list[GenerationRequest],
-    arrivals: list[float] | None,
-    concurrency: int,
-) -> dict:
-    """Runs `requests` through the engine: a closed loop of `concurrency` clients (arrivals None),
-    or arrivals in seconds from the start, at most `concurrency` in flight.
-
-    Returns the measure's figures, its per-step records and the outputs.
-    """
-    num = len(requests)
-    sent, first, done = [0.0] * num, [None] * num, [0.0] * num
-    results, steps = [None] * num, []
-    next_index, started = 0, time.perf_counter()
-    while next_index < num or engine.has_unfinished_requests():
-        now = time.perf_counter() - started
-        while next_index < num and engine.num_active_requests < concurrency:
-            if arrivals is not None and arrivals[next_index] > now:
-                break
-            sent[next_index] = now if arrivals is None else arrivals[next_index]
-            engine.add_request(next_index, requests[next_index])
-            next_index += 1
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, arrivals[next_index] - now))
-            continue
-        outputs = engine.step()
-        now = time.perf_counter() - started
-        if engine.last_step is not None and engine.last_step.seconds > 0:
-            steps.append(engine.last_step)
-            engine.last_step = None
-        for output in outputs:
-            index = output.request_id
-            if first[index] is None and output.new_token_ids:
-                first[index] = now
-            if output.result is not None:
-                done[index], results[index] = now, output.result
+def figures(traffic: Traffic) -> dict:
+    """One measure's figures from what `drive` saw, its per-step records and the outputs."""
+    sent, first, done, results, steps = traffic.sent, traffic.first_at, traffic.done_at, traffic.results, traffic.steps
+    num = len(results)
     tokens = [len(result.token_ids) for result in results]
     ttft = [first_at - sent_at for first_at, sent_at in zip(first, sent)]
     tpot = [(d - f) / (n - 1) for d, f, n in zip(done, first, tokens) if n > 1]
@@ -241,35 +208,34 @@ class Bench:
     def measure(self, row: Row, prompts: list, arrivals: list[float] | None, concurrency: int) -> dict:
         engine = self.engine(row, self.warm_prompts)
         engine.suffix_drafter = SuffixDrafter(engine.suffix_drafter.options)
-        return drive(engine, [self.request(row, p) for p in prompts], arrivals, concurrency)
+        return figures(drive(engine, [self.request(row, p) for p in prompts], arrivals, concurrency))
 
 
 def step_costs(steps: list[dict], table: CostTable | None) -> dict | None:
     """The measured step time against the cost table's, by batch size: where the time goes."""
     if table is None or not steps:
         return None
-    by_batch: dict[int, list[dict]] = collections.defaultdict(list)
+    by_batch: dict[int, list[StepRecord]] = collections.defaultdict(list)
     for step in steps:
-        by_batch[step["batch_size"]].append(step)
+        by_batch[step["batch_size"]].append(StepRecord(**step))
     summary = {}
     for batch, group in sorted(by_batch.items()):
-        verify = [s["verify_seconds"] for s in group]
-        expected_verify = [table.target_seconds(batch, StepRecord(**s).width) for s in group]
-        draft = [s["draft_seconds"] for s in group if s["draft_passes"]]
-        expected_draft = [s["draft_passes"] * table.draft_seconds(batch) for s in group if s["draft_passes"]]
+        drafting = [s for s in group if s.draft_passes]
         summary[batch] = {
             "steps": len(group),
-            "step_s": statistics.median(s["seconds"] for s in group),
-            "verify_s": statistics.median(verify),
-            "verify_table_s": statistics.median(expected_verify),
-            "draft_s": statistics.median(draft) if draft else 0.0,
-            "draft_table_s": statistics.median(expected_draft) if expected_draft else 0.0,
-            "draft_passes": statistics.fmean(s["draft_passes"] for s in group),
-            "width": statistics.fmean(StepRecord(**s).width for s in group),
+            "step_s": statistics.median(s.seconds for s in group),
+            "verify_s": statistics.median(s.verify_seconds for s in group),
+            "verify_table_s": statistics.median(table.target_seconds(batch, s.width) for s in group),
+            "draft_s": statistics.median(s.draft_seconds for s in drafting) if drafting else 0.0,
+            "draft_table_s": (
+                statistics.median(s.draft_passes * table.draft_seconds(batch) for s in drafting) if drafting else 0.0
+            ),
+            "draft_passes": statistics.fmean(s.draft_passes for s in group),
+            "width": statistics.fmean(s.width for s in group),
             # Padding: verified columns beyond each row's own drafts and pending token.
-            "padding_share": sum(StepRecord(**s).width * batch - sum(s["ks"]) - batch for s in group)
-            / sum(StepRecord(**s).width * batch for s in group),
-            "other_s": statistics.median(s["seconds"] - s["verify_seconds"] - s["draft_seconds"] for s in group),
+            "padding_share": sum(s.width * batch - sum(s.ks) - batch for s in group)
+            / sum(s.width * batch for s in group),
+            "other_s": statistics.median(s.seconds - s.verify_seconds - s.draft_seconds for s in group),
         }
     return summary
 

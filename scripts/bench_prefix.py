@@ -48,7 +48,7 @@ import yaml
 from handler.api.openai.requests import ROUTE_CHAT, parse_openai_request
 from handler.config import HandlerConfig, handler_config_from_yaml_config
 from handler.cost_table import measure_cost_table
-from handler.engine import GenerationRequest, GenerationResult, SpeculativeEngine
+from handler.engine import GenerationRequest, GenerationResult, SpeculativeEngine, StepRecord
 from handler.loading import LoadedModels, load_models
 from handler.memory_budget import prefix_cache_budget
 from scripts.bench import DEFAULT_CONFIG, DEFAULT_DRAFT, DEFAULT_TARGET, _shown, first_difference, machine_info
@@ -272,27 +272,60 @@ def percentile(values: list[float], q: int) -> float:
     return values[0] if len(values) == 1 else statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def run_load(engine: SpeculativeEngine, requests: list, arrivals: list[float], max_in_flight: int) -> dict:
-    """Adds each request at the first step boundary after its arrival (wall clock), at most max_in_flight at once."""
+@dataclasses.dataclass
+class Traffic:
+    """What `drive` saw: per request, in seconds from the start, when it was sent, when the first
+    step that emitted a token for it ended (and how many that step emitted), when it finished and
+    its result; and the engine's record of every step."""
+
+    sent: list[float]
+    first_at: list[float]
+    first_tokens: list[int]
+    done_at: list[float]
+    results: list[GenerationResult]
+    steps: list[StepRecord]
+
+
+def drive(engine: SpeculativeEngine, requests: list, arrivals: list[float] | None, max_in_flight: int) -> Traffic:
+    """Runs `requests` through the engine's step API, as the handler's continuous batching does.
+
+    With `arrivals` (seconds from the start), each request joins at the first step boundary after
+    it arrives (wall clock); without, a closed loop: each joins as soon as fewer than
+    `max_in_flight` are in flight. At most `max_in_flight` run at once either way.
+    """
     num = len(requests)
-    first_at, first_tokens, done_at, results = [0.0] * num, [0] * num, [0.0] * num, [None] * num
+    sent, first_at, first_tokens, done_at = [0.0] * num, [0.0] * num, [0] * num, [0.0] * num
+    results, steps = [None] * num, []
     next_index, started = 0, time.perf_counter()
     while next_index < num or engine.has_unfinished_requests():
         now = time.perf_counter() - started
-        while next_index < num and arrivals[next_index] <= now and engine.num_active_requests < max_in_flight:
+        while next_index < num and engine.num_active_requests < max_in_flight:
+            if arrivals is not None and arrivals[next_index] > now:
+                break
+            sent[next_index] = now if arrivals is None else arrivals[next_index]
             engine.add_request(next_index, requests[next_index])
             next_index += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, arrivals[next_index] - now))
             continue
+        num_steps = engine.num_steps
         outputs = engine.step()
         now = time.perf_counter() - started
+        if engine.num_steps > num_steps:  # a step that only admitted requests keeps no record
+            steps.append(engine.recent_steps[-1])
         for output in outputs:
             index = output.request_id
             if not first_tokens[index] and output.new_token_ids:
                 first_at[index], first_tokens[index] = now, len(output.new_token_ids)
             if output.result is not None:
                 done_at[index], results[index] = now, output.result
+    return Traffic(sent, first_at, first_tokens, done_at, results, steps)
+
+
+def run_load(engine: SpeculativeEngine, requests: list, arrivals: list[float], max_in_flight: int) -> dict:
+    """Adds each request at the first step boundary after its arrival (wall clock), at most max_in_flight at once."""
+    traffic = drive(engine, requests, arrivals, max_in_flight)
+    first_at, first_tokens, done_at, results = traffic.first_at, traffic.first_tokens, traffic.done_at, traffic.results
     completion = [len(result.token_ids) for result in results]
     ttft = [first - arrival for first, arrival in zip(first_at, arrivals)]
     # Decode speed after the first token: what a streaming client sees once the answer starts.
