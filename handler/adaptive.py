@@ -124,12 +124,24 @@ def plan_batch(
     max_model = max(len(offer.model) - 1 for offer in offers)
     max_lookup = max(max(len(offer.lookup), len(offer.tree or ())) - 1 for offer in offers)
     with_trees = (False, True) if any(offer.tree is not None for offer in offers) else (False,)
+    if not explore and max(max_model, max_lookup):
+        plain = _plain_if_bound(offers, max_lookup, max_model, with_trees, step_seconds)
+        if plain is not None:
+            return plain
     best: BatchPlan | None = None
     explored: BatchPlan | None = None
     for trees in with_trees:
+        # Per row: the look-up this pass verifies (its tree, where trees are verified) and its model
+        # curve, taken out of the offers once: the loops below run every step, for every row.
+        rows = [
+            (offer.tree, offer.model, offer.passes, True)
+            if trees and offer.tree is not None
+            else (offer.lookup, offer.model, offer.passes, False)
+            for offer in offers
+        ]
         for drafts in range(max_model + 1):
             for width in range(drafts, max(drafts, max_lookup) + 1):
-                plan = _priced(offers, width, drafts, trees, step_seconds)
+                plan = _priced(rows, width, drafts, step_seconds)
                 if plan.width == 0 and (width or drafts):
                     continue  # nothing to draft: the same as plain decoding
                 rate = plan.tokens / plan.seconds
@@ -142,25 +154,64 @@ def plan_batch(
     return explored if explore and best.width == 0 and explored is not None else best
 
 
-def _priced(
-    offers: Sequence[Offer], width: int, drafts: int, trees: bool, step_seconds: Callable[[int, float, bool], float]
-) -> BatchPlan:
+def _plain_if_bound(
+    offers: Sequence[Offer],
+    max_lookup: int,
+    max_model: int,
+    with_trees: tuple[bool, ...],
+    step_seconds: Callable[[int, float, bool], float],
+) -> BatchPlan | None:
+    """Plain decoding where no plan can beat it, checked from bounds, else None.
+
+    A plan that drafts gives at most each row's best expected tokens (its look-up's alone where no
+    row drafts with the model), and costs at least the cheapest verify pass of a width it can have,
+    with one draft pass where a row drafts with the model (`step_seconds` never takes seconds off
+    for more passes, and a model draft takes at least one). Where both bounds are no faster than
+    plain decoding, neither is any plan: a batch that has stopped drafting under load plans in
+    O(rows + widths) rather than O(rows x plans), and a step's own time matters most where the
+    passes are fast, on a GPU.
+    """
+    num_rows = len(offers)
+    plain_seconds = step_seconds(0, 0.0, False)
+    plain_rate = num_rows / plain_seconds * (1.0 + 1e-9)
+    if max_lookup:
+        most_tokens = sum(max(offer.lookup[-1], offer.tree[-1] if offer.tree else 1.0) for offer in offers)
+        least_seconds = min(step_seconds(w, 0.0, trees) for trees in with_trees for w in range(1, max_lookup + 1))
+        if most_tokens / least_seconds > plain_rate:
+            return None
+    if max_model:
+        most_tokens = sum(
+            max(offer.lookup[-1], offer.model[-1], offer.tree[-1] if offer.tree else 1.0) for offer in offers
+        )
+        widths = range(1, max(max_lookup, max_model) + 1)
+        least_seconds = min(step_seconds(w, 1.0, trees) for trees in with_trees for w in widths)
+        if most_tokens / least_seconds > plain_rate:
+            return None
+    return BatchPlan((0,) * num_rows, (False,) * num_rows, False, 0.0, float(num_rows), plain_seconds)
+
+
+# Per row, for `_priced`: the look-up's curve it verifies, its model curve, its passes, whether the look-up is a tree.
+_Row = tuple[Sequence[float], Sequence[float], Callable[[int], float] | None, bool]
+
+
+def _priced(rows: list[_Row], width: int, drafts: int, step_seconds: Callable[[int, float, bool], float]) -> BatchPlan:
     """The plan of width `width` and `drafts` model drafts: each row's better way, and the step's cost."""
     ks, uses_model, tokens, passes, any_tree = [], [], 0.0, 0.0, False
-    for offer in offers:
-        lookup = offer.tree if trees and offer.tree is not None else offer.lookup
+    for lookup, model, row_passes, is_tree in rows:
         num_lookup = min(width, len(lookup) - 1)
-        num_model = min(drafts, len(offer.model) - 1)
-        if num_model and offer.model[num_model] > lookup[num_lookup]:
+        num_model = min(drafts, len(model) - 1)
+        if num_model and model[num_model] > lookup[num_lookup]:
             ks.append(num_model)
             uses_model.append(True)
-            tokens += offer.model[num_model]
-            passes = max(passes, offer.passes(num_model) if offer.passes else float(num_model))
+            tokens += model[num_model]
+            needed = row_passes(num_model) if row_passes else float(num_model)
+            if needed > passes:
+                passes = needed
         else:
             ks.append(num_lookup)
             uses_model.append(False)
             tokens += lookup[num_lookup]
-            any_tree = any_tree or (lookup is offer.tree and num_lookup > 0)
+            any_tree = any_tree or (is_tree and num_lookup > 0)
     seconds = step_seconds(max(ks), passes, any_tree)
     return BatchPlan(tuple(ks), tuple(uses_model), any_tree, passes, tokens, seconds)
 

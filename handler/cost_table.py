@@ -92,6 +92,8 @@ class CostTable:
     batch_sizes: tuple[int, ...]
     target: tuple[tuple[float, ...], ...]
     draft: tuple[float, ...] | None = None
+    # (batch size, width) -> target seconds: the planner asks for the same few shapes every step.
+    _memo: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         assert self.widths and self.widths[0] == 1 and list(self.widths) == sorted(set(self.widths)), self.widths
@@ -111,9 +113,12 @@ class CostTable:
 
         Bilinear between grid points; past the grid, extrapolated from its edge.
         """
-        assert batch_size >= 1 and width >= 1, (batch_size, width)
-        by_batch = [_interpolate(self.widths, row, width) for row in self.target]
-        return _interpolate(self.batch_sizes, by_batch, batch_size)
+        seconds = self._memo.get((batch_size, width))
+        if seconds is None:
+            assert batch_size >= 1 and width >= 1, (batch_size, width)
+            by_batch = [_interpolate(self.widths, row, width) for row in self.target]
+            seconds = self._memo[batch_size, width] = _interpolate(self.batch_sizes, by_batch, batch_size)
+        return seconds
 
     def draft_seconds(self, batch_size: int) -> float:
         """The draft's step over one new token for each of `batch_size` rows."""
@@ -210,6 +215,7 @@ class RunningCostTable:
         # their seconds over a chain pass's of the same shape, as the corrected table prices it.
         self.tree_ratios: list[float] = []
         self._tree_median: float | None = None
+        self._buckets: dict[int, int] = {}
 
     @property
     def tree_factor(self) -> float:
@@ -232,7 +238,11 @@ class RunningCostTable:
 
     def _bucket(self, batch_size: int) -> int:
         """The table's batch size nearest to `batch_size` (by ratio): whose shape it shares."""
-        return min(self.table.batch_sizes, key=lambda grid: abs(math.log(grid / batch_size)))
+        bucket = self._buckets.get(batch_size)
+        if bucket is None:
+            bucket = min(self.table.batch_sizes, key=lambda grid: abs(math.log(grid / batch_size)))
+            self._buckets[batch_size] = bucket
+        return bucket
 
     def target_seconds(self, batch_size: int, width: int) -> float:
         shape = self._shape_medians.get((self._bucket(batch_size), width), 1.0)

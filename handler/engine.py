@@ -1094,18 +1094,26 @@ class SpeculativeEngine:
             for row, option in zip(rows, options)
         ]
 
+        priced: dict[tuple[int, float, bool], float] = {}  # the plans below ask for the same shapes
+
+        def pass_seconds(width: int, passes: float, trees: bool) -> float:
+            seconds = priced.get((width, passes, trees))
+            if seconds is None:
+                seconds = priced[width, passes, trees] = self._pass_seconds(batch_size, width, passes, trees)
+            return seconds
+
         def seconds_with(fill_seconds: float) -> Callable[[int, float, bool], float]:
-            return lambda width, passes, trees: (
-                self._pass_seconds(batch_size, width, passes, trees) + (fill_seconds if passes else 0.0)
-            )
+            return lambda width, passes, trees: pass_seconds(width, passes, trees) + (fill_seconds if passes else 0.0)
 
         # The same offers where a row the draft has not prefilled cannot draft with the model.
         filled_only = [
             dataclasses.replace(offer, model=(1.0,)) if share else offer for share, offer in zip(fill, offers)
         ]
         plan = plan_batch(offers, seconds_with(sum(fill)), explore)
-        # While the pool learns the acceptance, the plan drafts, a prefill included.
-        if any(fill) and not explore:
+        # While the pool learns the acceptance, the plan drafts, a prefill included. Where no row the
+        # draft holds could draft with it, the alternative's plans are all plans above, none dearer.
+        filled_model_rows = any(not share and option.model_curve is not None for share, option in zip(fill, options))
+        if any(fill) and filled_model_rows and not explore:
             without = plan_batch(filled_only, seconds_with(0.0))
             if without.tokens / without.seconds > plan.tokens / plan.seconds * (1.0 + 1e-9):
                 plan = without

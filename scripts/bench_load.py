@@ -396,6 +396,7 @@ def parse_args(argv):
     parser.add_argument("--config", default=str(bench.DEFAULT_CONFIG))
     parser.add_argument("--dtype", default=None, help="override the config's dtype")
     parser.add_argument("--draft-quantization", default=None, help="override the config's draft_quantization")
+    parser.add_argument("--drafter", default=None, help="override the config's drafter (the shipped row's)")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
     parser.add_argument("--concurrency", default="1,2,4,8,16", help="closed-loop client counts")
     parser.add_argument(
@@ -415,6 +416,9 @@ def parse_args(argv):
         default=32,
         help="warm-up: each engine serves 2C requests of this many tokens at each C first (0: 4 requests at C=1)",
     )
+    parser.add_argument(
+        "--gpu-id", default=None, help="serve on this CUDA device, as TorchServe's gpu_id (default: the CPU)"
+    )
     parser.add_argument("--out-dir", default="bench_results")
     args = parser.parse_args(argv)
     args.rows = [key.strip() for key in args.rows.split(",") if key.strip()]
@@ -432,7 +436,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     started, load_at_start = time.perf_counter(), os.getloadavg()[0]
     config = bench.bench_config(args)
-    models = load_models(config, None)
+    if args.drafter:
+        config = dataclasses.replace(config, drafter=args.drafter)
+    models = load_models(config, None, args.gpu_id)
     machine = bench.machine_info()
     logger.info("machine: %s", machine["description"])
     batch_room = max(args.max_in_flight, *args.concurrency)

@@ -17,7 +17,13 @@ to OUT_DIR, section by section, so a run cut short keeps what it measured:
    time minus the model passes) against the target's verify pass;
 5. HF assisted generation on the same models (draft = target, and the 0.5B draft);
 6. the predicted speedup E/(kc+1) at the acceptance the real pair shows on the CPU,
-   chains against chain-with-siblings trees, from the measured verify costs.
+   chains against chain-with-siblings trees, from the measured verify costs;
+7. (`--sections load`) the load benchmark, `scripts.bench_load`, on the 1.5B target
+   and the 0.5B draft saved to a temporary folder: the shipped config (its planner
+   and a cost table measured at start on this device) against plain decoding and a
+   fixed k = 2, closed loop at C 1..16 and Poisson arrivals. Its load.md, load.json
+   and load.png go to OUT_DIR/load. `--sections load-fp32` runs it in float32 (C 1, 4
+   and 16), where every row's outputs must equal plain decoding's: OUT_DIR/load-fp32.
 
 Random weights make the 0.5B draft and the targets disagree, so the rows with the
 0.5B draft measure how each method behaves when drafts are rejected, not a real pair's speedup.
@@ -453,6 +459,46 @@ def compiled_passes(setup: Setup, passes: dict[str, dict[str, float]]) -> None:
     )
 
 
+def load_rows(setup: Setup, out_dir: str, max_new_tokens: int, exactness: bool = False) -> None:
+    """Section 7: `scripts.bench_load` on the 1.5B target and the 0.5B draft, served on this device.
+
+    exactness: in float32 (models built afresh), where every row's outputs must equal plain
+    decoding's under continuous batching; else in the setup's dtype (bf16 on a GPU), for speed.
+    """
+    from scripts import bench_load
+
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="gpu-check-load-"))
+    on_gpu = setup.device.type == "cuda"
+    dtype = torch.float32 if exactness or not on_gpu else torch.bfloat16
+    shapes = SHAPES if on_gpu else TINY_SHAPES
+    for name, role in (("1.5B", "target"), ("0.5B", "draft")):
+        model = (
+            setup.models[name] if dtype == setup.models[name].dtype else build_model(shapes[name], setup.device, dtype)
+        )
+        model.save_pretrained(folder / role)
+        setup.tokenizer.save_pretrained(folder / role)
+        del model
+    name = "load-fp32" if exactness else "load"
+    argv = [
+        "--target", str(folder / "target"), "--draft", str(folder / "draft"),
+        "--dtype", str(dtype).replace("torch.", ""), "--draft-quantization", "none",
+        "--rows", "shipped,plain,k2", "--max-new-tokens", str(max_new_tokens), "--out-dir", os.path.join(out_dir, name),
+    ]  # fmt: skip
+    try:
+        import arctic_inference  # noqa: F401 - the hybrid drafter's suffix trees
+    except ImportError:
+        argv += ["--drafter", "model"]  # the shipped hybrid drafts from suffix trees it cannot build here
+    if on_gpu:
+        argv += ["--gpu-id", str(setup.device.index or 0), "--concurrency", "1,4,16" if exactness else "1,4,8,16"]
+    else:
+        argv += ["--concurrency", "1,2", "--open-requests", "4", "--warm-tokens", "4"]
+    argv += ["--rates", ""] if exactness else ([] if on_gpu else ["--rates", "20"])
+    bench_load.main(argv)
+    with open(os.path.join(out_dir, name, "load.md"), encoding="utf-8") as file:
+        lines = file.read().splitlines()
+    setup.report.section(f"Load ({name}, scripts.bench_load)", {"argv": argv}, lines)
+
+
 def guarded(report: Report, name: str, section: Callable[[], Any]) -> Any:
     """Runs a section; a failure is written to the report and the next section still runs."""
     try:
@@ -471,7 +517,9 @@ def main(argv: list[str] | None = None) -> int:
         "--sections",
         default="sweep,engine,profile,assisted",
         help="comma-separated, after the pass times: sweep (and the predicted speedups), engine, profile, "
-        "assisted, compile (torch.compile of the static passes; minutes of compiling)",
+        "assisted, compile (torch.compile of the static passes; minutes of compiling), "
+        "load (scripts.bench_load on the 1.5B target and 0.5B draft, bf16), load-fp32 (the same in float32: "
+        "outputs equal plain decoding's)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4, help="drafts per step of the engine rows")
@@ -520,6 +568,10 @@ def main(argv: list[str] | None = None) -> int:
         predicted_speedups(setup, passes, sweep)
     if "compile" in sections:
         guarded(report, "Compile", lambda: compiled_passes(setup, passes))
+    if "load" in sections:
+        guarded(report, "Load", lambda: load_rows(setup, args.out_dir, min(args.max_new_tokens, 64)))
+    if "load-fp32" in sections:
+        guarded(report, "Load fp32", lambda: load_rows(setup, args.out_dir, 48, exactness=True))
     return 0
 
 

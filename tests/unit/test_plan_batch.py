@@ -152,3 +152,42 @@ def test_the_plan_is_the_best_of_every_assignment_of_drafts_to_rows(seed):
         best = max(best, tokens / seconds(max(k for _, k in assignment), passes, False))
     assert chosen.tokens / chosen.seconds == pytest.approx(best)
     assert chosen.seconds == pytest.approx(seconds(chosen.width, chosen.draft_passes, False))
+
+
+def test_the_bound_that_skips_planning_never_changes_the_plan(monkeypatch):
+    """A batch that cannot gain is planned plain from a bound: the same plan as pricing every
+    (width, drafts) pair, over random batches where plain decoding wins and where it loses."""
+    import random
+
+    from handler import adaptive
+
+    rng = random.Random(7)
+    cases = []
+    for _ in range(400):
+        per_token = rng.uniform(0.0, 0.3)  # from GPU-like (flat verify) to CPU-like under load
+        costs = table(lambda width, s=per_token: 1.0 + s * (width - 1), draft=rng.uniform(0.02, 0.6))
+        offers = []
+        for _ in range(rng.randint(1, 6)):
+            acceptance = rng.uniform(0.0, 0.95) ** rng.choice((1, 2))  # often low: a batch that stopped drafting
+            kind = rng.choice(("model", "lookup", "both", "tree", "none"))
+            model_curve = model(acceptance, cap=rng.randint(1, 6)).model if kind in ("model", "both") else (1.0,)
+            lookup_curve = lookup(acceptance, rng.randint(0, 5)).lookup if kind in ("lookup", "both") else (1.0,)
+            tree_curve = lookup(min(1.0, acceptance * 1.5), 6).lookup if kind == "tree" else None
+            offers.append(Offer(lookup=lookup_curve, tree=tree_curve, model=model_curve))
+        cases.append((offers, step_seconds(costs, len(offers), tree_factor=rng.uniform(0.9, 1.5))))
+
+    fired = []
+    original = adaptive._plain_if_bound
+
+    def counted(*args):
+        plan = original(*args)
+        fired.append(plan is not None)
+        return plan
+
+    monkeypatch.setattr(adaptive, "_plain_if_bound", counted)
+    bounded = [plan_batch(offers, seconds) for offers, seconds in cases]
+    monkeypatch.setattr(adaptive, "_plain_if_bound", lambda *args: None)
+    priced = [plan_batch(offers, seconds) for offers, seconds in cases]
+    assert [(p.ks, p.uses_model, p.trees) for p in bounded] == [(p.ks, p.uses_model, p.trees) for p in priced]
+    assert 20 <= sum(fired) <= len(fired) - 20, sum(fired)  # both kinds of batch occurred
+    assert any(p.width for p in priced)
