@@ -47,3 +47,21 @@ def test_gpu_check_refuses_cuda_without_a_gpu(monkeypatch):
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit):
         gpu_check.main(["out", "--device", "cuda"])
+
+
+def test_the_load_sections_serve_the_pair_and_keep_every_output_equal_to_plain(tmp_path):
+    """The load sections save the pair, run scripts.bench_load on it and report; in float32 no row's
+    outputs differ from plain decoding's."""
+    argv = [str(tmp_path), "--device", "cpu", "--skip-tests", "--sections", "load,load-fp32", "--repeats", "1"]
+    assert gpu_check.main(argv) == 0
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(data) == ["header", "Pass times and c", "Load (load, scripts.bench_load)",
+                          "Load (load-fp32, scripts.bench_load)"]  # fmt: skip
+    for name in ("load", "load-fp32"):
+        report = json.loads((tmp_path / name / "load.json").read_text())
+        assert report["settings"]["dtype"] == "float32"
+        for load, rows in report["loads"].items():
+            assert set(rows) == {"shipped", "plain", "k2"}, load
+            assert all(cell["outputs_differ"] == 0 for cell in rows.values()), (name, load)
+        assert (tmp_path / name / "load.png").stat().st_size > 0
+    assert "--rates" in data["Load (load-fp32, scripts.bench_load)"]["argv"]
