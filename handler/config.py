@@ -276,6 +276,10 @@ class HandlerConfig:
     # Bytes the prefix cache holds, both models together. 0 = automatic: a quarter of the
     # memory available at start-up (handler.memory_budget). YAML may write "4GiB" or "2GB".
     prefix_cache_max_bytes: int = 0
+    # The Responses route's store of responses (previous_response_id): in memory, least recently
+    # used out first, bounded in responses and in bytes (their conversations' JSON). 0 responses: none kept.
+    responses_store_max_entries: int = 1024
+    responses_store_max_bytes: int = 64 * 2**20
     # The suffix drafter (handler.drafters.suffix): tree depth, the lowest estimated probability a
     # proposal keeps, whether one request's output may be proposed for another's, and the bounds of
     # the tree of recent outputs (0 requests: no such tree).
@@ -396,6 +400,15 @@ class HandlerConfig:
         values["grammar_compile_timeout_s"] = timeout
         values["prefix_cache_max_bytes"] = _bytes(
             "handler.prefix_cache_max_bytes", raw.get("prefix_cache_max_bytes", default.prefix_cache_max_bytes)
+        )
+        values["responses_store_max_entries"] = _int(
+            "handler.responses_store_max_entries",
+            raw.get("responses_store_max_entries", default.responses_store_max_entries),
+            0,
+        )
+        values["responses_store_max_bytes"] = _bytes(
+            "handler.responses_store_max_bytes",
+            raw.get("responses_store_max_bytes", default.responses_store_max_bytes),
         )
         values["suffix_max_depth"] = _int(
             "handler.suffix_max_depth", raw.get("suffix_max_depth", default.suffix_max_depth), 1, MAX_SUFFIX_DEPTH

@@ -48,6 +48,7 @@ COUNTERS = {
     "SpecTreeNodes": "draft tokens those trees held, all branches counted",
     "SpecTreeAcceptedDepth": "draft tokens those trees' accepted paths held",
     "SpecTreeOtherBranch": "tree steps whose accepted path left the first-choice branch",
+    "SpecResponsesEvicted": "stored responses evicted from the Responses store (least recently used first)",
 }
 GAUGES = {
     "SpecBatchOccupancy": "rows in the engine's running batch at the last step (a request, or an OpenAI choice)",
@@ -57,6 +58,8 @@ GAUGES = {
     "SpecTargetCostPercent": "a target pass's time as a percent of the start-up cost table's (CPU; 100: as measured)",
     "SpecDraftCostPercent": "a draft step's time as a percent of the start-up cost table's (CPU; 100: as measured)",
     "SpecDraftingRowsPercent": "rows that drafted, as a percent of the rows of the steps since the last value",
+    "SpecResponsesStored": "responses held in the Responses store (previous_response_id)",
+    "SpecResponsesStoreBytes": "bytes of the conversations the Responses store holds",
 }
 HISTOGRAMS = {
     "SpecRequestLatencySeconds": "handler time from the request's arrival to its last token",
@@ -168,6 +171,13 @@ class MetricsRecorder:
         if num_bytes is not None:
             self._add("SpecPrefixCacheBytes", num_bytes, BYTES_UNIT, MetricTypes.GAUGE)
 
+    def record_response_store(self, num_responses: int, num_bytes: int, num_evictions: int) -> None:
+        """The Responses store: the responses and bytes it holds, and its evictions since the last recording."""
+        self._add("SpecResponsesStored", num_responses, COUNT_UNIT, MetricTypes.GAUGE)
+        self._add("SpecResponsesStoreBytes", num_bytes, BYTES_UNIT, MetricTypes.GAUGE)
+        if num_evictions > 0:
+            self._add("SpecResponsesEvicted", num_evictions, COUNT_UNIT, MetricTypes.COUNTER)
+
     def record_suffix_tree(self, num_requests: int, num_tokens: int) -> None:
         """The suffix drafter's shared tree: the completions it holds, and their tokens."""
         self._add("SpecSuffixTreeRequests", num_requests, COUNT_UNIT, MetricTypes.GAUGE)
@@ -260,6 +270,21 @@ class SuffixTreeTally:
         if stats != self.last:
             metrics.record_suffix_tree(stats.num_requests, stats.num_tokens)
             self.last = stats
+
+
+class ResponseStoreTally:
+    """Sends the Responses store's size when it changed since the last recording, and its new evictions."""
+
+    def __init__(self) -> None:
+        self.last: tuple[int, int] | None = None
+        self.evictions = 0
+
+    def record(self, metrics: MetricsRecorder, store) -> None:
+        """Args: store: a `handler.api.openai.responses.ResponseStore`."""
+        size = (len(store), store.num_bytes)
+        if size != self.last or store.num_evictions != self.evictions:
+            metrics.record_response_store(*size, store.num_evictions - self.evictions)
+            self.last, self.evictions = size, store.num_evictions
 
 
 class CostScaleTally:

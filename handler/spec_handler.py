@@ -21,13 +21,21 @@ from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.torch_handler.base_handler import BaseHandler
 
 from handler.api.openai.requests import Route, route_from_url_path
+from handler.api.openai.responses import ResponseStore
 from handler.config import handler_config_from_yaml_config
 from handler.constraints import compiler_for
 from handler.cost_table import measure_cost_table
 from handler.engine import SpeculativeEngine
 from handler.loading import load_models
 from handler.memory_budget import describe, prefix_cache_budget
-from handler.metrics import CostScaleTally, MetricsRecorder, PlanTally, PrefixCacheTally, SuffixTreeTally
+from handler.metrics import (
+    CostScaleTally,
+    MetricsRecorder,
+    PlanTally,
+    PrefixCacheTally,
+    ResponseStoreTally,
+    SuffixTreeTally,
+)
 from handler.runners import config_runner
 from handler.schema import RequestError
 from handler.serving import ContinuousBatcher, Reply, StaticBatch, parse_entry
@@ -76,6 +84,10 @@ class SpeculativeHandler(BaseHandler):
         self.suffix_tree_tally = SuffixTreeTally()
         self.cost_scale_tally = CostScaleTally()
         self.plan_tally = PlanTally()
+        self.response_store = ResponseStore(
+            self.config.responses_store_max_entries, self.config.responses_store_max_bytes
+        )
+        self.response_store_tally = ResponseStoreTally()
         # The grammar engine's view of the vocabulary (about 1 s for 150k tokens), built now
         # rather than inside the first structured request while the batch waits.
         try:
@@ -118,6 +130,7 @@ class SpeculativeHandler(BaseHandler):
         self.suffix_tree_tally.record(metrics, self.engine.suffix_tree_stats)
         self.cost_scale_tally.record(metrics, self.engine.cost_scales)
         self.plan_tally.record(metrics, self.engine.num_steps, self.engine.recent_steps)
+        self.response_store_tally.record(metrics, self.response_store)
         return self._answer(replies)
 
     def preprocess(self, data):
@@ -128,7 +141,15 @@ class SpeculativeHandler(BaseHandler):
         tokenizer, max_context = self.models.tokenizer, self.models.max_context
         route = self._route(index)
         return parse_entry(
-            row, self._content_type(index), self.config, tokenizer, max_context, route, self.model_name, self.created
+            row,
+            self._content_type(index),
+            self.config,
+            tokenizer,
+            max_context,
+            route,
+            self.model_name,
+            self.created,
+            self.response_store,
         )
 
     def _answer(self, replies: list[Reply]) -> list:

@@ -461,12 +461,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             register(management_url, management_headers, args.register_timeout)
 
-        step(5, "Sending four requests (three open-ended, one input-grounded), then three through the openai client")
+        step(5, "Sending four requests (three open-ended, one input-grounded), then five through the openai client")
         run_requests(inference_url, args.max_new_tokens)
         print("\n--- chat through the openai client (OpenAI-compatible API) ---", flush=True)
         openai_demo.run(inference_url, MODEL_NAME, torchserve.read_key(KEY_FILE), args.max_new_tokens)
         print("\n--- a tool call and a JSON-schema answer through the openai client ---", flush=True)
         openai_demo.run_structured(inference_url, MODEL_NAME, torchserve.read_key(KEY_FILE))
+        print("\n--- the Responses API, continued with previous_response_id ---", flush=True)
+        openai_demo.run_responses(inference_url, MODEL_NAME, torchserve.read_key(KEY_FILE))
     except (DemoError, torchserve.ClientError) as error:
         print(f"\ndemo failed: {error}", file=sys.stderr)
         return 1

@@ -3,7 +3,9 @@
 `run` streams one chat answer; `run_structured` sends one tool call
 (`tools` with `tool_choice: "required"`: the output is constrained to a call
 whose arguments validate against the function's parameters) and one
-`response_format: json_schema` request, and prints what came back.
+`response_format: json_schema` request, and prints what came back;
+`run_responses` sends one Responses API call and continues it with
+`previous_response_id`.
 
 The OpenAI-compatible routes live under
 `{inference_url}/predictions/{model}/{version}/v1`; with token authorization
@@ -176,6 +178,33 @@ def run_structured(inference_url: str, model_name: str, api_key: str | None, out
     return calls, record
 
 
+def run_responses(
+    inference_url: str, model_name: str, api_key: str | None, max_tokens: int = 48, out: TextIO = sys.stdout
+) -> tuple:
+    """One Responses API call, then one that continues it with previous_response_id; returns both responses.
+
+    Raises:
+        torchserve.ClientError: the server refused a request or could not be reached.
+    """
+    client = _client(inference_url, model_name, api_key)
+    with _client_errors(client):
+        question = "Name one Python web framework."
+        out.write(f">>> {question}  [the Responses API, then previous_response_id]\n")
+        first = client.responses.create(
+            model=model_name, instructions="Answer in one sentence.", input=question, max_output_tokens=max_tokens
+        )
+        out.write(f"{first.output_text}\n")
+        second = client.responses.create(
+            model=model_name, input="And one more.", previous_response_id=first.id, max_output_tokens=max_tokens
+        )
+        usage = second.usage
+        out.write(f"{second.output_text}\n")
+        out.write(
+            f"[{usage.input_tokens_details.cached_tokens} of {usage.input_tokens} input tokens from the prefix cache]\n"
+        )
+    return first, second
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default=torchserve.DEFAULT_INFERENCE_URL, help="TorchServe inference address")
@@ -193,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         run(args.url, args.model, key, args.max_tokens)
         print()
         run_structured(args.url, args.model, key)
+        print()
+        run_responses(args.url, args.model, key)
     except torchserve.ClientError as error:
         print(f"openai demo failed: {error}", file=sys.stderr)
         return 1

@@ -49,6 +49,7 @@ def parse_entry(
     route: Route | None = None,
     model_name: str = "",
     created: int = 0,
+    response_store=None,
 ) -> Entry:
     """One TorchServe request entry -> what serves it (never raises).
 
@@ -58,6 +59,7 @@ def parse_entry(
         config, tokenizer, max_context: the request rules (`handler.api.native.parse_request`).
         route: its route, from the `url_path` header; None for the native contract.
         model_name, created: the served model's name and load time (OpenAI routes).
+        response_store: the Responses route's store of responses.
     Returns:
         A ParsedRequest or OpenAIRequest for the engine; on an OpenAI route, a
         ready Reply for the model list or an error (OpenAI's body); on the native
@@ -68,7 +70,7 @@ def parse_entry(
         body = row.get("body", row.get("data")) if isinstance(row, dict) else row
         if openai:
             parsed = openai_requests.parse_openai_entry(
-                route, body, content_type, config, tokenizer, max_context, model_name, created
+                route, body, content_type, config, tokenizer, max_context, model_name, created, response_store
             )
             if isinstance(parsed, dict):
                 return Reply(parsed, content_type=JSON_CONTENT_TYPE)
@@ -152,6 +154,10 @@ class Answer(Protocol):
 
 
 def answer_for(parsed: ParsedRequest | OpenAIRequest, tokenizer) -> Answer:
+    if isinstance(parsed, OpenAIRequest) and parsed.kind == openai_requests.ROUTE_RESPONSES:
+        from handler.api.openai.responses import ResponsesAnswer
+
+        return ResponsesAnswer(parsed, tokenizer)
     if isinstance(parsed, OpenAIRequest):
         return OpenAIAnswer(parsed, tokenizer)
     return NativeAnswer(parsed, tokenizer)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from handler.api.openai.responses import ResponseStore
 from handler.drafters.suffix import SuffixTreeStats
 from handler.engine import SpeculativeStats
-from handler.metrics import DRAFTER_DIMENSION, CostScaleTally, MetricsRecorder, PrefixCacheTally, SuffixTreeTally
+from handler.metrics import (
+    DRAFTER_DIMENSION,
+    CostScaleTally,
+    MetricsRecorder,
+    PrefixCacheTally,
+    ResponseStoreTally,
+    SuffixTreeTally,
+)
 from handler.prefix_cache import PrefixCacheStats
 
 
@@ -88,6 +96,27 @@ def test_a_cache_that_is_off_records_nothing():
     cache = RecordingCache()
     PrefixCacheTally().record(MetricsRecorder(cache), None)
     assert cache.calls == []
+
+
+def test_the_response_store_gauges_go_out_when_it_changes_and_evictions_as_increments():
+    tally, cache, store = ResponseStoreTally(), RecordingCache(), ResponseStore(max_entries=1)
+    recorder = MetricsRecorder(cache)
+    tally.record(recorder, store)
+    assert [(name, value) for name, value, _ in cache.calls] == [
+        ("SpecResponsesStored", 0),
+        ("SpecResponsesStoreBytes", 0),
+    ]
+    cache.calls.clear()
+    tally.record(recorder, store)
+    assert cache.calls == [], "unchanged: nothing sent"
+    store.put("a", [{"role": "user", "content": "a"}])
+    store.put("b", [{"role": "user", "content": "b"}])  # evicts a
+    tally.record(recorder, store)
+    assert [(name, value) for name, value, _ in cache.calls] == [
+        ("SpecResponsesStored", 1),
+        ("SpecResponsesStoreBytes", store.num_bytes),
+        ("SpecResponsesEvicted", 1),
+    ]
 
 
 def test_the_suffix_tree_gauges_go_out_when_the_shared_tree_changes():

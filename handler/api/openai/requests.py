@@ -49,10 +49,16 @@ from handler.schema import REQUEST_FIELDS, SEED_RANGE, RequestError, integer_fie
 ROUTE_NATIVE = "native"
 ROUTE_COMPLETIONS = "completions"
 ROUTE_CHAT = "chat"
+ROUTE_RESPONSES = "responses"  # handler.api.openai.responses: translated into a chat request
 ROUTE_MODELS = "models"
 ROUTE_MODEL = "model"  # GET v1/models/{id}
 ROUTE_UNKNOWN = "unknown"
-PATHS = {"v1/completions": ROUTE_COMPLETIONS, "v1/chat/completions": ROUTE_CHAT, "v1/models": ROUTE_MODELS}
+PATHS = {
+    "v1/completions": ROUTE_COMPLETIONS,
+    "v1/chat/completions": ROUTE_CHAT,
+    "v1/responses": ROUTE_RESPONSES,
+    "v1/models": ROUTE_MODELS,
+}
 
 MAX_CHOICES = 8  # engine rows one request may take: prompts x n
 MAX_TOP_LOGPROBS = 20
@@ -176,7 +182,7 @@ def route_from_url_path(url_path: str | None) -> Route:
 class OpenAIRequest:
     """One validated OpenAI request: the engine rows it runs as, and how to answer it."""
 
-    kind: str  # ROUTE_COMPLETIONS | ROUTE_CHAT
+    kind: str  # ROUTE_COMPLETIONS | ROUTE_CHAT | ROUTE_RESPONSES
     model: str
     generations: tuple[GenerationRequest, ...]  # one row per choice, in choice order
     n: int
@@ -190,6 +196,9 @@ class OpenAIRequest:
     max_tool_calls: int | None = None  # calls kept per choice (1 with parallel_tool_calls: false); None: all
     id: str = ""
     created: int = 0
+    # A Responses request: what its response echoes and where it is stored
+    # (`handler.api.openai.responses.ResponsesContext`); None on the other routes.
+    responses: Any = None
 
     @property
     def num_prompts(self) -> int:
@@ -218,6 +227,7 @@ def parse_openai_entry(
     max_context: int,
     model_name: str,
     created: int,
+    response_store=None,
 ) -> OpenAIRequest | dict:
     """A request on an OpenAI route: the request for the engine, or the model list, answered without it.
 
@@ -228,6 +238,7 @@ def parse_openai_entry(
         config, tokenizer, max_context: as for `handler.api.native.parse_request`.
         model_name: the name this model is served under.
         created: when it was loaded (Unix seconds), for the model list.
+        response_store: the Responses route's store (`handler.api.openai.responses.ResponseStore`).
     Returns:
         An OpenAIRequest, or the JSON answer of v1/models.
     Raises:
@@ -238,6 +249,11 @@ def parse_openai_entry(
         return models_answer(route, model_name, created)
     if route.kind == ROUTE_UNKNOWN:
         raise unknown_route_error(route)
+    if route.kind == ROUTE_RESPONSES:
+        from handler.api.openai.responses import parse_responses_request
+
+        body = decode_openai_body(body, content_type)
+        return parse_responses_request(body, config, tokenizer, max_context, model_name, response_store)
     return parse_openai_request(
         route.kind, decode_openai_body(body, content_type), config, tokenizer, max_context, model_name
     )
@@ -579,7 +595,8 @@ def error_answer(error: RequestError) -> tuple[int, dict]:
 
 def unknown_route_error(route: Route) -> RequestError:
     return RequestError(
-        f"url: no route /{route.path}; this server has /v1/completions, /v1/chat/completions and /v1/models",
+        f"url: no route /{route.path}; this server has /v1/completions, /v1/chat/completions, /v1/responses "
+        "and /v1/models",
         status=404,
     )
 
