@@ -264,3 +264,20 @@ def server(java_runtime, model_archive, tmp_path_factory):
         pytest.fail(f"{error}\n{server.log_tail()}")
     finally:
         torchserve.stop_server(started)
+
+
+OPENAI_MODEL_VERSION = "1.0"  # scripts/package_mar.py
+
+
+@pytest.fixture(scope="module")
+def base_url(server) -> str:
+    """The OpenAI routes' base URL: TorchServe hands the handler what follows the version."""
+    return f"{server.inference_url}/predictions/{server.model_name}/{OPENAI_MODEL_VERSION}/v1"
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    """The official `openai` client on the test server (token auth is off there: any key passes)."""
+    import openai
+
+    return openai.OpenAI(base_url=base_url, api_key="unused", timeout=HTTP_TIMEOUT_S, max_retries=0)

@@ -18,19 +18,7 @@ from handler.api.openai.requests import choice_seed
 
 from .conftest import HTTP_TIMEOUT_S, counter
 
-MODEL_VERSION = "1.0"  # scripts/package_mar.py
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
-
-
-@pytest.fixture(scope="module")
-def base_url(server) -> str:
-    return f"{server.inference_url}/predictions/{server.model_name}/{MODEL_VERSION}/v1"
-
-
-@pytest.fixture(scope="module")
-def client(base_url) -> openai.OpenAI:
-    # Token auth is off on the test server: any key passes.
-    return openai.OpenAI(base_url=base_url, api_key="unused", timeout=HTTP_TIMEOUT_S, max_retries=0)
 
 
 def complete(client, server, **fields):

@@ -17,7 +17,6 @@ import pytest
 
 from .conftest import HTTP_TIMEOUT_S, counter
 
-MODEL_VERSION = "1.0"
 WEATHER_PARAMETERS = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 6}},
@@ -31,16 +30,6 @@ PERSON = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def base_url(server) -> str:
-    return f"{server.inference_url}/predictions/{server.model_name}/{MODEL_VERSION}/v1"
-
-
-@pytest.fixture(scope="module")
-def client(base_url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url, api_key="unused", timeout=HTTP_TIMEOUT_S, max_retries=0)
 
 
 def create(client, server, **fields):
