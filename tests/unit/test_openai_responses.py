@@ -315,3 +315,52 @@ def test_an_error_after_the_stream_began_is_an_error_event(tiny_tokenizer):
     payload = json.loads(event.split("\n")[1][len("data: ") :])
     assert payload["type"] == "error" and payload["message"] == "server: the worker failed"
     EVENTS.validate_python(payload)
+
+
+def test_both_schedules_serve_the_route_plain_and_streamed(tiny_tokenizer):
+    """The static batch and the continuous batcher answer a Responses request as they answer chat."""
+    from handler.api.entry import parse_entry
+    from handler.metrics import MetricsRecorder
+    from handler.serving import StaticBatch
+    from tests.unit.test_serving import TOKENIZER, FakeGenerateEngine, Harness, RecordingMetrics
+
+    route = route_from_url_path("v1/responses")
+    store = ResponseStore()
+
+    def entry(body: dict):
+        return parse_entry({"body": {"model": MODEL, **body}}, "application/json", CONFIG, tiny_tokenizer, 4096,
+                           route, MODEL, created=1, response_store=store)  # fmt: skip
+
+    engine = FakeGenerateEngine()
+    entries = [
+        entry({"input": "a", "max_output_tokens": 5}),
+        entry({"input": "b", "max_output_tokens": 5, "stream": True}),
+    ]
+    sent = []
+    replies = StaticBatch(engine, TOKENIZER).run(
+        entries, lambda index, text, _: sent.append(text), MetricsRecorder(RecordingMetrics())
+    )
+    plain = Response.model_validate(replies[0].body)
+    assert plain.output_text == engine.solo_text(entries[0].generations[0]) and plain.status == "incomplete"
+    events = [
+        json.loads(block.split("\n")[1][len("data: ") :])
+        for block in "".join([*sent, replies[1].body]).split("\n\n")
+        if block
+    ]
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.incomplete"
+    assert accumulate(events).output_text == engine.solo_text(entries[1].generations[0])
+    assert len(store) == 2
+
+    batcher = Harness().batcher
+    batcher.tokenizer = TOKENIZER
+    new = {"c": entry({"input": "c", "max_output_tokens": 4, "stream": True})}
+    bodies = []
+    for _ in range(10):
+        [reply] = batcher.run_call(["c"], new, MetricsRecorder(RecordingMetrics()))
+        bodies.append(reply.body)
+        new = {}
+        if reply.more is False:
+            break
+    events = [json.loads(block.split("\n")[1][len("data: ") :]) for block in "".join(bodies).split("\n\n") if block]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.incomplete" and len(store) == 3
