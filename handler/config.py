@@ -24,6 +24,8 @@ SPECULATIVE_TREE_MODES = ("auto", "off")
 # handler.runner: how the models hold the running batch's KV and run their passes (handler.runners);
 # auto times both at start-up and keeps the faster.
 RUNNER_MODES = ("auto", "dynamic", "static")
+# auto, then handler.api.openai.tools.FORMAT_NAMES (vLLM's parser names; a unit test keeps them equal).
+TOOL_CALL_PARSERS = ("auto", "hermes", "mistral", "llama3_json")
 # Who proposes drafts (handler.drafters): DRAFTERS, of which MODEL_FREE need no draft model.
 # Longest n-gram the look-up matches; longer suffixes rarely add matches.
 MAX_PROMPT_LOOKUP = 16
@@ -294,6 +296,9 @@ class HandlerConfig:
     # dynamic: the KV grows and is cropped (the CPU's usual winner); static: preallocated KV in row
     # slots with fixed shapes, captured as CUDA graphs on a GPU; auto: whichever passes run faster here.
     runner: str = "auto"
+    # The chat template's tool-call format: auto (recognised from the template) or one of vLLM's
+    # parser names (handler.api.openai.tools.FORMATS), for a template that renders tools its own way.
+    tool_call_parser: str = "auto"
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
     @property
@@ -441,6 +446,13 @@ class HandlerConfig:
                 f"model-config.yaml: handler.runner must be one of {', '.join(RUNNER_MODES)}, got {runner!r}"
             )
         values["runner"] = runner
+        parser = raw.get("tool_call_parser", default.tool_call_parser)
+        if parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"model-config.yaml: handler.tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"got {parser!r}"
+            )
+        values["tool_call_parser"] = parser
         values["sampling"] = SamplingParams.from_dict(raw.get("sampling", {}))
         return cls(**values)
 

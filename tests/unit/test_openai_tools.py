@@ -245,7 +245,7 @@ FUNCTIONS = (
 def test_the_grammar_compiles_and_takes_exactly_valid_calls(tmp_path_factory, added_tokens):
     tokenizer = load_tokenizer(tmp_path_factory, TOOL_TEMPLATE, added_tokens)
     markers = token_markers(tokenizer, HERMES)
-    assert markers == frozenset(added_tokens)
+    assert set(markers) == set(added_tokens)
     weather = call_text("get_weather", {"city": "Paris"})
     booking = call_text("book", {"day": "tue"})
 
@@ -274,7 +274,7 @@ def test_the_grammar_takes_what_the_template_writes_for_a_call(tool_tokenizer):
     )
     written = re.findall(r"<tool_call>\n\{.*?</tool_call>", rendered, re.DOTALL)[-1]  # the call, not the example
     assert "Nice" in written
-    assert accepts(HERMES.grammar(FUNCTIONS, True, frozenset()), tool_tokenizer, written)
+    assert accepts(HERMES.grammar(FUNCTIONS, True, {}), tool_tokenizer, written)
 
 
 # ---------------------------------------------------------------------------
@@ -316,12 +316,12 @@ def test_required_and_named_choices_constrain_the_output_to_calls(tool_tokenizer
     constraints = {generation.constraint for generation in required.generations}
     assert constraints == {required.generations[0].constraint}, "every choice carries it"
     (constraint,) = constraints
-    assert constraint.kind == KIND_GRAMMAR and constraint.source == HERMES.grammar(functions, True, frozenset())
+    assert constraint.kind == KIND_GRAMMAR and constraint.source == HERMES.grammar(functions, True, {})
     single = parse({**body, "tool_choice": "required", "parallel_tool_calls": False}, tool_tokenizer)
-    assert single.generations[0].constraint.source == HERMES.grammar(functions, False, frozenset())
+    assert single.generations[0].constraint.source == HERMES.grammar(functions, False, {})
     choice = {"type": "function", "function": {"name": "book"}}
     forced = parse({**body, "tool_choice": choice}, tool_tokenizer)
-    assert forced.generations[0].constraint.source == HERMES.grammar(functions[1:2], False, frozenset())
+    assert forced.generations[0].constraint.source == HERMES.grammar(functions[1:2], False, {})
     assert forced.tool_format == HERMES
 
 

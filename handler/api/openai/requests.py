@@ -337,7 +337,7 @@ def parse_openai_request(
 
     plan = ToolPlan()
     if kind == ROUTE_CHAT:
-        plan = tool_plan(body, tokenizer)
+        plan = tool_plan(body, tokenizer, config.tool_call_parser)
         if plan.grammar is not None:
             if json_schema is not None:
                 raise RequestError(
@@ -345,7 +345,7 @@ def parse_openai_request(
                     "the tool call's arguments already follow the function's parameters"
                 )
             native["grammar"] = plan.grammar
-        prompts = [{"messages": _chat_messages(body.get("messages"), tokenizer)}]
+        prompts = [{"messages": _chat_messages(body.get("messages"), tokenizer, config.tool_call_parser)}]
     else:
         prompts = [{"prompt": prompt} for prompt in _completion_prompts(body.get("prompt"))]
     if len(prompts) * n > MAX_CHOICES:
@@ -441,7 +441,7 @@ def _completion_prompts(prompt: Any) -> list[str]:
     raise RequestError("prompt: must be a string or a non-empty list of strings")
 
 
-def _chat_messages(messages: Any, tokenizer) -> list[dict]:
+def _chat_messages(messages: Any, tokenizer, parser: str = "auto") -> list[dict]:
     """OpenAI messages as the messages `parse_request` takes: {role, content} strings, and tool keys.
 
     Content may be a list of text parts, which are joined with newlines;
@@ -473,11 +473,11 @@ def _chat_messages(messages: Any, tokenizer) -> list[dict]:
             if not isinstance(message["name"], str):
                 raise RequestError(f"{field}.name: must be a string")
             normalised[-1]["name"] = message["name"]
-        normalised[-1].update(_tool_keys(message, field, tokenizer))
+        normalised[-1].update(_tool_keys(message, field, tokenizer, parser))
     return normalised
 
 
-def _tool_keys(message: Mapping, field: str, tokenizer) -> dict:
+def _tool_keys(message: Mapping, field: str, tokenizer, parser: str = "auto") -> dict:
     """An assistant message's tool calls, or a tool message's tool_call_id, for the chat template."""
     role, calls, call_id = message.get("role"), message.get("tool_calls"), message.get("tool_call_id")
     keys: dict[str, Any] = {}
@@ -493,7 +493,7 @@ def _tool_keys(message: Mapping, field: str, tokenizer) -> dict:
         keys["tool_call_id"] = call_id
     elif call_id is not None:
         raise RequestError(f"{field}.tool_call_id: only tool messages answer a call")
-    if keys and tool_format_for(tokenizer) is None:
+    if keys and tool_format_for(tokenizer, parser) is None:
         what = "tool_calls" if "tool_calls" in keys else "role"
         raise RequestError(f"{field}.{what}: this model's chat template does not render tool calls or tool results")
     return keys

@@ -109,10 +109,10 @@ class ToolCallFormat:
         """An incremental parser; calls past `max_calls` are dropped (parallel_tool_calls: false)."""
         raise NotImplementedError
 
-    def grammar(self, functions: tuple[Function, ...], parallel: bool, token_markers: frozenset[str]) -> str:
+    def grammar(self, functions: tuple[Function, ...], parallel: bool, token_markers: Mapping[str, str]) -> str:
         """A Lark grammar for one call to one of `functions`, or one or more when `parallel`.
 
-        `token_markers`: the markers that are single tokens of the tokenizer.
+        `token_markers`: the markers that are single tokens of the tokenizer, and the Lark reference to each.
         """
         raise NotImplementedError
 
@@ -202,13 +202,13 @@ class BlockStream(ToolCallStream):
         return before.rstrip()
 
 
-def _lark_literal(text: str, token_markers: frozenset[str]) -> str:
+def _lark_literal(text: str, token_markers: Mapping[str, str]) -> str:
     """A Lark terminal for `text`: a token reference when it is one added token, else a string.
 
     llguidance reads an added token (Qwen's `<tool_call>`) as a special token,
     never as its text, so a quoted string would forbid the token the model writes.
     """
-    return text if text in token_markers else json.dumps(text)
+    return token_markers.get(text) or json.dumps(text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +226,7 @@ class HermesFormat(ToolCallFormat):
     def stream(self, max_calls: int | None = None) -> ToolCallStream:
         return BlockStream(self.START, self.END, _hermes_call, max_calls)
 
-    def grammar(self, functions: tuple[Function, ...], parallel: bool, token_markers: frozenset[str]) -> str:
+    def grammar(self, functions: tuple[Function, ...], parallel: bool, token_markers: Mapping[str, str]) -> str:
         # The JSON around the arguments is written as the Qwen template writes a call, so the
         # arguments' schema is the root of its own %json (its local $refs keep working).
         start, end = _lark_literal(self.START, token_markers), _lark_literal(self.END, token_markers)
@@ -258,7 +258,194 @@ def _hermes_call(body: str) -> ToolCall | None:
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-FORMATS: tuple[ToolCallFormat, ...] = (HermesFormat(),)
+def _json_values(text: str) -> list[Any] | None:
+    """The JSON values written one after another in `text`, separated by whitespace or `;`; None when
+    anything else is there (an output that is not calls stays content)."""
+    decoder, values, index = json.JSONDecoder(), [], 0
+    while True:
+        while index < len(text) and (text[index].isspace() or (values and text[index] == ";")):
+            index += 1
+        if index == len(text):
+            return values or None
+        try:
+            value, index = decoder.raw_decode(text, index)
+        except json.JSONDecodeError:
+            return None
+        values.append(value)
+
+
+def _call_of(value: Any, arguments_keys: tuple[str, ...], call_id: str | None = None) -> ToolCall | None:
+    """A JSON object `{"name": str, <one of arguments_keys>: object}` as a call, else None."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    key = next((key for key in arguments_keys if key in value), None)
+    arguments = {} if key is None else value[key]
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    call = ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    return call if call_id is None else dataclasses.replace(call, id=call_id)
+
+
+class TailStream(ToolCallStream):
+    """Calls written at the end of the output, after a marker (Mistral's `[TOOL_CALLS]`), or as the whole
+    output from its first character (Llama 3's JSON, `marker` empty; `<|python_tag|>` may lead).
+
+    The content before the marker streams as it comes (a tail that may start the marker is held
+    back); everything after it is kept and parsed at the end, where `parse_tail` either gives the
+    calls or None, and the text then stays content, verbatim.
+    """
+
+    def __init__(
+        self,
+        marker: str,
+        parse_tail: Callable[[str], list[ToolCall] | None],
+        max_calls: int | None,
+        leads: tuple[str, ...] = (),
+    ) -> None:
+        self.marker, self.parse_tail, self.max_calls, self.leads = marker, parse_tail, max_calls, leads
+        self.held = ""  # text not sent yet
+        self.in_calls = False  # the marker was seen (or, without one, the output opened as a call)
+        self.decided = bool(marker)  # without a marker: whether the output is text or calls is known
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        self.held += delta
+        if self.in_calls:
+            return "", []
+        if not self.marker:
+            if self.decided:
+                sendable, self.held = self.held, ""
+                return sendable, []
+            start = self.held.lstrip()
+            if not start:
+                return "", []
+            body = start
+            for lead in self.leads:
+                if lead.startswith(body):
+                    return "", []  # may still be the lead
+                body = body.removeprefix(lead).lstrip()
+            if not body:
+                return "", []
+            self.decided = True
+            if body.startswith("{") or body.startswith("["):
+                self.in_calls = True
+                return "", []
+            sendable, self.held = self.held, ""
+            return sendable, []
+        index = self.held.find(self.marker)
+        if index >= 0:
+            sendable = self.held[:index].rstrip()
+            self.held = self.held[index:]
+            self.in_calls = True
+            return sendable, []
+        keep = _held_marker_prefix(self.held, self.marker)
+        sendable = self.held[: len(self.held) - keep]
+        self.held = self.held[len(sendable) :]
+        return sendable, []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        held, self.held = self.held, ""
+        if not self.in_calls:
+            return held, []
+        tail = held[len(self.marker) :] if self.marker else held.lstrip()
+        for lead in self.leads:
+            tail = tail.removeprefix(lead)
+        calls = self.parse_tail(tail)
+        if calls is None:
+            return held, []
+        return "", calls if self.max_calls is None else calls[: self.max_calls]
+
+
+def _llama3_calls(text: str) -> list[ToolCall] | None:
+    values = _json_values(text)
+    if values is None:
+        return None
+    calls = [_call_of(value, ("parameters", "arguments")) for value in values]
+    return None if any(call is None for call in calls) else calls
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3JsonFormat(ToolCallFormat):
+    """Llama 3.1 / 3.2 / 3.3 (vLLM's `llama3_json`): the whole output is `{"name": ..., "parameters": {...}}`,
+    several calls separated by `; `, maybe after `<|python_tag|>`."""
+
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+    markers = (PYTHON_TAG,)
+    # What Llama 3.1's template says when it renders tools, and the tag its built-in tools use.
+    TEMPLATE_SIGNS = ('"parameters": dictionary of argument name', PYTHON_TAG)
+
+    def matches(self, chat_template: str) -> bool:
+        return "tools" in chat_template and any(sign in chat_template for sign in self.TEMPLATE_SIGNS)
+
+    def stream(self, max_calls: int | None = None) -> ToolCallStream:
+        return TailStream("", _llama3_calls, max_calls, leads=(self.PYTHON_TAG,))
+
+    def grammar(self, functions: tuple[Function, ...], parallel: bool, token_markers: Mapping[str, str]) -> str:
+        lines = ['start: call ("; " call)*' if parallel else "start: call"]
+        lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(functions))))
+        for i, function in enumerate(functions):
+            head = f'{{"name": {json.dumps(function.name)}, "parameters": '
+            lines.append(f'call_{i}: {json.dumps(head)} args_{i} "}}"')
+            lines.append(f"args_{i}: %json {json.dumps({**function.parameters, 'x-guidance': JSON_OPTIONS})}")
+        return "\n".join(lines) + "\n"
+
+
+def mistral_call_id() -> str:
+    """Mistral's templates take call ids of exactly 9 letters and digits."""
+    return uuid.uuid4().hex[:9]
+
+
+def _mistral_calls(text: str) -> list[ToolCall] | None:
+    values = _json_values(text)
+    if values is None or len(values) != 1 or not isinstance(values[0], list) or not values[0]:
+        return None
+    calls = []
+    for value in values[0]:
+        call_id = value.get("id") if isinstance(value, dict) else None
+        valid_id = isinstance(call_id, str) and len(call_id) == 9 and call_id.isalnum()
+        call = _call_of(value, ("arguments",), call_id if valid_id else mistral_call_id())
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
+@dataclasses.dataclass(frozen=True)
+class MistralFormat(ToolCallFormat):
+    """Mistral (vLLM's `mistral`): `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` ends the output;
+    call ids are 9 letters and digits, as its templates require."""
+
+    name = "mistral"
+    START = "[TOOL_CALLS]"
+    markers = (START,)
+
+    def matches(self, chat_template: str) -> bool:
+        return self.START in chat_template
+
+    def stream(self, max_calls: int | None = None) -> ToolCallStream:
+        return TailStream(self.START, _mistral_calls, max_calls)
+
+    def grammar(self, functions: tuple[Function, ...], parallel: bool, token_markers: Mapping[str, str]) -> str:
+        start = _lark_literal(self.START, token_markers)
+        lines = [f'start: {start} " [" call ("," " " call)* "]"' if parallel else f'start: {start} " [" call "]"']
+        lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(functions))))
+        # The id the templates write after the arguments may follow, as the model saw calls written.
+        lines.append('call_id: ", \\"id\\": \\"" /[A-Za-z0-9]{9}/ "\\""')
+        for i, function in enumerate(functions):
+            head = f'{{"name": {json.dumps(function.name)}, "arguments": '
+            lines.append(f'call_{i}: {json.dumps(head)} args_{i} call_id? "}}"')
+            lines.append(f"args_{i}: %json {json.dumps({**function.parameters, 'x-guidance': JSON_OPTIONS})}")
+        return "\n".join(lines) + "\n"
+
+
+# In the order they are tried on a chat template; `tool_call_parser` in the config names one instead.
+FORMATS: tuple[ToolCallFormat, ...] = (HermesFormat(), MistralFormat(), Llama3JsonFormat())
+FORMAT_NAMES = tuple(tool_format.name for tool_format in FORMATS)
 
 
 def chat_template_text(tokenizer) -> str:
@@ -267,16 +454,28 @@ def chat_template_text(tokenizer) -> str:
     return "\n".join(template.values()) if isinstance(template, Mapping) else str(template)
 
 
-def tool_format_for(tokenizer) -> ToolCallFormat | None:
-    """The tool-call format of the tokenizer's chat template, or None when it renders no tools."""
+def tool_format_for(tokenizer, parser: str = "auto") -> ToolCallFormat | None:
+    """The tool-call format of the tokenizer's chat template, or None when it renders no tools.
+
+    parser: `auto` (recognise it from the template), or a format's name (`tool_call_parser` in the
+    config: vLLM's names), used where the template renders tools at all.
+    """
     template = chat_template_text(tokenizer)
+    if parser != "auto":
+        renders_tools = "tools" in template or any(f.matches(template) for f in FORMATS)
+        return next(f for f in FORMATS if f.name == parser) if renders_tools else None
     return next((f for f in FORMATS if f.matches(template)), None)
 
 
-def token_markers(tokenizer, tool_format: ToolCallFormat) -> frozenset[str]:
-    """The format's markers that are single added tokens of the tokenizer."""
+def token_markers(tokenizer, tool_format: ToolCallFormat) -> dict[str, str]:
+    """The format's markers that are single added tokens of the tokenizer -> how a Lark grammar names each:
+    `<tool_call>` as itself (llguidance's special-token syntax), any other (`[TOOL_CALLS]`) by its id."""
     added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
-    return frozenset(marker for marker in tool_format.markers if marker in added)
+    return {
+        marker: marker if marker.startswith("<") and marker.endswith(">") else f"<[{added[marker]}]>"
+        for marker in tool_format.markers
+        if marker in added
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -299,8 +498,9 @@ class ToolPlan:
     grammar: str | None = None
 
 
-def tool_plan(body: Mapping, tokenizer) -> ToolPlan:
-    """Validates `tools`, `tool_choice` and `parallel_tool_calls` of a chat body.
+def tool_plan(body: Mapping, tokenizer, parser: str = "auto") -> ToolPlan:
+    """Validates `tools`, `tool_choice` and `parallel_tool_calls` of a chat body (`parser`: the config's
+    `tool_call_parser`, see `tool_format_for`).
 
     Raises:
         RequestError: 400 naming the field, e.g. `tools[1].function.parameters`.
@@ -323,7 +523,7 @@ def tool_plan(body: Mapping, tokenizer) -> ToolPlan:
         raise RequestError(f"tool_choice: no function {json.dumps(forced_name)} in tools")
     if not tools or choice == TOOL_CHOICE_NONE:
         return ToolPlan()
-    tool_format = tool_format_for(tokenizer)
+    tool_format = tool_format_for(tokenizer, parser)
     if tool_format is None:
         raise RequestError(
             "tools: this model's chat template does not render tools; leave them out or send tool_choice: none"
