@@ -770,8 +770,10 @@ class SpeculativeEngine:
         )
         drafted = max(step_ks) > 0
         # A drafting step right after plain ones paid the draft's catch-up (`EXPLORE_BURST`): no sample.
+        # Nor is one that verified only the tokens a grammar forced: they are certain, not speculation.
         previous = self.recent_steps[-1] if self.recent_steps else None
-        fair = not drafted or (previous is not None and previous.width > 1)
+        speculated = any(k and proposer != PROPOSER_GRAMMAR for k, proposer in zip(step_ks, proposers))
+        fair = (not drafted or (previous is not None and previous.width > 1)) and speculated == drafted
         if self.outcome_check is not None and ended > started and fair:
             tokens = sum(len(output.new_token_ids) for output in outputs)
             rate = tokens / (ended - started) / len(rows)
@@ -1126,7 +1128,12 @@ class SpeculativeEngine:
                 # Only rows the draft already holds: a step run to learn must not prefill the batch.
                 plan = plan_batch(filled_only, seconds_with(0.0), explore=True)
             elif plan.width and not drafts:
-                return BatchPlan((0,) * batch_size, (False,) * batch_size, False, 0.0, float(batch_size), 0.0)
+                # Speculation gives way; the tokens a grammar forces are certain, and stay.
+                forced = [
+                    offer if option.lookup_proposer == PROPOSER_GRAMMAR else Offer()
+                    for option, offer in zip(options, offers)
+                ]
+                return plan_batch(forced, seconds_with(0.0))
         if plan.draft_passes and self.draft_confidence:
             # The plan says whether to draft; the draft's confidence says how far (`_confidence_stop`).
             ks = [

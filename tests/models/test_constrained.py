@@ -132,6 +132,31 @@ def test_planned_steps_keep_constrained_output_exact(tiny_pair, engine_for, draf
     assert [r.token_ids for r in planned] == [r.token_ids for r in plain]
 
 
+def test_where_the_outcome_check_stops_speculation_the_grammars_forced_tokens_stay(tiny_pair, eos_ids, monkeypatch):
+    """The check of drafting against plain decoding (a CPU's, with running costs) vetoes speculation; the
+    tokens a grammar forces are certain, so they are still verified as drafts, and are no sample of it."""
+    from handler.adaptive import OutcomeCheck
+    from handler.cost_table import CostTable
+
+    target, draft, tokenizer = tiny_pair
+    # About the tiny pair's own seconds, so that the running correction keeps the table's shape.
+    widths = (1, 2, 4, 8)
+    row = tuple(0.002 * (1.0 + 0.05 * (width - 1)) for width in widths)
+    costs = CostTable(widths=widths, batch_sizes=(1, 2), target=(row, row), draft=(0.0004, 0.0004))
+    engine = SpeculativeEngine(target, draft, tokenizer, eos_ids, tokenizer.pad_token_id, cost_table=costs)
+    assert engine.outcome_check is not None
+    monkeypatch.setattr(OutcomeCheck, "arm", lambda self, bucket, planned, step: False)
+    observed = []
+    monkeypatch.setattr(OutcomeCheck, "observe", lambda self, bucket, drafted, rate: observed.append(drafted))
+    constraint = CONSTRAINTS["tool_call"]
+    [result] = engine.generate([request(tokenizer, PROMPTS[0], constraint, drafter="model")])
+    plain = engine.generate([request(tokenizer, PROMPTS[0], constraint, k=0)])[0]
+    assert result.token_ids == plain.token_ids
+    by_drafter = result.stats.as_dict()["by_drafter"]
+    assert by_drafter[PROPOSER_GRAMMAR]["draft_tokens"] > 0 and "model" not in by_drafter
+    assert not any(observed)  # forced-only steps are no drafting sample
+
+
 def test_continuous_joins_keep_constrained_output_exact(tiny_pair, engine_for):
     _, _, tokenizer = tiny_pair
     engine = engine_for()
