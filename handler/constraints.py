@@ -145,10 +145,7 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, cache_size: int = GRAMMAR_CACHE_SIZE):
-        import llguidance
-        import llguidance.hf
-
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+        self.ll_tokenizer = _ll_tokenizer(tokenizer)
         self.vocab_size = self.ll_tokenizer.vocab_size  # the tokenizer's; the model's may be padded past it
         # Tokens llguidance treats as special (Qwen's <tool_call> among them, though Hugging Face
         # does not). A grammar reaches them through a <token> reference; for the same text
@@ -233,6 +230,31 @@ _COMPILERS: dict[int, tuple[object, GrammarCompiler | str]] = {}
 _COMPILERS_LOCK = threading.Lock()
 
 
+def _ll_tokenizer(tokenizer):
+    """llguidance's view of a tokenizer: its own reader of Hugging Face tokenizers where it can read
+    this one (byte-level BPE, SentencePiece with byte fallback), else the tokens' bytes
+    (`handler.token_bytes`: a `Fuse` decoder, WordPiece, ...), checked against `decode`.
+
+    Raises:
+        ValueError: neither reads it; the message gives both reasons.
+    """
+    import llguidance
+    import llguidance.hf
+    from llguidance._tokenizer import TokenizerWrapper
+
+    from handler.token_bytes import ByteVocabulary, token_bytes
+
+    try:
+        return llguidance.hf.from_tokenizer(tokenizer)
+    except Exception as error:  # noqa: BLE001 - any failure: read the tokens' bytes instead
+        first = f"{type(error).__name__}: {error}"
+    spelled = token_bytes(tokenizer)
+    if isinstance(spelled, str):
+        raise ValueError(f"{first}; and as bytes: {spelled}")
+    logger.info("the grammar engine reads this tokenizer from its tokens' bytes (%s)", first)
+    return llguidance.LLTokenizer(TokenizerWrapper(ByteVocabulary(tokenizer, *spelled)))
+
+
 def compiler_for(tokenizer, timeout_s: float | None = None) -> GrammarCompiler:
     """The one compiler of a tokenizer, shared by request parsing and the engine (built on first use, ~1 s).
 
@@ -241,7 +263,8 @@ def compiler_for(tokenizer, timeout_s: float | None = None) -> GrammarCompiler:
 
     Raises:
         RequestError: 400, where the grammar engine cannot read this tokenizer (llguidance reads
-            byte-level and byte-fallback tokenizers, not every decoder `transformers` loads). Only
+            byte-level and byte-fallback tokenizers, and any other whose tokens have bytes that
+            `decode` agrees with: `_ll_tokenizer`). Only
             structured output needs the compiler: every other request serves. Asked once per
             tokenizer; the answer is kept.
     """

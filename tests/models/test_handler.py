@@ -243,15 +243,16 @@ def test_a_tokenizer_the_grammar_engine_cannot_read_serves_all_but_structured_ou
 ):
     """The worker starts, says why once, answers plain requests and gives structured ones a 400.
 
-    The grammar engine is handed a WordLevel tokenizer with a Fuse decoder, which it cannot read
-    (`tests/unit/test_constraints.py`: transformers serves that tokenizer); the models keep theirs.
+    The grammar engine is handed a WordLevel tokenizer with a Fuse decoder and a token without a byte
+    spelling, which it cannot read (`tests/unit/test_constraints.py`: transformers serves that
+    tokenizer); the models keep theirs.
     """
     import logging
 
     from handler import constraints
-    from tests.unit.test_constraints import fuse_word_level_tokenizer
+    from tests.unit.test_constraints import unspellable_tokenizer
 
-    unreadable = fuse_word_level_tokenizer()
+    unreadable = unspellable_tokenizer()
     real_compiler = constraints.GrammarCompiler
     monkeypatch.setattr(constraints, "GrammarCompiler", lambda tokenizer: real_compiler(unreadable))
     fused = SpeculativeHandler()

@@ -234,13 +234,13 @@ def test_a_special_token_whose_text_does_not_fit_is_refused(compiler, tiny_token
         row.commit([im_start])
 
 
-def fuse_word_level_tokenizer():
-    """A character-level tokenizer that `transformers` loads and decodes but the grammar engine
-    cannot read: a WordLevel model with a `Fuse` decoder."""
+def fuse_word_level_tokenizer(extra: tuple[str, ...] = ()):
+    """A character-level tokenizer that `transformers` loads and decodes but llguidance's reader of
+    Hugging Face tokenizers cannot read: a WordLevel model with a `Fuse` decoder. `extra`: more tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    characters = list('abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ{}[]":,.()=+-_0123456789\n')
+    characters = list('abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ{}[]":,.()=+-_0123456789\n') + list(extra)
     vocab = {"<unk>": 0, "</s>": 1, **{character: i + 2 for i, character in enumerate(characters)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
@@ -248,13 +248,31 @@ def fuse_word_level_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="</s>", pad_token="</s>")
 
 
-def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_400_for_structured_requests_only(monkeypatch):
+def unspellable_tokenizer():
+    """The same, with a token that decodes to U+FFFD and has no byte piece: no vocabulary of bytes exists."""
+    return fuse_word_level_tokenizer(extra=("\ufffd",))
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_read_from_its_tokens_bytes():
     tokenizer = fuse_word_level_tokenizer()
+    from handler.token_bytes import token_bytes
+
+    compiler = constraints.compiler_for(tokenizer)
+    request = parse_request({"prompt": "ab", "regex": "[a-c]+x"}, CONFIG, tokenizer, max_context=512).generation
+    row = row_for(compiler, request.constraint, tokenizer, vocab_size=len(tokenizer))
+    allowed = row.mask()  # the first position: a, b or c only
+    assert {tokenizer.decode([t]) for t in range(len(tokenizer)) if allowed[t]} == {"a", "b", "c"}
+    vocabulary, _ = token_bytes(tokenizer)
+    assert vocabulary[tokenizer.convert_tokens_to_ids(" ")] == b" "
+
+
+def test_a_tokenizer_without_a_byte_spelling_is_a_400_for_structured_requests_only(monkeypatch):
+    tokenizer = unspellable_tokenizer()
     assert tokenizer.decode(tokenizer("ab c")["input_ids"]) == "ab c"  # transformers serves it
     built = []
     monkeypatch.setattr(constraints, "GrammarCompiler", lambda t: built.append(t) or GrammarCompiler(t))
     for _ in range(2):
-        with pytest.raises(RequestError, match="grammar engine cannot read its tokenizer.*Fuse") as caught:
+        with pytest.raises(RequestError, match="grammar engine cannot read its tokenizer.*Fuse.*no byte") as caught:
             constraints.compiler_for(tokenizer)
         assert caught.value.status == 400
     assert len(built) == 1  # asked once, the answer kept

@@ -29,6 +29,7 @@ from handler.detokenizer import REPLACEMENT_CHARACTER
 from handler.engine import GenerationResult
 from handler.schema import JSON_CONTENT_TYPE, RequestError
 from handler.streaming import DeltaTracker
+from handler.token_bytes import piece_bytes
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 FINISH_TOOL_CALLS = "tool_calls"
@@ -106,23 +107,6 @@ def _add_up(values: list):
 # Logprobs
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's spelling of bytes as characters (GPT-2, Llama 3, Qwen): character -> byte.
-
-    Printable Latin-1 bytes stand for themselves; the other 68 are shifted to
-    code points 256 and up, in byte order, so that no token holds a space or a
-    control character.
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
-    alphabet = {chr(byte): byte for byte in printable}
-    shifted = (byte for byte in range(256) if byte not in alphabet.values())
-    alphabet.update((chr(256 + n), byte) for n, byte in enumerate(shifted))
-    return alphabet
-
-
-BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
-
-
 class TokenTexts:
     """Each token id's own text and bytes, decoded once per answer.
 
@@ -134,8 +118,6 @@ class TokenTexts:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-        self.byte_level = type(decoder).__name__ == "ByteLevel"
         self.cache: dict[int, tuple[str, list[int] | None]] = {}
 
     def __call__(self, token_id: int) -> str:
@@ -148,10 +130,10 @@ class TokenTexts:
         if token_id not in self.cache:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             token_bytes = None if REPLACEMENT_CHARACTER in text else list(text.encode("utf-8"))
-            if token_bytes is None and self.byte_level:
-                piece = self.tokenizer.convert_ids_to_tokens(token_id)
-                if isinstance(piece, str) and all(char in BYTE_LEVEL_ALPHABET for char in piece):
-                    token_bytes = [BYTE_LEVEL_ALPHABET[char] for char in piece]
+            if token_bytes is None:
+                spelled = piece_bytes(self.tokenizer, token_id)
+                if spelled is not None:
+                    token_bytes = list(spelled)
                     text = "bytes:" + "".join(f"\\x{byte:02x}" for byte in token_bytes)
             self.cache[token_id] = (text, token_bytes)
         return self.cache[token_id]
