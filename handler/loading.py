@@ -184,28 +184,35 @@ def collect_eos_token_ids(tokenizer, generation_config) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def check_vocabularies(tokenizer, target, draft, draft_path: str) -> None:
-    """Refuses a draft whose vocabulary does not fit the target's tokenizer."""
+def check_vocabularies(tokenizer, target, draft, draft_path: str, target_path: str = "the target") -> None:
+    """Refuses a draft whose vocabulary does not fit the target's tokenizer, naming both."""
     from transformers import AutoTokenizer
 
     num_tokens = len(tokenizer)
     target_vocab = target.config.get_text_config().vocab_size
     draft_vocab = draft.config.get_text_config().vocab_size
     if num_tokens > target_vocab:
-        raise ValueError(f"the target tokenizer has {num_tokens} tokens but the target's vocab_size is {target_vocab}")
+        raise ValueError(
+            f"the target tokenizer ({target_path}) has {num_tokens} tokens, "
+            f"but the target's vocab_size is {target_vocab}"
+        )
     if num_tokens > draft_vocab:
         raise ValueError(
-            f"the draft's vocab_size ({draft_vocab}) is smaller than the target tokenizer ({num_tokens} tokens): "
-            "draft and target must share one tokenizer"
+            f"the draft's vocab_size ({draft_vocab}, {draft_path}) is smaller than the target tokenizer's "
+            f"({num_tokens} tokens, {target_path}): draft and target must share one tokenizer"
         )
     try:
         draft_tokenizer = AutoTokenizer.from_pretrained(draft_path)
     except (OSError, ValueError):
         logger.info("the draft folder has no tokenizer; assuming it shares the target's")
         return
-    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+    draft_vocabulary, target_vocabulary = draft_tokenizer.get_vocab(), tokenizer.get_vocab()
+    if draft_vocabulary != target_vocabulary:
+        differing = sorted(set(draft_vocabulary.items()) ^ set(target_vocabulary.items()))
         raise ValueError(
-            "the draft's tokenizer differs from the target's: speculative decoding needs one shared vocabulary"
+            f"the draft's tokenizer ({draft_path}: {len(draft_vocabulary)} tokens) differs from the target's "
+            f"({target_path}: {len(target_vocabulary)} tokens), for one {differing[0]!r}: speculative decoding "
+            "needs one shared vocabulary"
         )
 
 
@@ -233,7 +240,7 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
     draft = None
     if draft_path is not None:
         draft = _load_causal_lm(draft_path, "draft_model", dtype, device, config.allow_pickle_weights)
-        check_vocabularies(tokenizer, target, draft, draft_path)
+        check_vocabularies(tokenizer, target, draft, draft_path, target_path)
         if config.draft_quantization == "int8":
             if device.type != "cpu":
                 raise ValueError("handler.draft_quantization: int8 runs on the CPU only; use none on a GPU")
