@@ -424,35 +424,19 @@ class HandlerConfig:
         values["suffix_min_token_prob"] = prob
         for key in ("suffix_max_cached_requests", "suffix_max_cached_tokens"):
             values[key] = _int(f"handler.{key}", raw.get(key, getattr(default, key)), 0)
-        quantization = raw.get("draft_quantization", default.draft_quantization)
-        if quantization not in DRAFT_QUANTIZATIONS:
-            raise ValueError(
-                f"model-config.yaml: handler.draft_quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}, "
-                f"got {quantization!r}"
-            )
-        values["draft_quantization"] = quantization
         tree = raw.get("speculative_tree", default.speculative_tree)
         if isinstance(tree, bool):  # YAML 1.1 reads an unquoted off (or on) as a boolean
-            tree = "auto" if tree else "off"
-        if tree not in SPECULATIVE_TREE_MODES:
-            raise ValueError(
-                f"model-config.yaml: handler.speculative_tree must be one of {', '.join(SPECULATIVE_TREE_MODES)}, "
-                f"got {tree!r}"
-            )
-        values["speculative_tree"] = tree
-        runner = raw.get("runner", default.runner)
-        if runner not in RUNNER_MODES:
-            raise ValueError(
-                f"model-config.yaml: handler.runner must be one of {', '.join(RUNNER_MODES)}, got {runner!r}"
-            )
-        values["runner"] = runner
-        parser = raw.get("tool_call_parser", default.tool_call_parser)
-        if parser not in TOOL_CALL_PARSERS:
-            raise ValueError(
-                f"model-config.yaml: handler.tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
-                f"got {parser!r}"
-            )
-        values["tool_call_parser"] = parser
+            raw = {**raw, "speculative_tree": "auto" if tree else "off"}
+        for key, choices in (
+            ("draft_quantization", DRAFT_QUANTIZATIONS),
+            ("speculative_tree", SPECULATIVE_TREE_MODES),
+            ("runner", RUNNER_MODES),
+            ("tool_call_parser", TOOL_CALL_PARSERS),
+        ):
+            value = raw.get(key, getattr(default, key))
+            if value not in choices:
+                raise ValueError(f"model-config.yaml: handler.{key} must be one of {', '.join(choices)}, got {value!r}")
+            values[key] = value
         values["sampling"] = SamplingParams.from_dict(raw.get("sampling", {}))
         return cls(**values)
 

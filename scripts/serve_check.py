@@ -70,21 +70,7 @@ def write_configs(root: pathlib.Path, ports: list[int], model_store: pathlib.Pat
     handler.update(drafter="ngram", dtype="float32", max_new_tokens=max_new_tokens, prompt_lookup_num_tokens=8)
     model_config.update(batchSize=1, continuousBatching=True)
     (root / "model-config.yaml").write_text(yaml.safe_dump(model_config, sort_keys=False))
-    overrides = {
-        "inference_address": f"http://127.0.0.1:{ports[0]}",
-        "management_address": f"http://127.0.0.1:{ports[1]}",
-        "metrics_address": f"http://127.0.0.1:{ports[2]}",
-        "grpc_inference_port": str(ports[3]),
-        "grpc_management_port": str(ports[4]),
-        "model_store": str(model_store),
-        "metrics_config": str(REPO_ROOT / "model-config" / "metrics.yaml"),
-    }
-    lines = []
-    for line in (REPO_ROOT / "model-config" / "config.properties").read_text().splitlines():
-        key = line.split("=", 1)[0].strip()
-        lines.append(f"{key}={overrides.pop(key)}" if not line.startswith("#") and key in overrides else line)
-    lines += [f"{key}={value}" for key, value in overrides.items()]
-    (root / "config.properties").write_text("\n".join(lines) + "\n")
+    torchserve.write_server_config(root / "config.properties", model_store, ports)
     return root / "model-config.yaml", root / "config.properties"
 
 

@@ -245,6 +245,31 @@ def log_tail(path: Path, num_lines: int = 40) -> str:
     return f"--- last {len(lines)} lines of {path} ---\n" + "\n".join(lines)
 
 
+def write_server_config(path: Path, model_store: Path, ports: Sequence[int]) -> None:
+    """The repository's config.properties, serving on 127.0.0.1 at `ports` (inference, management, metrics,
+    gRPC inference, gRPC management) from `model_store`, with absolute paths: a private server beside
+    any other on the machine (tests, checks)."""
+    repo_root = Path(__file__).resolve().parents[1]
+    overrides = {
+        "inference_address": f"http://127.0.0.1:{ports[0]}",
+        "management_address": f"http://127.0.0.1:{ports[1]}",
+        "metrics_address": f"http://127.0.0.1:{ports[2]}",
+        # gRPC always starts too; its default ports would collide with any other TorchServe.
+        "grpc_inference_port": str(ports[3]),
+        "grpc_management_port": str(ports[4]),
+        "model_store": str(model_store),
+        "metrics_config": str(repo_root / "model-config" / "metrics.yaml"),
+    }
+    lines = []
+    for line in (repo_root / DEFAULT_TS_CONFIG).read_text().splitlines():
+        key = line.split("=", 1)[0].strip()
+        if not line.lstrip().startswith("#") and key in overrides:
+            line = f"{key}={overrides.pop(key)}"
+        lines.append(line)
+    lines += [f"{key}={value}" for key, value in overrides.items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
 def start_server(
     ts_config: Path,
     model_store: Path,

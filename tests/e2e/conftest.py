@@ -153,27 +153,8 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def write_server_config(path: Path, model_store: Path, ports: list[int]) -> None:
-    """The repository's config.properties with test ports and absolute paths."""
-    overrides = {
-        "inference_address": f"http://127.0.0.1:{ports[0]}",
-        "management_address": f"http://127.0.0.1:{ports[1]}",
-        "metrics_address": f"http://127.0.0.1:{ports[2]}",
-        # gRPC always starts too; its default ports would collide with any
-        # other TorchServe on the machine.
-        "grpc_inference_port": str(ports[3]),
-        "grpc_management_port": str(ports[4]),
-        "model_store": str(model_store),
-        "metrics_config": str(REPO_ROOT / "model-config" / "metrics.yaml"),
-    }
-    lines = []
-    for line in (REPO_ROOT / "model-config" / "config.properties").read_text().splitlines():
-        key = line.split("=", 1)[0].strip()
-        if not line.lstrip().startswith("#") and key in overrides:
-            line = f"{key}={overrides.pop(key)}"
-        lines.append(line)
-    lines += [f"{key}={value}" for key, value in overrides.items()]
-    path.write_text("\n".join(lines) + "\n")
+# One writer of a private server's config.properties, shared with the scripts.
+write_server_config = torchserve.write_server_config
 
 
 def write_model_config(path: Path) -> None:
@@ -225,7 +206,7 @@ def server(java_runtime, model_archive, tmp_path_factory):
     temp_dir.mkdir()
     ports = free_ports(5)
     ts_config = root / "config.properties"
-    write_server_config(ts_config, model_archive.parent, ports)
+    torchserve.write_server_config(ts_config, model_archive.parent, ports)
     server = Server(
         inference_url=f"http://127.0.0.1:{ports[0]}",
         management_url=f"http://127.0.0.1:{ports[1]}",

@@ -202,6 +202,19 @@ class BlockStream(ToolCallStream):
         return before.rstrip()
 
 
+def _call_rules(functions: tuple[Function, ...], arguments_key: str, before: str = "", after: str = "") -> list[str]:
+    """The Lark rules of one call to any of `functions`: `call`, and per function `call_i` (its name,
+    then its arguments under `arguments_key`, their schema the root of their own %json, so that its
+    local $refs keep working) and `args_i`. `before`/`after`: Lark around each call's JSON
+    (`after` goes inside the object's closing brace)."""
+    lines = ["call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+    for i, function in enumerate(functions):
+        head = f'{{"name": {json.dumps(function.name)}, {json.dumps(arguments_key)}: '
+        lines.append(f'call_{i}: {before}{json.dumps(head)} args_{i} {after}"}}"')
+        lines.append(f"args_{i}: %json {json.dumps({**function.parameters, 'x-guidance': JSON_OPTIONS})}")
+    return lines
+
+
 def _lark_literal(text: str, token_markers: Mapping[str, str]) -> str:
     """A Lark terminal for `text`: a token reference when it is one added token, else a string.
 
@@ -230,13 +243,9 @@ class HermesFormat(ToolCallFormat):
         # The JSON around the arguments is written as the Qwen template writes a call, so the
         # arguments' schema is the root of its own %json (its local $refs keep working).
         start, end = _lark_literal(self.START, token_markers), _lark_literal(self.END, token_markers)
-        lines = ['start: call ("\\n" call)*' if parallel else "start: call"]
-        lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(functions))))
-        for i, function in enumerate(functions):
-            head = f'\n{{"name": {json.dumps(function.name)}, "arguments": '
-            lines.append(f'call_{i}: {start} {json.dumps(head)} args_{i} "}}\\n" {end}')
-            lines.append(f"args_{i}: %json {json.dumps({**function.parameters, 'x-guidance': JSON_OPTIONS})}")
-        return "\n".join(lines) + "\n"
+        lines = ['start: block ("\\n" block)*' if parallel else "start: block"]
+        lines.append(f'block: {start} "\\n" call "\\n" {end}')
+        return "\n".join(lines + _call_rules(functions, "arguments")) + "\n"
 
 
 def _hermes_call(body: str) -> ToolCall | None:
@@ -245,17 +254,7 @@ def _hermes_call(body: str) -> ToolCall | None:
         value = json.loads(body)
     except json.JSONDecodeError:
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
-        return None
-    arguments = value.get("arguments")
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    return _call_of(value, ("arguments",), required=True)
 
 
 def _json_values(text: str) -> list[Any] | None:
@@ -274,11 +273,17 @@ def _json_values(text: str) -> list[Any] | None:
         values.append(value)
 
 
-def _call_of(value: Any, arguments_keys: tuple[str, ...], call_id: str | None = None) -> ToolCall | None:
-    """A JSON object `{"name": str, <one of arguments_keys>: object}` as a call, else None."""
+def _call_of(
+    value: Any, arguments_keys: tuple[str, ...], call_id: str | None = None, required: bool = False
+) -> ToolCall | None:
+    """A JSON object `{"name": str, <one of arguments_keys>: object}` as a call, else None (`required`:
+    the arguments must be there; else left out means none). Arguments written as a JSON string
+    (some models do) are parsed."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
     key = next((key for key in arguments_keys if key in value), None)
+    if key is None and required:
+        return None
     arguments = {} if key is None else value[key]
     if isinstance(arguments, str):
         try:
@@ -386,13 +391,8 @@ class Llama3JsonFormat(ToolCallFormat):
         return TailStream("", _llama3_calls, max_calls, leads=(self.PYTHON_TAG,))
 
     def grammar(self, functions: tuple[Function, ...], parallel: bool, token_markers: Mapping[str, str]) -> str:
-        lines = ['start: call ("; " call)*' if parallel else "start: call"]
-        lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(functions))))
-        for i, function in enumerate(functions):
-            head = f'{{"name": {json.dumps(function.name)}, "parameters": '
-            lines.append(f'call_{i}: {json.dumps(head)} args_{i} "}}"')
-            lines.append(f"args_{i}: %json {json.dumps({**function.parameters, 'x-guidance': JSON_OPTIONS})}")
-        return "\n".join(lines) + "\n"
+        start = 'start: call ("; " call)*' if parallel else "start: call"
+        return "\n".join([start, *_call_rules(functions, "parameters")]) + "\n"
 
 
 def mistral_call_id() -> str:
@@ -433,14 +433,9 @@ class MistralFormat(ToolCallFormat):
     def grammar(self, functions: tuple[Function, ...], parallel: bool, token_markers: Mapping[str, str]) -> str:
         start = _lark_literal(self.START, token_markers)
         lines = [f'start: {start} " [" call ("," " " call)* "]"' if parallel else f'start: {start} " [" call "]"']
-        lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(functions))))
         # The id the templates write after the arguments may follow, as the model saw calls written.
         lines.append('call_id: ", \\"id\\": \\"" /[A-Za-z0-9]{9}/ "\\""')
-        for i, function in enumerate(functions):
-            head = f'{{"name": {json.dumps(function.name)}, "arguments": '
-            lines.append(f'call_{i}: {json.dumps(head)} args_{i} call_id? "}}"')
-            lines.append(f"args_{i}: %json {json.dumps({**function.parameters, 'x-guidance': JSON_OPTIONS})}")
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + _call_rules(functions, "arguments", after="call_id? ")) + "\n"
 
 
 # In the order they are tried on a chat template; `tool_call_parser` in the config names one instead.
