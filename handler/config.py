@@ -10,11 +10,21 @@ import dataclasses
 import decimal
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from handler.drafters import DRAFTERS, MODEL_FREE
 from handler.drafters.suffix import SuffixOptions
+
+# The request's types live in handler.types (torch-free); they are named here as before.
+from handler.types import (  # noqa: F401 - re-exported
+    LOGIT_BIAS_RANGE,
+    MAX_REPETITION_PENALTY,
+    PENALTY_RANGE,
+    SAMPLING_NUMBER_FIELDS,
+    SamplingParams,
+    sampling_problem,
+)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # auto: on the CPU, int8 where its draft step measures clearly faster at start-up (handler.cpu_speed).
@@ -104,140 +114,20 @@ def _bytes(key: str, value: Any) -> int:
     )
 
 
-# OpenAI's ranges for the penalties and the logit bias; a repetition penalty (a multiplier)
-# above 10 all but bans every seen token, which no one means.
-PENALTY_RANGE = (-2.0, 2.0)
-MAX_REPETITION_PENALTY = 10.0
-LOGIT_BIAS_RANGE = (-100.0, 100.0)
-# The sampling fields that are plain numbers (top_k is an int; logit_bias a mapping, per request only).
-SAMPLING_NUMBER_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-
-
-def sampling_problem(
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    *,
-    min_p: float = 0.0,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    repetition_penalty: float = 1.0,
-    logit_bias: Sequence[tuple[int, float]] = (),
-) -> str | None:
-    """The sampling rules, shared by the config and the REST request: a message naming the field, or None."""
-    if not (math.isfinite(temperature) and temperature >= 0):
-        return f"temperature: must be a finite number >= 0 (0 means greedy), got {temperature}"
-    if top_k < 0:
-        return f"top_k: must be >= 0, got {top_k}"
-    if not 0.0 < top_p <= 1.0:
-        return f"top_p: must be in (0, 1], got {top_p}"
-    # The comparisons below are False for NaN, so NaN is refused too.
-    if not 0.0 <= min_p <= 1.0:
-        return f"min_p: must be in [0, 1] (0 means off), got {min_p}"
-    low, high = PENALTY_RANGE
-    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
-        if not low <= value <= high:
-            return f"{name}: must be in [{low:g}, {high:g}] (0 means off), got {value}"
-    if not 0.0 < repetition_penalty <= MAX_REPETITION_PENALTY:
-        return f"repetition_penalty: must be in (0, {MAX_REPETITION_PENALTY:g}] (1 means off), got {repetition_penalty}"
-    low, high = LOGIT_BIAS_RANGE
-    token_ids = set()
-    for token_id, bias in logit_bias:
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
-            return f"logit_bias: token ids must be integers >= 0, got {token_id!r}"
-        if token_id in token_ids:
-            return f"logit_bias: token {token_id} is given twice"
-        token_ids.add(token_id)
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not low <= bias <= high:
-            return f"logit_bias: the bias of token {token_id} must be in [{low:g}, {high:g}], got {bias!r}"
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Temperature 0 means greedy; top_k 0, top_p 1.0 and min_p 0 mean no filtering.
-
-    The penalties and the logit bias change the logits before the warping
-    (`handler.logits_processors`): presence and frequency 0, repetition 1.0 and
-    no bias mean off. `logit_bias` holds (token id, bias) pairs sorted by id, a
-    tuple so that the params stay hashable; a mapping given here is turned into
-    one.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-
-    def __post_init__(self) -> None:
-        pairs = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
-        pairs = tuple(tuple(pair) for pair in pairs)
-        if any(len(pair) != 2 for pair in pairs):
-            raise ValueError(f"logit_bias: must be (token id, bias) pairs, got {self.logit_bias!r}")
-        problem = sampling_problem(
-            self.temperature,
-            self.top_k,
-            self.top_p,
-            min_p=self.min_p,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            logit_bias=pairs,
-        )
-        if problem:
-            raise ValueError(problem)
-        object.__setattr__(self, "logit_bias", tuple(sorted((token_id, float(bias)) for token_id, bias in pairs)))
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def needs_history(self) -> bool:
-        """Whether a penalty is on, so that the engine must keep the row's token counts."""
-        return self.needs_output_counts or self.needs_seen_tokens
-
-    @property
-    def needs_output_counts(self) -> bool:
-        """Presence or frequency penalty: counts of the generated tokens (not the prompt's)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    @property
-    def needs_seen_tokens(self) -> bool:
-        """Repetition penalty: which tokens the prompt or the output holds."""
-        return self.repetition_penalty != 1.0
-
-    @property
-    def processes_logits(self) -> bool:
-        """Whether `handler.logits_processors.process_row_logits` changes this row's logits."""
-        return self.needs_history or bool(self.logit_bias)
-
-    @classmethod
-    def from_dict(cls, raw: Any, section: str = "handler.sampling.") -> SamplingParams:
-        """The defaults for requests; every field but logit_bias (token ids belong to a request, not a deployment)."""
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"model-config.yaml: {section.rstrip('.')} must be a mapping")
-        _check_keys(section, raw, ("top_k", *SAMPLING_NUMBER_FIELDS))
-        default = cls()
-        values: dict[str, Any] = {
-            key: _float(section + key, raw.get(key, getattr(default, key))) for key in SAMPLING_NUMBER_FIELDS
-        }
-        values["top_k"] = _int(section + "top_k", raw.get("top_k", default.top_k), 0)
-        problem = sampling_problem(**values)
-        if problem:
-            raise ValueError(f"model-config.yaml: {section}{problem}")
-        return cls(**values)
+def sampling_params_from_dict(cls: type, raw: Any, section: str = "handler.sampling.") -> SamplingParams:
+    """`SamplingParams.from_dict`: the defaults for requests, every field but logit_bias."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"model-config.yaml: {section.rstrip('.')} must be a mapping")
+    _check_keys(section, raw, ("top_k", *SAMPLING_NUMBER_FIELDS))
+    default = cls()
+    values: dict[str, Any] = {
+        key: _float(section + key, raw.get(key, getattr(default, key))) for key in SAMPLING_NUMBER_FIELDS
+    }
+    values["top_k"] = _int(section + "top_k", raw.get("top_k", default.top_k), 0)
+    problem = sampling_problem(**values)
+    if problem:
+        raise ValueError(f"model-config.yaml: {section}{problem}")
+    return cls(**values)
 
 
 @dataclasses.dataclass(frozen=True)

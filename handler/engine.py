@@ -57,8 +57,8 @@ from handler.adaptive import (
     choose_runners_up,
     plan_batch,
 )
-from handler.config import SPECULATIVE_TREE_MODES, HandlerConfig, SamplingParams
-from handler.constraints import Constraint, RowGrammar, compiler_for
+from handler.config import SPECULATIVE_TREE_MODES, HandlerConfig
+from handler.constraints import RowGrammar, compiler_for
 from handler.cost_table import RunningCostTable
 from handler.drafters import DRAFTERS, HYBRID, MODEL, MODEL_FREE, NGRAM, NO_LOOKUP, SUFFIX, Lookup
 from handler.drafters.hybrid import Candidate, choose
@@ -90,6 +90,15 @@ from handler.tree import (
     verify_tree,
 )
 
+# The request's types live in handler.types (torch-free); they are named here as before.
+from handler.types import (  # noqa: F401 - re-exported
+    GenerationRequest,
+    GenerationResult,
+    SpeculativeStats,
+    StepOutput,
+    TokenLogprob,
+)
+
 logger = logging.getLogger(__name__)
 
 DRAFTER_MODEL, DRAFTER_NGRAM, DRAFTER_SUFFIX, DRAFTER_HYBRID = MODEL, NGRAM, SUFFIX, HYBRID
@@ -101,28 +110,6 @@ SUFFIX_ESTIMATES = ("tree", "tracker")
 PROPOSER_GRAMMAR = "grammar"
 # Step records the engine keeps for its metrics (`recent_steps`).
 RECENT_STEPS = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationRequest:
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    num_speculative_tokens: int = 4
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    # "model" | "ngram" | "suffix" | "hybrid"; None means the engine's default drafter.
-    drafter: str | None = None
-    # False: the suffix drafter neither adds this request's output to the tree it shares
-    # across requests nor drafts from that tree. None: the server's setting, which a request
-    # can only narrow.
-    suffix_share_across_requests: bool | None = None
-    # None: no log-probabilities; N >= 0: each emitted token's, plus the top N.
-    logprobs: int | None = None
-    # What the output must match (handler.constraints); None: free text.
-    constraint: Constraint | None = None
-    # False: this request's look-ups propose chains only. None: the server's speculative_tree.
-    speculative_tree: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,134 +149,6 @@ class _ModelDrafts:
     # Chain position -> the runner-up's share of what the draft left to other tokens there, for the
     # positions whose runner-up joined the tree as a sibling.
     runner_up_shares: dict[int, float] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenLogprob:
-    """The target's log-probability of an emitted token, from its raw logits (before any warping)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
-
-
-@dataclasses.dataclass
-class SpeculativeStats:
-    """Per-request counters. One verification of a batch counts once for each row in it."""
-
-    num_speculative_tokens: int
-    drafter: str = DRAFTER_MODEL
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    target_forward_passes: int = 0
-    completion_tokens: int = 0
-    # Steps that ended on a rejected draft; accepted / (accepted + rejections) estimates
-    # the per-token acceptance probability of Leviathan et al.'s model.
-    rejections: int = 0
-    # Steps that verified at least one draft (vLLM's num_drafts).
-    num_drafts: int = 0
-    # The cost table found plain decoding faster for some steps and drafted nothing.
-    fell_back: bool = False
-    # Proposed and accepted drafts per drafter that proposed them ("model", "ngram", "suffix", "grammar").
-    draft_tokens_by_drafter: dict[str, int] = dataclasses.field(default_factory=dict)
-    accepted_tokens_by_drafter: dict[str, int] = dataclasses.field(default_factory=dict)
-    # accepted_per_position[j]: steps whose draft j was accepted.
-    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
-    # Structured output: whether a constraint applied, and the seconds spent on its masks.
-    constrained: bool = False
-    mask_seconds: float = 0.0
-    # Tree verification (`handler.tree`): steps that verified a tree with a branch, their nodes,
-    # their accepted depth, and the steps whose accepted path left the first-choice branch.
-    tree_steps: int = 0
-    tree_nodes: int = 0
-    tree_accepted_depth: int = 0
-    tree_other_branch: int = 0
-    # Draft-model passes that drafted for this request, counted once per request in a batch: fewer
-    # than its model drafts where guessed drafting (draft_guesses) drafted several in one pass.
-    draft_passes: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per target forward pass."""
-        return self.completion_tokens / self.target_forward_passes if self.target_forward_passes else 0.0
-
-    def record(self, proposer: str, num_drafts: int, num_accepted: int) -> None:
-        """Counts one verification of `num_drafts` drafts from `proposer`, `num_accepted` of them kept."""
-        self.target_forward_passes += 1
-        if num_drafts == 0:
-            return
-        self.num_drafts += 1
-        self.draft_tokens += num_drafts
-        self.accepted_tokens += num_accepted
-        self.rejections += int(num_accepted < num_drafts)
-        self.draft_tokens_by_drafter[proposer] = self.draft_tokens_by_drafter.get(proposer, 0) + num_drafts
-        self.accepted_tokens_by_drafter[proposer] = self.accepted_tokens_by_drafter.get(proposer, 0) + num_accepted
-        if len(self.accepted_per_position) < num_accepted:
-            self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
-        for position in range(num_accepted):
-            self.accepted_per_position[position] += 1
-
-    def record_tree(self, num_nodes: int, depth: int, first_choice: bool) -> None:
-        """Counts one verified tree of `num_nodes` nodes whose accepted path is `depth` drafts deep."""
-        self.tree_steps += 1
-        self.tree_nodes += num_nodes
-        self.tree_accepted_depth += depth
-        self.tree_other_branch += int(not first_choice)
-
-    def as_dict(self) -> dict:
-        proposers = sorted(self.draft_tokens_by_drafter)
-        return {
-            "num_speculative_tokens": self.num_speculative_tokens,
-            "drafter": self.drafter,
-            "draft_tokens": self.draft_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "acceptance_rate": round(self.acceptance_rate, 4),
-            "target_forward_passes": self.target_forward_passes,
-            "mean_accepted_length": round(self.mean_accepted_length, 4),
-            "fell_back_to_target_only": self.fell_back,
-            "draft_passes": self.draft_passes,
-            "by_drafter": {
-                name: {
-                    "draft_tokens": self.draft_tokens_by_drafter[name],
-                    "accepted_tokens": self.accepted_tokens_by_drafter[name],
-                }
-                for name in proposers
-            },
-            "accepted_per_position": list(self.accepted_per_position),
-            "tree": {
-                "steps": self.tree_steps,
-                "nodes": self.tree_nodes,
-                "accepted_depth": self.tree_accepted_depth,
-                "other_branch": self.tree_other_branch,
-            },
-        }
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    stats: SpeculativeStats
-    logprobs: list[TokenLogprob] | None = None
-    # Prompt tokens whose target KV came from the prefix cache (OpenAI's cached_tokens).
-    cached_tokens: int = 0
-
-
-@dataclasses.dataclass
-class StepOutput:
-    """What one step produced for one request."""
-
-    request_id: Hashable
-    new_token_ids: list[int]  # emitted this step, possibly none
-    token_ids: list[int]  # everything emitted so far; do not mutate
-    finish_reason: str | None  # set when the request finished this step
-    result: GenerationResult | None  # set when the request finished this step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -744,6 +603,7 @@ class SpeculativeEngine:
             if slot in model_drafts:
                 self._calibrate(row, model_drafts[slot], path)
             output = self._emit(row, new_tokens, logits[slot], path)
+            output.num_draft_tokens, output.num_accepted_tokens = step_ks[slot], accepted
             committed[row.request_id] = output.new_token_ids
             outputs.append(output)
             if row.finish_reason is not None:

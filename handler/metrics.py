@@ -123,7 +123,7 @@ class MetricsRecorder:
             self._add("SpecDrafterDraftTokens", num_drafted, COUNT_UNIT, counter, label)
             num_accepted = stats.accepted_tokens_by_drafter.get(drafter, 0)
             self._add("SpecDrafterAcceptedTokens", num_accepted, COUNT_UNIT, counter, label)
-        if getattr(stats, "tree_steps", 0):
+        if stats.tree_steps:
             for name, value in (
                 ("SpecTreeSteps", stats.tree_steps),
                 ("SpecTreeNodes", stats.tree_nodes),
@@ -136,7 +136,7 @@ class MetricsRecorder:
             self._add(
                 "SpecTimePerOutputTokenSeconds", latency_seconds / stats.completion_tokens, SECONDS_UNIT, histogram
             )
-        if getattr(stats, "constrained", False):
+        if stats.constrained:
             # Forced-token drafts are SpecDrafterDraftTokens{drafter="grammar"}.
             self._add("SpecConstrainedRequests", 1, COUNT_UNIT, counter)
             if stats.target_forward_passes:

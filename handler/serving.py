@@ -52,10 +52,10 @@ from handler.api.entry import (
     request_tokens,
 )
 from handler.api.native import NativeAnswer
-from handler.engine import GenerationResult
 from handler.metrics import MetricsRecorder
 from handler.schema import JSON_CONTENT_TYPE, RequestError
 from handler.schema import STREAM_CONTENT_TYPE as NDJSON_CONTENT_TYPE
+from handler.types import GenerationResult, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -81,59 +81,31 @@ def failure_error(error: BaseException) -> RequestError:
 
 
 class SpeculationTally:
-    """vLLM's speculation counters (drafts, draft tokens, accepted tokens per position).
-
-    Counted per step when the engine's step outputs carry `num_draft_tokens`
-    (this step's k for the request) and `num_accepted_tokens`: accepted drafts
-    are a prefix, so they give the per-position counts. Otherwise each
-    request's final stats give them (`num_drafts` and `accepted_per_position`
-    read when present), and an aborted request is not counted.
-    """
+    """vLLM's speculation counters (drafts, draft tokens, accepted tokens per position), counted per
+    step from each row's `StepOutput`: its drafts this step and how many were accepted (a prefix, so
+    they give the per-position counts)."""
 
     def __init__(self) -> None:
-        self.num_drafts: int | None = 0  # None: the engine does not tell
+        self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.accepted_per_position: list[int] | None = []  # None: the engine does not tell
-        self.per_step = True
+        self.accepted_per_position: list[int] = []
 
-    def _add_positions(self, accepted_per_position: Sequence[int]) -> None:
-        assert self.accepted_per_position is not None
-        if len(self.accepted_per_position) < len(accepted_per_position):
-            self.accepted_per_position.extend([0] * (len(accepted_per_position) - len(self.accepted_per_position)))
-        for position, count in enumerate(accepted_per_position):
-            self.accepted_per_position[position] += count
-
-    def add_step(self, output) -> None:
-        num_draft_tokens = getattr(output, "num_draft_tokens", None)
-        num_accepted = getattr(output, "num_accepted_tokens", None)
-        if not isinstance(num_draft_tokens, int) or not isinstance(num_accepted, int):
-            self.per_step = False
-            return
+    def add_step(self, output: StepOutput) -> None:
+        num_draft_tokens, num_accepted = output.num_draft_tokens, output.num_accepted_tokens
         assert 0 <= num_accepted <= num_draft_tokens
         if num_draft_tokens == 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        self._add_positions([1] * num_accepted)
-
-    def add_final(self, stats) -> None:
-        if self.per_step:
-            return
-        self.num_draft_tokens += stats.draft_tokens
-        self.num_accepted_tokens += stats.accepted_tokens
-        num_drafts = getattr(stats, "num_drafts", None)
-        self.num_drafts = None if num_drafts is None or self.num_drafts is None else self.num_drafts + num_drafts
-        per_position = getattr(stats, "accepted_per_position", None)
-        if per_position is None or self.accepted_per_position is None:
-            self.accepted_per_position = None
-        else:
-            self._add_positions(per_position)
+        self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
 
     def record(self, metrics: MetricsRecorder) -> None:
         metrics.record_drafts(
-            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.accepted_per_position or ()
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.accepted_per_position
         )
 
 
@@ -176,9 +148,6 @@ class StaticBatch:
             tally = SpeculationTally()
             for index, outcome in self._generate(group, send_chunk, tally).items():
                 outcomes[index] = outcome
-                if not isinstance(outcome, RequestError):
-                    for result in outcome:
-                        tally.add_final(result.stats)
             tally.record(metrics)
         return [self._reply(index, outcome, metrics) for index, outcome in enumerate(outcomes)]
 
@@ -452,7 +421,6 @@ class ContinuousBatcher:
                 result = output.result
                 assert result is not None, "a finished step output carries its result"
                 tracked.results[row] = result
-                tally.add_final(result.stats)
                 metrics.record_result(result.stats, now - tracked.arrived_at)
                 text = tracked.answer.on_row_finished(row, result)
                 if not tracked.unfinished_rows:

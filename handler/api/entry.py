@@ -20,8 +20,8 @@ from handler.api.openai import requests as openai_requests
 from handler.api.openai.answers import OpenAIAnswer
 from handler.api.openai.requests import OpenAIRequest, Route
 from handler.config import HandlerConfig
-from handler.engine import GenerationRequest, GenerationResult
 from handler.schema import JSON_CONTENT_TYPE, RequestError
+from handler.types import GenerationRequest, GenerationResult
 
 logger = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from handler.config import (
     sampling_problem,
 )
 from handler.constraints import Constraint, check_json_schema, compiler_for
-from handler.engine import GenerationRequest, GenerationResult
 
 # Re-exported: the handler entry point imports them from here.
 from handler.schema import JSON_CONTENT_TYPE, STREAM_CONTENT_TYPE, RequestError, decode_body
 from handler.streaming import DeltaTracker
+from handler.types import GenerationRequest, GenerationResult
 
 __all__ = [
     "NativeAnswer",

@@ -64,6 +64,29 @@ def test_staggered_arrivals_equal_solo_outputs(tiny_pair, engine, drafter):
     )
 
 
+@pytest.mark.parametrize("drafter", ["model", "hybrid"])
+def test_each_steps_drafts_add_up_to_the_requests_counters(tiny_pair, engine, drafter):
+    """The step outputs' drafts and accepted drafts (what the metrics count per step) are the final stats'."""
+    _, _, tokenizer = tiny_pair
+    requests = [GenerationRequest(encode(tokenizer, p), 24, GREEDY, 3, drafter=drafter) for p in PROMPTS[:3]]
+    drafted: dict = {}
+    for index, request in enumerate(requests):
+        engine.add_request(index, request)
+    results = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            counts = drafted.setdefault(output.request_id, [0, 0, 0])
+            counts[0] += output.num_draft_tokens
+            counts[1] += output.num_accepted_tokens
+            counts[2] += int(output.num_draft_tokens > 0)
+            if output.result is not None:
+                results[output.request_id] = output.result
+    for index, result in results.items():
+        stats = result.stats
+        assert drafted[index] == [stats.draft_tokens, stats.accepted_tokens, stats.num_drafts], index
+    assert any(counts[0] for counts in drafted.values())
+
+
 def test_abort_frees_the_row_and_leaves_the_others_untouched(engine, tiny_pair):
     _, _, tokenizer = tiny_pair
     keep = GenerationRequest(encode(tokenizer, PROMPTS[0]), 30, GREEDY, 4)

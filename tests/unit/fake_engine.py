@@ -9,10 +9,9 @@ Decoded text is one character per token.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Hashable
 
-from handler.engine import GenerationRequest, GenerationResult, SpeculativeStats
+from handler.types import GenerationRequest, GenerationResult, SpeculativeStats, StepOutput
 
 FIRST_CHARACTER = ord("a")
 
@@ -29,15 +28,8 @@ class CharTokenizer:
         return "".join(chr(t) for t in token_ids)
 
 
-@dataclasses.dataclass
-class FakeStepOutput:
-    request_id: Hashable
-    new_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str | None
-    result: GenerationResult | None
-    num_draft_tokens: int
-    num_accepted_tokens: int
+# The fake steps with the engine's own output type.
+FakeStepOutput = StepOutput
 
 
 class FakeEngine:
@@ -113,6 +105,20 @@ class FakeEngine:
                 )
             )
         return outputs
+
+    def generate(self, requests, on_tokens=None):
+        """The batch loop over the step API, as the engine's generate is."""
+        ids = list(range(len(requests)))
+        for i, request in zip(ids, requests):
+            self.add_request(i, request)
+        results = {}
+        while self.has_unfinished_requests():
+            for output in self.step():
+                if on_tokens is not None and output.new_token_ids:
+                    on_tokens(output.request_id, output.new_token_ids, output)
+                if output.result is not None:
+                    results[output.request_id] = output.result
+        return [results[i] for i in ids]
 
     def length_of(self, request_id: Hashable, request: GenerationRequest) -> int:
         """How many tokens the request generates; a test may make some rows finish early."""

@@ -265,34 +265,30 @@ def test_metrics_count_steps_drafts_and_accepted_positions():
     assert recorded.total("SpecRequests") == 2
 
 
-def test_without_per_step_figures_the_tally_reads_each_requests_final_stats():
-    from types import SimpleNamespace
+def test_the_tally_counts_each_steps_drafts_and_accepted_positions():
+    from handler.types import StepOutput
 
     tally = SpeculationTally()
-    tally.add_step(object())
-    tally.add_final(SimpleNamespace(draft_tokens=12, accepted_tokens=7, num_drafts=4, accepted_per_position=[4, 2, 1]))
-    tally.add_final(SimpleNamespace(draft_tokens=3, accepted_tokens=1, num_drafts=1, accepted_per_position=[1]))
+    for drafts, accepted in ((4, 2), (0, 0), (3, 3), (1, 0)):
+        tally.add_step(StepOutput("r", [1], [1], None, None, drafts, accepted))
     recorded = RecordingMetrics()
     tally.record(MetricsRecorder(recorded))
-    assert recorded.total("spec_decode_num_drafts") == 5
-    assert recorded.total("spec_decode_num_draft_tokens") == 15
-    assert recorded.total("spec_decode_num_accepted_tokens") == 8
+    assert recorded.total("spec_decode_num_drafts") == 3
+    assert recorded.total("spec_decode_num_draft_tokens") == 8
+    assert recorded.total("spec_decode_num_accepted_tokens") == 5
     assert sorted(recorded.values["spec_decode_num_accepted_tokens_per_pos"]) == [
         (1, (("position", "2"),)),
+        (2, (("position", "0"),)),
         (2, (("position", "1"),)),
-        (5, (("position", "0"),)),
     ]
-    # Stats without the vLLM figures: totals only.
-    tally = SpeculationTally()
-    tally.add_step(object())
-    tally.add_final(SimpleNamespace(draft_tokens=12, accepted_tokens=7))
-    recorded = RecordingMetrics()
-    tally.record(MetricsRecorder(recorded))
-    assert (
-        recorded.total("spec_decode_num_draft_tokens") == 12 and recorded.total("spec_decode_num_accepted_tokens") == 7
-    )
-    assert "spec_decode_num_drafts" not in recorded.values
-    assert "spec_decode_num_accepted_tokens_per_pos" not in recorded.values
+
+
+def test_the_real_engine_and_the_fake_are_both_engines():
+    from handler.engine import SpeculativeEngine
+    from handler.types import Engine
+
+    assert issubclass(SpeculativeEngine, Engine)
+    assert isinstance(FakeEngine(), Engine)
 
 
 def test_accepted_drafts_are_counted_as_a_prefix():
@@ -305,20 +301,7 @@ def test_accepted_drafts_are_counted_as_a_prefix():
 
 
 class FakeGenerateEngine(FakeEngine):
-    """The batch loop over the step API, as the engine's generate is."""
-
-    def generate(self, requests, on_tokens=None):
-        ids = list(range(len(requests)))
-        for i, request in zip(ids, requests):
-            self.add_request(i, request)
-        results = {}
-        while self.has_unfinished_requests():
-            for output in self.step():
-                if on_tokens is not None and output.new_token_ids:
-                    on_tokens(output.request_id, output.new_token_ids, output)
-                if output.result is not None:
-                    results[output.request_id] = output.result
-        return [results[i] for i in ids]
+    """The fake engine, named for the tests that run it through `generate`."""
 
 
 def test_static_batches_split_to_fit_max_batch_tokens_and_stream_through_the_callback():

@@ -26,10 +26,10 @@ from typing import Sequence
 from handler.api.openai.requests import ROUTE_CHAT, OpenAIRequest, error_answer
 from handler.api.openai.tools import ToolCall
 from handler.detokenizer import REPLACEMENT_CHARACTER
-from handler.engine import GenerationResult
 from handler.schema import JSON_CONTENT_TYPE, RequestError
 from handler.streaming import DeltaTracker
 from handler.token_bytes import piece_bytes
+from handler.types import GenerationResult, SpeculativeStats
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 FINISH_TOOL_CALLS = "tool_calls"
@@ -67,40 +67,9 @@ def usage(request: OpenAIRequest, results: Sequence[GenerationResult]) -> dict:
 
 
 def speculative_totals(results: Sequence[GenerationResult]) -> dict:
-    """The request's speculative counters: one choice's own, or the choices' added up.
-
-    Counts add up (per drafter and per position too), `fell_back_to_target_only`
-    is any choice's, the settings (k, drafter) are the request's, and the two
-    rates are recomputed from the sums.
-    """
-    per_choice = [result.stats.as_dict() for result in results]
-    if len(per_choice) == 1:
-        return per_choice[0]
-    totals = _add_up(per_choice)
-    for key in ("num_speculative_tokens", "drafter"):
-        if key in totals:
-            totals[key] = per_choice[0][key]
-    completion_tokens = sum(len(result.token_ids) for result in results)
-    draft, passes = totals["draft_tokens"], totals["target_forward_passes"]
-    totals["acceptance_rate"] = round(totals["accepted_tokens"] / draft, 4) if draft else 0.0
-    totals["mean_accepted_length"] = round(completion_tokens / passes, 4) if passes else 0.0
-    return totals
-
-
-def _add_up(values: list):
-    """Adds JSON-like values: numbers, element-wise lists, key-wise objects; bools are or-ed."""
-    first = values[0]
-    if isinstance(first, bool):
-        return any(values)
-    if isinstance(first, (int, float)):
-        return sum(values)
-    if isinstance(first, list):
-        length = max(len(value) for value in values)
-        return [_add_up([value[i] for value in values if i < len(value)]) for i in range(length)]
-    if isinstance(first, dict):
-        keys = dict.fromkeys(key for value in values for key in value)
-        return {key: _add_up([value[key] for value in values if key in value]) for key in keys}
-    return first
+    """The request's speculative counters: one choice's own, or the choices' added up
+    (`SpeculativeStats.merge`)."""
+    return SpeculativeStats.merge([result.stats for result in results]).as_dict()
 
 
 # ---------------------------------------------------------------------------

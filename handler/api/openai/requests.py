@@ -43,8 +43,8 @@ from handler.api.openai.tools import (
     tool_plan,
 )
 from handler.config import HandlerConfig
-from handler.engine import GenerationRequest
 from handler.schema import REQUEST_FIELDS, SEED_RANGE, RequestError, integer_field
+from handler.types import GenerationRequest
 
 ROUTE_NATIVE = "native"
 ROUTE_COMPLETIONS = "completions"

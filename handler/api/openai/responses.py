@@ -41,9 +41,9 @@ from handler.api.openai.requests import (
     parse_openai_request,
 )
 from handler.api.openai.tools import ToolCall
-from handler.engine import GenerationResult
 from handler.schema import JSON_CONTENT_TYPE, RequestError
 from handler.streaming import DeltaTracker
+from handler.types import GenerationResult
 
 SSE_CONTENT_TYPE = "text/event-stream"
 
