@@ -114,8 +114,10 @@ def _bytes(key: str, value: Any) -> int:
     )
 
 
-def sampling_params_from_dict(cls: type, raw: Any, section: str = "handler.sampling.") -> SamplingParams:
-    """`SamplingParams.from_dict`: the defaults for requests, every field but logit_bias."""
+def sampling_params_from_dict(raw: Any, section: str = "handler.sampling.") -> SamplingParams:
+    """The `sampling:` section: the defaults for requests, every field but logit_bias (token ids belong
+    to a request, not a deployment)."""
+    cls = SamplingParams
     if not isinstance(raw, Mapping):
         raise ValueError(f"model-config.yaml: {section.rstrip('.')} must be a mapping")
     _check_keys(section, raw, ("top_k", *SAMPLING_NUMBER_FIELDS))
@@ -327,7 +329,7 @@ class HandlerConfig:
             if value not in choices:
                 raise ValueError(f"model-config.yaml: handler.{key} must be one of {', '.join(choices)}, got {value!r}")
             values[key] = value
-        values["sampling"] = SamplingParams.from_dict(raw.get("sampling", {}))
+        values["sampling"] = sampling_params_from_dict(raw.get("sampling", {}))
         return cls(**values)
 
 

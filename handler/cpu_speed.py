@@ -346,7 +346,6 @@ def choose_draft_quantization(draft: torch.nn.Module) -> tuple[torch.nn.Module, 
     Returns:
         the chosen draft, and "int8" or "none".
     """
-    from handler.loading import quantize_draft_int8
 
     int8 = quantize_draft_int8(copy.deepcopy(draft))
     float_seconds, int8_seconds = decode_step_seconds(draft), decode_step_seconds(int8)
@@ -358,3 +357,22 @@ def choose_draft_quantization(draft: torch.nn.Module) -> tuple[torch.nn.Module, 
         choice,
     )
     return (int8, choice) if choice == "int8" else (draft, choice)
+
+
+def quantize_draft_int8(draft):
+    """Dynamic int8 quantization of the draft's linear layers, on the CPU.
+
+    Weights are int8; activations are quantized at each forward pass with one
+    scale for the whole input, so over the whole batch. Only the draft
+    changes: greedy output stays the target's and sampled output keeps the
+    target's distribution; a cheaper draft costs some acceptance, which the
+    benchmark measures. Because the scale is shared, a row's proposals depend
+    on the rows beside it; outputs do not: greedy ones are the target's, and a
+    seeded sampled one depends on its seed and the target alone
+    (`handler.sampler.coupled_verify`).
+    """
+    from torch.ao.quantization import quantize_dynamic
+
+    # The quantizer looks for nn.Linear: layers already packed for oneDNN go back first.
+    unpack_linear_layers(draft)
+    return quantize_dynamic(draft.float(), {torch.nn.Linear}, dtype=torch.qint8)

@@ -152,27 +152,6 @@ def _load_causal_lm(path: str, key: str, dtype: torch.dtype, device: torch.devic
     return model.to(device).eval()
 
 
-def quantize_draft_int8(draft):
-    """Dynamic int8 quantization of the draft's linear layers, on the CPU.
-
-    Weights are int8; activations are quantized at each forward pass with one
-    scale for the whole input, so over the whole batch. Only the draft
-    changes: greedy output stays the target's and sampled output keeps the
-    target's distribution; a cheaper draft costs some acceptance, which the
-    benchmark measures. Because the scale is shared, a row's proposals depend
-    on the rows beside it; outputs do not: greedy ones are the target's, and a
-    seeded sampled one depends on its seed and the target alone
-    (`handler.sampler.coupled_verify`).
-    """
-    from torch.ao.quantization import quantize_dynamic
-
-    from handler.cpu_speed import unpack_linear_layers
-
-    # The quantizer looks for nn.Linear: layers already packed for oneDNN go back first.
-    unpack_linear_layers(draft)
-    return quantize_dynamic(draft.float(), {torch.nn.Linear}, dtype=torch.qint8)
-
-
 def collect_eos_token_ids(tokenizer, generation_config) -> tuple[int, ...]:
     """The tokenizer's EOS plus the generation config's (an int or a list)."""
     ids: list[int] = []
@@ -244,6 +223,8 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
         if config.draft_quantization == "int8":
             if device.type != "cpu":
                 raise ValueError("handler.draft_quantization: int8 runs on the CPU only; use none on a GPU")
+            from handler.cpu_speed import quantize_draft_int8
+
             draft = quantize_draft_int8(draft)
         check_cache_support(draft)
     if device.type == "cpu" and config.cpu_packed_weights:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Hashable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from handler.constraints import Constraint
@@ -141,13 +141,6 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether `handler.logits_processors.process_row_logits` changes this row's logits."""
         return self.needs_history or bool(self.logit_bias)
-
-    @classmethod
-    def from_dict(cls, raw: Any, section: str = "handler.sampling.") -> SamplingParams:
-        """The defaults for requests; every field but logit_bias (token ids belong to a request, not a deployment)."""
-        from handler.config import sampling_params_from_dict  # the config's rules for numbers and keys
-
-        return sampling_params_from_dict(cls, raw, section)
 
 
 @dataclasses.dataclass(frozen=True)

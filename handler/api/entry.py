@@ -19,6 +19,7 @@ from handler.api.native import NativeAnswer, ParsedRequest, decode_body, parse_r
 from handler.api.openai import requests as openai_requests
 from handler.api.openai.answers import OpenAIAnswer
 from handler.api.openai.requests import OpenAIRequest, Route
+from handler.api.openai.responses import ResponsesAnswer, parse_responses_request
 from handler.config import HandlerConfig
 from handler.schema import JSON_CONTENT_TYPE, RequestError
 from handler.types import GenerationRequest, GenerationResult
@@ -69,9 +70,13 @@ def parse_entry(
     try:
         body = row.get("body", row.get("data")) if isinstance(row, dict) else row
         if openai:
-            parsed = openai_requests.parse_openai_entry(
-                route, body, content_type, config, tokenizer, max_context, model_name, created, response_store
-            )
+            if route.kind == openai_requests.ROUTE_RESPONSES:
+                decoded = openai_requests.decode_openai_body(body, content_type)
+                parsed = parse_responses_request(decoded, config, tokenizer, max_context, model_name, response_store)
+            else:
+                parsed = openai_requests.parse_openai_entry(
+                    route, body, content_type, config, tokenizer, max_context, model_name, created
+                )
             if isinstance(parsed, dict):
                 return Reply(parsed, content_type=JSON_CONTENT_TYPE)
         else:
@@ -155,8 +160,6 @@ class Answer(Protocol):
 
 def answer_for(parsed: ParsedRequest | OpenAIRequest, tokenizer) -> Answer:
     if isinstance(parsed, OpenAIRequest) and parsed.kind == openai_requests.ROUTE_RESPONSES:
-        from handler.api.openai.responses import ResponsesAnswer
-
         return ResponsesAnswer(parsed, tokenizer)
     if isinstance(parsed, OpenAIRequest):
         return OpenAIAnswer(parsed, tokenizer)

@@ -168,7 +168,7 @@ def test_the_bf16_speedup_is_measured_on_real_layers():
 def test_a_packed_model_deep_copies_and_unpacks_for_the_int8_quantizer(tiny_models_dir, tiny_pair):
     import copy
 
-    from handler.loading import quantize_draft_int8
+    from handler.cpu_speed import quantize_draft_int8
 
     _, plain_draft, _ = tiny_pair
     packed, _ = load_tiny(tiny_models_dir)

@@ -187,7 +187,7 @@ def seeded_outputs(tiny_pair, engine) -> dict[str, list[int]]:
     import copy
 
     from handler.adaptive import CostModel
-    from handler.loading import quantize_draft_int8
+    from handler.cpu_speed import quantize_draft_int8
 
     target, draft, tokenizer = tiny_pair
     int8_engine = make_engine(target, quantize_draft_int8(copy.deepcopy(draft)), tokenizer)

@@ -227,7 +227,6 @@ def parse_openai_entry(
     max_context: int,
     model_name: str,
     created: int,
-    response_store=None,
 ) -> OpenAIRequest | dict:
     """A request on an OpenAI route: the request for the engine, or the model list, answered without it.
 
@@ -238,22 +237,16 @@ def parse_openai_entry(
         config, tokenizer, max_context: as for `handler.api.native.parse_request`.
         model_name: the name this model is served under.
         created: when it was loaded (Unix seconds), for the model list.
-        response_store: the Responses route's store (`handler.api.openai.responses.ResponseStore`).
     Returns:
         An OpenAIRequest, or the JSON answer of v1/models.
     Raises:
         RequestError: naming the field, or the route, and what to change.
     """
-    assert route.is_openai, route
+    assert route.is_openai and route.kind != ROUTE_RESPONSES, route  # handler.api.entry routes Responses
     if route.kind in (ROUTE_MODELS, ROUTE_MODEL):
         return models_answer(route, model_name, created)
     if route.kind == ROUTE_UNKNOWN:
         raise unknown_route_error(route)
-    if route.kind == ROUTE_RESPONSES:
-        from handler.api.openai.responses import parse_responses_request
-
-        body = decode_openai_body(body, content_type)
-        return parse_responses_request(body, config, tokenizer, max_context, model_name, response_store)
     return parse_openai_request(
         route.kind, decode_openai_body(body, content_type), config, tokenizer, max_context, model_name
     )
