@@ -35,7 +35,7 @@ SPECULATIVE_TREE_MODES = ("auto", "off")
 # auto times both at start-up and keeps the faster.
 RUNNER_MODES = ("auto", "dynamic", "static")
 # auto, then handler.api.openai.tools.FORMAT_NAMES (vLLM's parser names; a unit test keeps them equal).
-TOOL_CALL_PARSERS = ("auto", "hermes", "mistral", "llama3_json")
+TOOL_CALL_PARSERS = ("auto", "hermes", "mistral", "llama3_json", "json")
 # Who proposes drafts (handler.drafters): DRAFTERS, of which MODEL_FREE need no draft model.
 # Longest n-gram the look-up matches; longer suffixes rarely add matches.
 MAX_PROMPT_LOOKUP = 16

@@ -7,8 +7,9 @@
 2. for each prompt, greedy, through the REST API: plain decoding (k = 0), the `ngram` and the
    `suffix` drafters, each against Hugging Face `generate` on the same weights in float32,
    token for token, and their tokens/s (the handler's time, `generate`'s own);
-3. through the official `openai` client: a chat, a JSON-schema answer (validated), and a tool
-   call (a 400 naming the gap where the chat template renders no tools);
+3. through the official `openai` client: a chat, a JSON-schema answer (validated), and a forced
+   tool call (in the model's own format, or written into the prompt where its chat template
+   renders no tools: `handler.api.openai.tools.JsonFormat`);
 4. prints a table and writes it, with the details, to --out (JSON).
 
 Timings are medians over the prompts, on this machine, one request at a time.

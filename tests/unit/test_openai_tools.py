@@ -19,7 +19,16 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from handler.api.native import RequestError
 from handler.api.openai.answers import OpenAIStream, response_body
 from handler.api.openai.requests import ROUTE_CHAT, ROUTE_COMPLETIONS, OpenAIRequest, parse_openai_request
-from handler.api.openai.tools import Function, HermesFormat, ToolCall, token_markers, tool_format_for
+from handler.api.openai.tools import (
+    JSON_FORMAT,
+    NO_PARAMETERS,
+    Function,
+    HermesFormat,
+    JsonFormat,
+    ToolCall,
+    token_markers,
+    tool_format_for,
+)
 from handler.config import HandlerConfig
 from handler.constraints import KIND_GRAMMAR, KIND_JSON_SCHEMA
 from handler.engine import GenerationRequest
@@ -286,7 +295,7 @@ def openai_call(call_id: str, name: str, arguments: dict) -> dict:
 
 
 def test_the_family_comes_from_the_chat_template(tool_tokenizer, plain_tokenizer):
-    assert tool_format_for(tool_tokenizer) == HERMES and tool_format_for(plain_tokenizer) is None
+    assert tool_format_for(tool_tokenizer) == HERMES and tool_format_for(plain_tokenizer) == JSON_FORMAT
 
 
 def test_auto_renders_the_tools_and_parses_free_output(tool_tokenizer):
@@ -455,16 +464,59 @@ def test_bad_tool_messages_are_400s_naming_the_field(messages, field, tool_token
     assert message.startswith(f"{field}:"), message
 
 
-def test_a_template_without_tools_refuses_them(plain_tokenizer):
-    assert "does not render tools" in refused({"messages": USER, "tools": TOOLS}, plain_tokenizer)
-    assert refused(
-        {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}]}, plain_tokenizer
-    ).startswith("messages[1].tool_calls:")
-    assert refused(
-        {"messages": [*USER, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, plain_tokenizer
-    ).startswith("messages[1].role:")
-    # Declared but never used: tool_choice none renders nothing, so any template will do.
+def test_a_template_without_tools_gets_them_written_into_the_prompt(plain_tokenizer):
+    """The generic JSON format: the handler writes the tools, the calls and the results as text."""
+    request = parse({"messages": USER, "tools": TOOLS}, plain_tokenizer)
+    assert request.tool_format == JSON_FORMAT
+    prompt = plain_tokenizer.decode(list(request.generations[0].prompt_ids))
+    assert prompt.startswith("<|im_start|>system\n" + JsonFormat.INSTRUCTIONS)
+    assert json.dumps(WEATHER["function"]) in prompt and "Weather in Paris?" in prompt
+    history = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    prompt = plain_tokenizer.decode(list(parse({"messages": history}, plain_tokenizer).generations[0].prompt_ids))
+    arguments = json.loads(CALL["function"]["arguments"])
+    written = json.dumps({"name": CALL["function"]["name"], "arguments": arguments})
+    assert f"<|im_start|>assistant\n{written}<|im_end|>" in prompt
+    assert "<|im_start|>user\nResult of call c1:\nsunny<|im_end|>" in prompt
+    # Forced calls follow the grammar; a family's own format named for such a template refuses tools.
+    forced = parse({"messages": USER, "tools": TOOLS, "tool_choice": "required"}, plain_tokenizer)
+    assert forced.generations[0].constraint.source == JSON_FORMAT.grammar(
+        tuple(Function(t["function"]["name"], t["function"].get("parameters", NO_PARAMETERS)) for t in TOOLS), True, {}
+    )
+    hermes_config = dataclasses.replace(CONFIG, tool_call_parser="hermes")
+    with pytest.raises(RequestError, match="does not render tools"):
+        parse_openai_request(
+            ROUTE_CHAT, {"messages": USER, "tools": TOOLS}, hermes_config, plain_tokenizer, 4096, MODEL
+        )
     assert parse({"messages": USER, "tools": TOOLS, "tool_choice": "none"}, plain_tokenizer).tool_format is None
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ('{"name": "get_weather", "arguments": {"city": "Nice"}}', None, [("get_weather", {"city": "Nice"})]),
+        ('{"name": "now", "arguments": {}}\n{"name": "book", "arguments": {"day": "mon"}}', None,
+         [("now", {}), ("book", {"day": "mon"})]),
+        ("Sunny in Nice.", "Sunny in Nice.", []),
+    ],
+)  # fmt: skip
+def test_json_calls_parse_whole_and_streamed(text, content, calls):
+    from tests.unit.test_tool_formats import whole_and_streamed
+
+    parsed_content, parsed_calls = whole_and_streamed(JSON_FORMAT, text)
+    assert parsed_content == content and named(parsed_calls) == calls
+
+
+def test_the_json_grammar_takes_exactly_valid_calls(plain_tokenizer):
+    grammar = JSON_FORMAT.grammar(FUNCTIONS, True, {})
+    weather = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    assert accepts(grammar, plain_tokenizer, weather)
+    assert accepts(grammar, plain_tokenizer, weather + '\n{"name": "book", "arguments": {"day": "tue"}}')
+    assert not accepts(grammar, plain_tokenizer, '{"name": "book", "arguments": {"day": "sun"}}')
+    assert not accepts(JSON_FORMAT.grammar(FUNCTIONS, False, {}), plain_tokenizer, weather + "\n" + weather)
 
 
 # ---------------------------------------------------------------------------

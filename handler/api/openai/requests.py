@@ -338,7 +338,13 @@ def parse_openai_request(
                     "the tool call's arguments already follow the function's parameters"
                 )
             native["grammar"] = plan.grammar
-        prompts = [{"messages": _chat_messages(body.get("messages"), tokenizer, config.tool_call_parser)}]
+        messages = _chat_messages(body.get("messages"), tokenizer, config.tool_call_parser)
+        tool_format = tool_format_for(tokenizer, config.tool_call_parser)
+        if tool_format is not None and not tool_format.renders_tools:
+            # A template without tools: the tools, the calls and their results are written as text.
+            messages = tool_format.prompt_messages(messages, plan.tools)
+            plan = dataclasses.replace(plan, tools=None)
+        prompts = [{"messages": messages}]
     else:
         prompts = [{"prompt": prompt} for prompt in _completion_prompts(body.get("prompt"))]
     if len(prompts) * n > MAX_CHOICES:

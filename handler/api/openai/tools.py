@@ -98,6 +98,8 @@ class ToolCallFormat:
     """One model family's tool-call markup."""
 
     name = ""
+    # Whether the chat template renders the tools and the calls (else `JsonFormat.prompt_messages`).
+    renders_tools = True
     # Markers that may be single (added) tokens of the tokenizer: the grammar names those as tokens.
     markers: tuple[str, ...] = ()
 
@@ -438,8 +440,71 @@ class MistralFormat(ToolCallFormat):
         return "\n".join(lines + _call_rules(functions, "arguments", after="call_id? ")) + "\n"
 
 
+def _json_calls(text: str) -> list[ToolCall] | None:
+    values = _json_values(text)
+    if values is None:
+        return None
+    calls = [_call_of(value, ("arguments", "parameters")) for value in values]
+    return None if any(call is None for call in calls) else calls
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonFormat(ToolCallFormat):
+    """For a chat template that renders no tools: the handler writes them into the system message, with
+    how to call one, and the model answers with `{"name": ..., "arguments": {...}}` as its whole
+    output, one call per line. Earlier calls and their results are written into the conversation as
+    text, in roles every template takes (assistant, user)."""
+
+    name = "json"
+    renders_tools = False
+    INSTRUCTIONS = (
+        "You can call the functions below. To call one, answer with only a JSON object "
+        '{"name": <function name>, "arguments": <an object of its parameters>}, '
+        "and nothing else; to call several, write one such object per line."
+    )
+
+    def matches(self, chat_template: str) -> bool:
+        return False  # the fallback where no format matches, or named by tool_call_parser
+
+    def stream(self, max_calls: int | None = None) -> ToolCallStream:
+        return TailStream("", _json_calls, max_calls)
+
+    def grammar(self, functions: tuple[Function, ...], parallel: bool, token_markers: Mapping[str, str]) -> str:
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        return "\n".join([start, *_call_rules(functions, "arguments")]) + "\n"
+
+    def prompt_messages(self, messages: list[dict], tools: tuple[dict, ...] | None) -> list[dict]:
+        """`messages` as a template without tools renders them: the tools in the system message, an
+        assistant's calls as its JSON lines, a tool result as a user message naming its call."""
+        written = []
+        for message in messages:
+            if message.get("tool_calls"):
+                lines = [message["content"]] if message.get("content") else []
+                lines += [
+                    json.dumps({"name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+                    for call in message["tool_calls"]
+                ]
+                written.append({"role": "assistant", "content": "\n".join(lines)})
+            elif message.get("role") == "tool":
+                written.append(
+                    {"role": "user", "content": f"Result of call {message['tool_call_id']}:\n{message['content']}"}
+                )
+            else:
+                written.append({key: value for key, value in message.items() if key != "tool_call_id"})
+        if tools:
+            listed = "\n".join(json.dumps(tool["function"]) for tool in tools)
+            text = f"{self.INSTRUCTIONS}\n\n{listed}"
+            if written and written[0]["role"] == "system":
+                written[0] = {**written[0], "content": f"{written[0]['content']}\n\n{text}"}
+            else:
+                written.insert(0, {"role": "system", "content": text})
+        return written
+
+
+JSON_FORMAT = JsonFormat()
 # In the order they are tried on a chat template; `tool_call_parser` in the config names one instead.
-FORMATS: tuple[ToolCallFormat, ...] = (HermesFormat(), MistralFormat(), Llama3JsonFormat())
+# Where none matches, the handler writes the tools into the prompt itself (`JsonFormat`).
+FORMATS: tuple[ToolCallFormat, ...] = (HermesFormat(), MistralFormat(), Llama3JsonFormat(), JSON_FORMAT)
 FORMAT_NAMES = tuple(tool_format.name for tool_format in FORMATS)
 
 
@@ -450,16 +515,22 @@ def chat_template_text(tokenizer) -> str:
 
 
 def tool_format_for(tokenizer, parser: str = "auto") -> ToolCallFormat | None:
-    """The tool-call format of the tokenizer's chat template, or None when it renders no tools.
+    """The tool-call format of the tokenizer's chat template: the one it renders, else `JsonFormat`
+    (the handler writes the tools into the prompt); None without a chat template.
 
     parser: `auto` (recognise it from the template), or a format's name (`tool_call_parser` in the
-    config: vLLM's names), used where the template renders tools at all.
+    config: vLLM's names, and `json`). A family's format named for a template that renders no tools
+    is None.
     """
     template = chat_template_text(tokenizer)
+    if not template:
+        return None  # no chat template: no chat at all
+    if parser == JSON_FORMAT.name:
+        return JSON_FORMAT
     if parser != "auto":
         renders_tools = "tools" in template or any(f.matches(template) for f in FORMATS)
         return next(f for f in FORMATS if f.name == parser) if renders_tools else None
-    return next((f for f in FORMATS if f.matches(template)), None)
+    return next((f for f in FORMATS if f.matches(template)), JSON_FORMAT)
 
 
 def token_markers(tokenizer, tool_format: ToolCallFormat) -> dict[str, str]:
