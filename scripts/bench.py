@@ -58,6 +58,7 @@ from handler.cost_table import CostTable, cpu_model_and_flags, measure_cost_tabl
 from handler.drafters.suffix import SuffixDrafter
 from handler.engine import DRAFTER_HYBRID, DRAFTER_MODEL, DRAFTER_NGRAM, GenerationRequest, SpeculativeEngine
 from handler.loading import load_models, usable_cpu_cores
+from handler.types import SpeculativeStats
 from scripts import torchserve
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -141,14 +142,29 @@ class Run:
 
     num_tokens: int = 0
     seconds: float = 0.0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    target_passes: int = 0
     outputs: list[list[int]] = dataclasses.field(default_factory=list)
+    stats: list[SpeculativeStats] = dataclasses.field(default_factory=list)  # the engine's, per request
 
     @property
     def tokens_per_second(self) -> float:
         return self.num_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def totals(self) -> SpeculativeStats:
+        """The requests' counters added up (none for a Hugging Face row)."""
+        return SpeculativeStats.merge(self.stats) if self.stats else SpeculativeStats(0)
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.totals.draft_tokens
+
+    @property
+    def accepted_tokens(self) -> int:
+        return self.totals.accepted_tokens
+
+    @property
+    def target_passes(self) -> int:
+        return self.totals.target_forward_passes
 
 
 class Runner:
@@ -199,9 +215,7 @@ class Runner:
                 )
                 result = engine.generate([request])[0]
                 tokens = result.token_ids
-                run.draft_tokens += result.stats.draft_tokens
-                run.accepted_tokens += result.stats.accepted_tokens
-                run.target_passes += result.stats.target_forward_passes
+                run.stats.append(result.stats)
             else:
                 tokens = self._hf_generate(method, prompt_ids, max_new_tokens)
             run.seconds += time.perf_counter() - start

@@ -630,7 +630,7 @@ def skew_draft(table: CostTable, factor: float) -> CostTable:
 def run_engine(engine: SpeculativeEngine, method: bench.Method, requests: list[GenerationRequest]) -> dict:
     """The trace through one fresh engine, one request at a time; the shipped rows keep each request's own
     drafter."""
-    run, by_drafter, trees = bench.Run(), {}, {}
+    run = bench.Run()
     for request in requests:
         if method.key not in SHIPPED_ROWS:
             request = dataclasses.replace(request, drafter=method.drafter)
@@ -641,15 +641,9 @@ def run_engine(engine: SpeculativeEngine, method: bench.Method, requests: list[G
         run.seconds += time.perf_counter() - started
         run.num_tokens += len(result.token_ids)
         run.outputs.append(result.token_ids)
-        run.draft_tokens += result.stats.draft_tokens
-        run.accepted_tokens += result.stats.accepted_tokens
-        run.target_passes += result.stats.target_forward_passes
-        for name, value in result.stats.as_dict()["tree"].items():
-            trees[name] = trees.get(name, 0) + value
-        for proposer, counts in result.stats.as_dict().get("by_drafter", {}).items():
-            total = by_drafter.setdefault(proposer, {"draft_tokens": 0, "accepted_tokens": 0})
-            for name, value in counts.items():
-                total[name] += value
+        run.stats.append(result.stats)
+    totals = run.totals.as_dict()
+    by_drafter, trees = totals["by_drafter"], totals["tree"]
     stats = engine.prefix_cache_stats
     prefix = None if stats is None else {"prompt_tokens": stats.queries, "cached_tokens": stats.hits}
     return {
