@@ -117,11 +117,10 @@ def _bytes(key: str, value: Any) -> int:
 def sampling_params_from_dict(raw: Any, section: str = "handler.sampling.") -> SamplingParams:
     """The `sampling:` section: the defaults for requests, every field but logit_bias (token ids belong
     to a request, not a deployment)."""
-    cls = SamplingParams
     if not isinstance(raw, Mapping):
         raise ValueError(f"model-config.yaml: {section.rstrip('.')} must be a mapping")
     _check_keys(section, raw, ("top_k", *SAMPLING_NUMBER_FIELDS))
-    default = cls()
+    default = SamplingParams()
     values: dict[str, Any] = {
         key: _float(section + key, raw.get(key, getattr(default, key))) for key in SAMPLING_NUMBER_FIELDS
     }
@@ -129,7 +128,7 @@ def sampling_params_from_dict(raw: Any, section: str = "handler.sampling.") -> S
     problem = sampling_problem(**values)
     if problem:
         raise ValueError(f"model-config.yaml: {section}{problem}")
-    return cls(**values)
+    return SamplingParams(**values)
 
 
 @dataclasses.dataclass(frozen=True)

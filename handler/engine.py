@@ -633,7 +633,7 @@ class SpeculativeEngine:
         # Nor is one that verified only the tokens a grammar forced: they are certain, not speculation.
         previous = self.recent_steps[-1] if self.recent_steps else None
         speculated = any(k and proposer != PROPOSER_GRAMMAR for k, proposer in zip(step_ks, proposers))
-        fair = (not drafted or (previous is not None and previous.width > 1)) and speculated == drafted
+        fair = not drafted or (speculated and previous is not None and previous.width > 1)
         if self.outcome_check is not None and ended > started and fair:
             tokens = sum(len(output.new_token_ids) for output in outputs)
             rate = tokens / (ended - started) / len(rows)
@@ -968,9 +968,11 @@ class SpeculativeEngine:
             return lambda width, passes, trees: pass_seconds(width, passes, trees) + (fill_seconds if passes else 0.0)
 
         # The same offers where a row the draft has not prefilled cannot draft with the model.
-        filled_only = [
-            dataclasses.replace(offer, model=(1.0,)) if share else offer for share, offer in zip(fill, offers)
-        ]
+        filled_only = (
+            [dataclasses.replace(offer, model=(1.0,)) if share else offer for share, offer in zip(fill, offers)]
+            if any(fill)
+            else offers
+        )
         plan = plan_batch(offers, seconds_with(sum(fill)), explore)
         # While the pool learns the acceptance, the plan drafts, a prefill included. Where no row the
         # draft holds could draft with it, the alternative's plans are all plans above, none dearer.

@@ -55,7 +55,7 @@ from handler.api.native import NativeAnswer
 from handler.metrics import MetricsRecorder
 from handler.schema import JSON_CONTENT_TYPE, RequestError
 from handler.schema import STREAM_CONTENT_TYPE as NDJSON_CONTENT_TYPE
-from handler.types import GenerationResult, StepOutput
+from handler.types import GenerationResult, StepOutput, count_accepted_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +99,7 @@ class SpeculationTally:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
-        for position in range(num_accepted):
-            self.accepted_per_position[position] += 1
+        count_accepted_prefix(self.accepted_per_position, num_accepted)
 
     def record(self, metrics: MetricsRecorder) -> None:
         metrics.record_drafts(

@@ -174,6 +174,14 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
+def count_accepted_prefix(per_position: list[int], num_accepted: int) -> None:
+    """Counts one step's accepted drafts by position: they are a prefix, so positions 0 to
+    `num_accepted` - 1 each gain one (the list grows as needed)."""
+    per_position.extend([0] * (num_accepted - len(per_position)))
+    for position in range(num_accepted):
+        per_position[position] += 1
+
+
 @dataclasses.dataclass
 class SpeculativeStats:
     """Per-request counters. One verification of a batch counts once for each row in it."""
@@ -229,10 +237,7 @@ class SpeculativeStats:
         self.rejections += int(num_accepted < num_drafts)
         self.draft_tokens_by_drafter[proposer] = self.draft_tokens_by_drafter.get(proposer, 0) + num_drafts
         self.accepted_tokens_by_drafter[proposer] = self.accepted_tokens_by_drafter.get(proposer, 0) + num_accepted
-        if len(self.accepted_per_position) < num_accepted:
-            self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
-        for position in range(num_accepted):
-            self.accepted_per_position[position] += 1
+        count_accepted_prefix(self.accepted_per_position, num_accepted)
 
     def record_tree(self, num_nodes: int, depth: int, first_choice: bool) -> None:
         """Counts one verified tree of `num_nodes` nodes whose accepted path is `depth` drafts deep."""

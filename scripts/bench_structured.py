@@ -38,7 +38,7 @@ import time
 import jsonschema
 import yaml
 
-from handler.api.openai.tools import tool_plan
+from handler.api.openai.tools import tool_format_for, tool_plan
 from handler.config import SamplingParams, handler_config_from_yaml_config
 from handler.constraints import Constraint, compiler_for
 from handler.cost_table import measure_cost_table
@@ -179,7 +179,9 @@ def build_cases(tokenizer) -> list[Case]:
         ids = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         cases.append(Case("extraction", _encode(tokenizer, ids), Constraint.json_schema(schema), schema))
     # The grammar the OpenAI route builds for tool_choice "required" with parallel_tool_calls false.
-    plan = tool_plan({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, tokenizer)
+    plan = tool_plan(
+        {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, tokenizer, tool_format_for(tokenizer)
+    )
     for question in TOOL_QUESTIONS:
         messages = [{"role": "user", "content": question}]
         text = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)

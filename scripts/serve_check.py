@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import pathlib
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,16 +51,6 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
 
 
 def write_configs(root: pathlib.Path, ports: list[int], model_store: pathlib.Path, max_new_tokens: int) -> tuple:
@@ -155,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     root = pathlib.Path(tempfile.mkdtemp(prefix="serve-check-"))
     model_store = root / "model_store"
     model_store.mkdir()
-    ports = free_ports(5)
+    ports = torchserve.free_ports(5)
     model_config, ts_config = write_configs(root, ports, model_store, args.max_new_tokens)
     package = [
         sys.executable, "-m", "scripts.package_mar", "--model-name", args.name, "--target", str(args.target.resolve()),

@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -243,6 +244,20 @@ def log_tail(path: Path, num_lines: int = 40) -> str:
     lines = [line for line in path.read_text(errors="replace").splitlines() if "ACCESS_LOG" not in line]
     lines = lines[-num_lines:]
     return f"--- last {len(lines)} lines of {path} ---\n" + "\n".join(lines)
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the OS reports free on 127.0.0.1 (held open together so they differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def write_server_config(path: Path, model_store: Path, ports: Sequence[int]) -> None:

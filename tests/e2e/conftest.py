@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import threading
 import time
 from pathlib import Path
@@ -139,21 +138,8 @@ def in_thread(server, body: dict, results: dict, key, first_chunk: threading.Eve
     return thread
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports the OS reports free on 127.0.0.1 (held open together so they differ)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-# One writer of a private server's config.properties, shared with the scripts.
+# A private server's ports and config.properties, shared with the scripts.
+free_ports = torchserve.free_ports
 write_server_config = torchserve.write_server_config
 
 

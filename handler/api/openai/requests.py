@@ -330,7 +330,8 @@ def parse_openai_request(
 
     plan = ToolPlan()
     if kind == ROUTE_CHAT:
-        plan = tool_plan(body, tokenizer, config.tool_call_parser)
+        tool_format = tool_format_for(tokenizer, config.tool_call_parser)
+        plan = tool_plan(body, tokenizer, tool_format)
         if plan.grammar is not None:
             if json_schema is not None:
                 raise RequestError(
@@ -338,8 +339,7 @@ def parse_openai_request(
                     "the tool call's arguments already follow the function's parameters"
                 )
             native["grammar"] = plan.grammar
-        messages = _chat_messages(body.get("messages"), tokenizer, config.tool_call_parser)
-        tool_format = tool_format_for(tokenizer, config.tool_call_parser)
+        messages = _chat_messages(body.get("messages"), tool_format)
         if tool_format is not None and not tool_format.renders_tools:
             # A template without tools: the tools, the calls and their results are written as text.
             messages = tool_format.prompt_messages(messages, plan.tools)
@@ -440,7 +440,7 @@ def _completion_prompts(prompt: Any) -> list[str]:
     raise RequestError("prompt: must be a string or a non-empty list of strings")
 
 
-def _chat_messages(messages: Any, tokenizer, parser: str = "auto") -> list[dict]:
+def _chat_messages(messages: Any, tool_format: ToolCallFormat | None) -> list[dict]:
     """OpenAI messages as the messages `parse_request` takes: {role, content} strings, and tool keys.
 
     Content may be a list of text parts, which are joined with newlines;
@@ -472,11 +472,11 @@ def _chat_messages(messages: Any, tokenizer, parser: str = "auto") -> list[dict]
             if not isinstance(message["name"], str):
                 raise RequestError(f"{field}.name: must be a string")
             normalised[-1]["name"] = message["name"]
-        normalised[-1].update(_tool_keys(message, field, tokenizer, parser))
+        normalised[-1].update(_tool_keys(message, field, tool_format))
     return normalised
 
 
-def _tool_keys(message: Mapping, field: str, tokenizer, parser: str = "auto") -> dict:
+def _tool_keys(message: Mapping, field: str, tool_format: ToolCallFormat | None) -> dict:
     """An assistant message's tool calls, or a tool message's tool_call_id, for the chat template."""
     role, calls, call_id = message.get("role"), message.get("tool_calls"), message.get("tool_call_id")
     keys: dict[str, Any] = {}
@@ -492,7 +492,7 @@ def _tool_keys(message: Mapping, field: str, tokenizer, parser: str = "auto") ->
         keys["tool_call_id"] = call_id
     elif call_id is not None:
         raise RequestError(f"{field}.tool_call_id: only tool messages answer a call")
-    if keys and tool_format_for(tokenizer, parser) is None:
+    if keys and tool_format is None:
         what = "tool_calls" if "tool_calls" in keys else "role"
         raise RequestError(f"{field}.{what}: this model's chat template does not render tool calls or tool results")
     return keys

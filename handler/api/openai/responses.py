@@ -33,6 +33,7 @@ import re
 import secrets
 from typing import Any, Mapping, Sequence
 
+from handler.api.openai.answers import SSE_CONTENT_TYPE
 from handler.api.openai.requests import (
     ROUTE_CHAT,
     ROUTE_RESPONSES,
@@ -44,8 +45,6 @@ from handler.api.openai.tools import ToolCall
 from handler.schema import JSON_CONTENT_TYPE, RequestError
 from handler.streaming import DeltaTracker
 from handler.types import GenerationResult
-
-SSE_CONTENT_TYPE = "text/event-stream"
 
 # Fields passed to the chat body as they are (the extensions are the chat route's, as in vLLM).
 PASSED_FIELDS = (

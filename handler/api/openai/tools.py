@@ -564,9 +564,9 @@ class ToolPlan:
     grammar: str | None = None
 
 
-def tool_plan(body: Mapping, tokenizer, parser: str = "auto") -> ToolPlan:
-    """Validates `tools`, `tool_choice` and `parallel_tool_calls` of a chat body (`parser`: the config's
-    `tool_call_parser`, see `tool_format_for`).
+def tool_plan(body: Mapping, tokenizer, tool_format: ToolCallFormat | None) -> ToolPlan:
+    """Validates `tools`, `tool_choice` and `parallel_tool_calls` of a chat body (`tool_format`: the
+    tokenizer's, `tool_format_for`; None where it takes no tools).
 
     Raises:
         RequestError: 400 naming the field, e.g. `tools[1].function.parameters`.
@@ -589,7 +589,6 @@ def tool_plan(body: Mapping, tokenizer, parser: str = "auto") -> ToolPlan:
         raise RequestError(f"tool_choice: no function {json.dumps(forced_name)} in tools")
     if not tools or choice == TOOL_CHOICE_NONE:
         return ToolPlan()
-    tool_format = tool_format_for(tokenizer, parser)
     if tool_format is None:
         raise RequestError(
             "tools: this model's chat template does not render tools; leave them out or send tool_choice: none"
