@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from handler.drafters import DRAFTERS, MODEL_FREE
+from handler.drafters import CROSS_VOCAB_GREEDY, DRAFTERS, MODEL_FREE
 from handler.drafters.suffix import SuffixOptions
 
 # The request's types live in handler.types (torch-free); they are named here as before.
@@ -154,6 +154,12 @@ class HandlerConfig:
     # draft pass checks them all (handler.drafters, guessed drafting); the drafts are unchanged.
     draft_guesses: bool = True
     draft_quantization: str = "none"
+    # Where the draft's tokenizer is, when not in its folder. A draft whose tokenizer differs from
+    # the target's drafts across vocabularies (docs/heterogeneous-drafts.md).
+    draft_tokenizer: str | None = None
+    # How such a draft drafts for greedy rows: slem (its whole vocabulary, its text re-tokenized by
+    # the target's tokenizer) or tli (only the tokens both vocabularies share, as for sampled rows).
+    cross_vocab_greedy: str = "slem"
     allow_pickle_weights: bool = False
     cpu_threads: int = 0
     # Memory bound of the running batch: prompt + max_new_tokens summed over the requests
@@ -234,6 +240,12 @@ class HandlerConfig:
             values["draft_model"] = None
         else:
             values["draft_model"] = _str("handler.draft_model", raw.get("draft_model", default.draft_model))
+        draft_tokenizer = raw.get("draft_tokenizer", default.draft_tokenizer)
+        values["draft_tokenizer"] = (
+            None if draft_tokenizer is None else _str("handler.draft_tokenizer", draft_tokenizer)
+        )
+        if values["draft_tokenizer"] is not None and values["draft_model"] is None:
+            raise ValueError("model-config.yaml: handler.draft_tokenizer is set, but there is no draft_model")
         values["prompt_lookup_min"] = _int(
             "handler.prompt_lookup_min", raw.get("prompt_lookup_min", default.prompt_lookup_min), 1, MAX_PROMPT_LOOKUP
         )
@@ -323,6 +335,7 @@ class HandlerConfig:
             ("speculative_tree", SPECULATIVE_TREE_MODES),
             ("runner", RUNNER_MODES),
             ("tool_call_parser", TOOL_CALL_PARSERS),
+            ("cross_vocab_greedy", CROSS_VOCAB_GREEDY),
         ):
             value = raw.get(key, getattr(default, key))
             if value not in choices:

@@ -60,7 +60,8 @@ from handler.adaptive import (
 from handler.config import SPECULATIVE_TREE_MODES, HandlerConfig
 from handler.constraints import RowGrammar, compiler_for
 from handler.cost_table import RunningCostTable
-from handler.drafters import DRAFTERS, HYBRID, MODEL, MODEL_FREE, NGRAM, NO_LOOKUP, SUFFIX, Lookup
+from handler.drafters import DRAFTERS, HYBRID, MODEL, MODEL_FREE, NGRAM, NO_LOOKUP, SLEM, SUFFIX, Lookup
+from handler.drafters.cross_vocab import CrossVocabDrafter
 from handler.drafters.hybrid import Candidate, choose
 from handler.drafters.model import ModelDrafter, Proposal
 from handler.drafters.ngram import NgramDrafter
@@ -335,6 +336,8 @@ class SpeculativeEngine:
         draft_guesses: bool = False,
         running_costs: bool = True,
         runner: str | None = None,
+        vocab_map=None,
+        cross_vocab_greedy: str = SLEM,
     ) -> None:
         """
         Args:
@@ -368,6 +371,10 @@ class SpeculativeEngine:
                 (`handler.cost_table.RunningCostTable`); False: the table stands as given.
             runner: "dynamic" or "static", how both models hold the running batch's KV and run
                 their passes (`handler.runners`); None: `handler.runners.DEFAULT_RUNNER`.
+            vocab_map: for a draft from another family, the map between its vocabulary and the
+                target's (`handler.vocab_map.VocabMap`); None: the draft shares the target's.
+            cross_vocab_greedy: with `vocab_map`, how greedy rows draft ("slem" or "tli",
+                `handler.drafters.cross_vocab`).
         """
         assert suffix_estimate in SUFFIX_ESTIMATES, suffix_estimate
         assert speculative_tree in SPECULATIVE_TREE_MODES, speculative_tree
@@ -396,7 +403,17 @@ class SpeculativeEngine:
             if draft is not None:
                 draft_prefix_cache = PrefixCache(prefix_cache_max_bytes - target_bytes)
         self.model_drafter = None
-        if draft is not None:
+        self.vocab_map = vocab_map
+        if draft is not None and vocab_map is not None:
+            self.model_drafter = CrossVocabDrafter(
+                draft,
+                vocab_map,
+                vocab_map.draft_pad_token_id,
+                draft_prefix_cache,
+                runners.make_runner(self.runner_kind, draft),
+                greedy=cross_vocab_greedy,
+            )
+        elif draft is not None:
             self.model_drafter = ModelDrafter(
                 draft, self.vocab_size, pad_token_id, draft_prefix_cache, runners.make_runner(self.runner_kind, draft)
             )
@@ -412,7 +429,8 @@ class SpeculativeEngine:
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.grammar_drafts = grammar_drafts
         self.draft_confidence = draft_confidence and draft is not None
-        self.draft_guesses = draft_guesses and draft is not None
+        # Guesses are the target's tokens, fed to the draft as its own: only for a shared vocabulary.
+        self.draft_guesses = draft_guesses and draft is not None and vocab_map is None
         # The draft's confidence -> the target's acceptance, for greedy (True) and sampled rows; and for
         # greedy rows, the runner-up's share of the rest -> the chance the target takes it (`handler.tree`).
         self.calibrations = {True: ConfidenceCalibration(), False: ConfidenceCalibration()}
@@ -473,6 +491,8 @@ class SpeculativeEngine:
             speculative_tree=config.speculative_tree,
             draft_confidence=config.draft_confidence,
             draft_guesses=config.draft_guesses,
+            vocab_map=models.vocab_map,
+            cross_vocab_greedy=config.cross_vocab_greedy,
             **options,
         )
 
@@ -1103,7 +1123,7 @@ class SpeculativeEngine:
 
         A chosen row's `lookups` entry becomes its tree and its `step_ks` entry the tree's size.
         """
-        slots = [slot for slot in proposals if self._takes_runners_up(rows[slot])]
+        slots = [slot for slot in proposals if self._takes_runners_up(rows[slot]) and proposals[slot].runners_up]
         if not slots or curves is None:
             return
         batch_size = len(rows)

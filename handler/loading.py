@@ -29,6 +29,9 @@ class LoadedModels:
     max_context: int
     # How the draft's weights are held: "int8" (dynamic quantization) or "none"; auto resolved.
     draft_quantization: str = "none"
+    # A draft from another family: the map between the vocabularies (`handler.vocab_map.VocabMap`);
+    # None where the draft shares the target's tokenizer.
+    vocab_map: Any = None
 
 
 def select_device(gpu_id: Any) -> torch.device:
@@ -163,8 +166,12 @@ def collect_eos_token_ids(tokenizer, generation_config) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def check_vocabularies(tokenizer, target, draft, draft_path: str, target_path: str = "the target") -> None:
-    """Refuses a draft whose vocabulary does not fit the target's tokenizer, naming both."""
+def check_vocabularies(
+    tokenizer, target, draft, draft_path: str, target_path: str = "the target", draft_tokenizer_path: str | None = None
+):
+    """Returns None where the draft shares the target's tokenizer, and the map between the two
+    vocabularies (`handler.vocab_map.VocabMap`) for a draft from another family; refuses a pair
+    whose vocabularies cannot work together, naming both."""
     from transformers import AutoTokenizer
 
     num_tokens = len(tokenizer)
@@ -175,24 +182,54 @@ def check_vocabularies(tokenizer, target, draft, draft_path: str, target_path: s
             f"the target tokenizer ({target_path}) has {num_tokens} tokens, "
             f"but the target's vocab_size is {target_vocab}"
         )
-    if num_tokens > draft_vocab:
-        raise ValueError(
-            f"the draft's vocab_size ({draft_vocab}, {draft_path}) is smaller than the target tokenizer's "
-            f"({num_tokens} tokens, {target_path}): draft and target must share one tokenizer"
-        )
     try:
-        draft_tokenizer = AutoTokenizer.from_pretrained(draft_path)
-    except (OSError, ValueError):
-        logger.info("the draft folder has no tokenizer; assuming it shares the target's")
-        return
-    draft_vocabulary, target_vocabulary = draft_tokenizer.get_vocab(), tokenizer.get_vocab()
-    if draft_vocabulary != target_vocabulary:
-        differing = sorted(set(draft_vocabulary.items()) ^ set(target_vocabulary.items()))
+        draft_tokenizer = AutoTokenizer.from_pretrained(draft_tokenizer_path or draft_path)
+    except (OSError, ValueError) as error:
+        if draft_tokenizer_path is not None:
+            raise ValueError(
+                f"handler.draft_tokenizer: cannot load a tokenizer from {draft_tokenizer_path!r}: {error}"
+            ) from error
+        draft_tokenizer = None
+    if draft_tokenizer is None or draft_tokenizer.get_vocab() == tokenizer.get_vocab():
+        if num_tokens > draft_vocab:
+            raise ValueError(
+                f"the draft's vocab_size ({draft_vocab}, {draft_path}) is smaller than the target tokenizer's "
+                f"({num_tokens} tokens, {target_path}): a draft without a tokenizer of its own must share the "
+                "target's (give its own with handler.draft_tokenizer)"
+            )
+        if draft_tokenizer is None:
+            logger.info("the draft folder has no tokenizer; assuming it shares the target's")
+        return None
+    if len(draft_tokenizer) > draft_vocab:
         raise ValueError(
-            f"the draft's tokenizer ({draft_path}: {len(draft_vocabulary)} tokens) differs from the target's "
-            f"({target_path}: {len(target_vocabulary)} tokens), for one {differing[0]!r}: speculative decoding "
-            "needs one shared vocabulary"
+            f"the draft's tokenizer ({draft_tokenizer_path or draft_path}) has {len(draft_tokenizer)} tokens, "
+            f"but the draft's vocab_size is {draft_vocab}"
         )
+    from handler.vocab_map import VocabMap
+
+    try:
+        vocab_map = VocabMap.from_tokenizers(tokenizer, draft_tokenizer, target_vocab)
+    except ValueError as error:
+        raise ValueError(
+            f"the draft's tokenizer ({draft_path}: {len(draft_tokenizer)} tokens) differs from the target's "
+            f"({target_path}: {num_tokens} tokens), and {error}"
+        ) from error
+    logger.info(
+        "the draft (%s, %d tokens) has another vocabulary than the target (%s, %d tokens): %d tokens "
+        "(%.1f%% of the draft's) are shared; it drafts across vocabularies (docs/heterogeneous-drafts.md)",
+        draft_path,
+        len(draft_tokenizer),
+        target_path,
+        num_tokens,
+        vocab_map.num_shared,
+        100 * vocab_map.shared_share,
+    )
+    if vocab_map.num_shared == 0:
+        raise ValueError(
+            f"the draft's tokenizer ({draft_path}) and the target's ({target_path}) share no token: "
+            "the draft could never propose one"
+        )
+    return vocab_map
 
 
 def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None) -> LoadedModels:
@@ -216,10 +253,10 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
     except Exception as error:
         raise ValueError(f"handler.target_model: cannot load a tokenizer from {target_path!r}: {error}") from error
     target = _load_causal_lm(target_path, "target_model", dtype, device, config.allow_pickle_weights)
-    draft = None
+    draft, vocab_map = None, None
     if draft_path is not None:
         draft = _load_causal_lm(draft_path, "draft_model", dtype, device, config.allow_pickle_weights)
-        check_vocabularies(tokenizer, target, draft, draft_path, target_path)
+        vocab_map = check_vocabularies(tokenizer, target, draft, draft_path, target_path, config.draft_tokenizer)
         if config.draft_quantization == "int8":
             if device.type != "cpu":
                 raise ValueError("handler.draft_quantization: int8 runs on the CPU only; use none on a GPU")
@@ -263,4 +300,5 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
         dtype=dtype,
         max_context=max_context,
         draft_quantization=draft_quantization,
+        vocab_map=vocab_map,
     )

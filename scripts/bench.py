@@ -247,7 +247,10 @@ class Runner:
             generation_config.num_assistant_tokens = method.assistant["num_assistant_tokens"]
             generation_config.num_assistant_tokens_schedule = method.assistant["schedule"]
             generation_config.assistant_confidence_threshold = method.assistant["confidence_threshold"]
-            if draft.config.vocab_size != models.target.config.vocab_size:
+            if models.vocab_map is not None:
+                # A draft from another family: universal assisted generation, with both tokenizers.
+                kwargs.update(tokenizer=models.tokenizer, assistant_tokenizer=models.vocab_map.draft_tokenizer)
+            elif draft.config.vocab_size != models.target.config.vocab_size:
                 # transformers then insists on universal assisted decoding, which needs both tokenizers.
                 kwargs.update(tokenizer=models.tokenizer, assistant_tokenizer=models.tokenizer)
         with torch.inference_mode():

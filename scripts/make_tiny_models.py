@@ -363,6 +363,67 @@ def build(out: Path, seed: int, draft_noise: float):
     return target, draft, tokenizer
 
 
+def build_cross_vocab_draft(
+    tokenizer: PreTrainedTokenizerFast, draft: Qwen2ForCausalLM, out: Path, seed: int, num_changed: int
+) -> None:
+    """A draft from "another family": the draft's weights with its tokenizer's ids shuffled,
+    `num_changed` merged tokens taken out (their text then tokenizes as their parts) and as many
+    merged tokens added that the target lacks (each predicted as often as its first part).
+
+    The ids differ from the target's everywhere, special tokens included, and each side has
+    tokens the other lacks, so the draft's distribution restricted to the shared tokens differs
+    from its own: what `handler.drafters.cross_vocab` must handle.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    merges = [tuple(merge) if isinstance(merge, list) else tuple(merge.split(" ")) for merge in spec["model"]["merges"]]
+    parts = {part for merge in merges for part in merge}
+    # A merge's result that no other merge uses can go with its merge, and the rest still tokenizes.
+    leaves = [merge for merge in merges if "".join(merge) not in parts]
+    order = torch.randperm(len(leaves), generator=generator).tolist()
+    removed = {"".join(leaves[index]) for index in order[:num_changed]}
+    # New merges of two merged tokens, last in priority: the draft's own longer tokens.
+    merged = ["".join(merge) for merge in merges if "".join(merge) not in removed]
+    added = []
+    for first, second in zip(merged, merged[1:] + merged[:1]):
+        if len(added) < num_changed and first + second not in vocab:
+            added.append((first, second))
+    kept = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1]) if token not in removed]
+    tokens = kept + [first + second for first, second in added]
+    shuffle = torch.randperm(len(tokens), generator=generator).tolist()
+    new_id = {token: shuffle[index] for index, token in enumerate(tokens)}
+    spec["model"]["vocab"] = {token: new_id[token] for token in tokens}
+    spec["model"]["merges"] = [list(merge) for merge in merges if "".join(merge) not in removed]
+    spec["model"]["merges"] += [[first, second] for first, second in added]
+    for special in spec["added_tokens"]:
+        special["id"] = new_id[special["content"]]
+    backend = Tokenizer.from_str(json.dumps(spec))
+    draft_tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
+        model_max_length=1024,
+    )
+    draft_tokenizer.chat_template = CHAT_TEMPLATE
+    eos_token_id = new_id[EOS_TOKEN]
+    moved = Qwen2ForCausalLM(build_config(draft.config.vocab_size, eos_token_id))
+    moved.load_state_dict(draft.state_dict())
+    with torch.no_grad():
+        for weights, source in (
+            (moved.get_input_embeddings().weight, draft.get_input_embeddings().weight),
+            (moved.get_output_embeddings().weight, draft.get_output_embeddings().weight),
+        ):
+            weights.zero_()
+            for token in kept:
+                weights[new_id[token]] = source[vocab[token]]
+            for first, second in added:
+                weights[new_id[first + second]] = source[vocab[first]]
+    moved.eval()
+    save_model(moved, draft_tokenizer, eos_token_id, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="output folder")
@@ -373,6 +434,13 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_DRAFT_NOISE,
         help="draft noise, relative to each tensor's std "
         f"(default {DEFAULT_DRAFT_NOISE}; 0 makes the draft equal the target)",
+    )
+    parser.add_argument(
+        "--cross-vocab",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also write OUT/cross-draft: the draft with its vocabulary shuffled, N merged tokens removed and N added",
     )
     parser.add_argument(
         "--measure",
@@ -389,6 +457,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.out / 'draft'} (vocab {DRAFT_VOCAB_SIZE}); "
         f"tokenizer length {len(tokenizer)}"
     )
+    if args.cross_vocab:
+        build_cross_vocab_draft(tokenizer, draft, args.out / "cross-draft", args.seed, args.cross_vocab)
+        print(
+            f"wrote {args.out / 'cross-draft'} (its own vocabulary: {args.cross_vocab} merged tokens out, as many in)"
+        )
     if args.measure:
         print(json.dumps(measure_acceptance(target, draft, tokenizer), indent=2))
     return 0

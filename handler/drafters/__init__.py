@@ -42,6 +42,11 @@ HYBRID = "hybrid"
 DRAFTERS = (MODEL, NGRAM, SUFFIX, HYBRID)
 # The drafters that need no draft model.
 MODEL_FREE = (NGRAM, SUFFIX)
+# How a draft from another family drafts for greedy rows (`handler.drafters.cross_vocab`): its whole
+# vocabulary with its text re-tokenized, or the shared tokens only.
+SLEM = "slem"
+TLI = "tli"
+CROSS_VOCAB_GREEDY = (SLEM, TLI)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,6 +37,22 @@ def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [batch,
     return logits
 
 
+def draft_confidences(
+    logits: torch.Tensor,
+    sampled: torch.Tensor,  # [rows, n, vocab], [rows, n]
+) -> tuple[list[list[float]], list[list[int]], list[list[float]]]:
+    """The draft model's own probability of each draft (softmax of its logits, before warping), and
+    its likeliest other token with that token's probability; each [rows][n]."""
+    raw_probs = torch.softmax(logits.float(), dim=-1)  # [rows, n, vocab]
+    confidence = raw_probs.gather(-1, sampled[..., None])[..., 0].tolist()
+    # The likeliest token other than the draft: the first of the top two that differs from it.
+    top = raw_probs.topk(2, dim=-1)
+    other = torch.where(top.indices[..., :1] == sampled[..., None], 1, 0)
+    other_ids = top.indices.gather(-1, other)[..., 0].tolist()
+    other_probs = top.values.gather(-1, other)[..., 0].tolist()
+    return confidence, other_ids, other_probs
+
+
 class Proposal(NamedTuple):
     """One row's drafts from the draft model."""
 
@@ -159,7 +175,7 @@ class ModelDrafter:
         keep = [slot for slot, request_id in enumerate(self.order) if request_id not in gone]
         self.order = [self.order[slot] for slot in keep]
         for request_id in gone:
-            del self.pending[request_id], self.fed[request_id], self.fed_pending[request_id]
+            self._forget(request_id)
         if not self.order:
             self.cache = None  # an empty batch restarts from a fresh cache
         else:
@@ -205,16 +221,9 @@ class ModelDrafter:
         assert with_confidence or keep_drafting is None
         k = max(len(setting[3]) for setting in sampling.values())
         num_rows = len(self.order)
-        settings = [sampling.get(request_id, (0.0, 0, 1.0, None)) for request_id in self.order]
-        temperature = torch.tensor([s[0] for s in settings], device=self.device)
-        top_k = torch.tensor([s[1] for s in settings], device=self.device)
-        top_p = torch.tensor([s[2] for s in settings], device=self.device)
         # A row that runs ahead of the others on its guesses draws beyond k before it is cut back to
         # the step's drafts: each pass gives every row one draft at least, and there are at most k passes.
-        uniforms = torch.zeros((num_rows, 2 * k + 1), dtype=torch.float64)  # [rows, 2k + 1]
-        for slot, setting in enumerate(settings):
-            if setting[3] is not None:
-                uniforms[slot, : len(setting[3])] = setting[3]
+        temperature, top_k, top_p, uniforms = self._sampling_tensors(sampling, 2 * k + 1)
         shaped = {slot: shapers[r] for slot, r in enumerate(self.order) if shapers and r in shapers}
         asking = [slot for slot, request_id in enumerate(self.order) if request_id in sampling]
         guess_of = {
@@ -256,13 +265,7 @@ class ModelDrafter:
             step_uniforms = uniforms.gather(1, index).to(self.device)  # [rows, num_kept]
             sampled = sample_from_probs(probs.flatten(0, 1), step_uniforms.flatten()).view(num_rows, num_kept)
             if with_confidence:
-                raw_probs = torch.softmax(logits.float(), dim=-1)  # [rows, num_kept, vocab]
-                confidence = raw_probs.gather(-1, sampled[..., None])[..., 0].tolist()  # [rows][num_kept]
-                # The likeliest token other than the draft: the first of the top two that differs from it.
-                top = raw_probs.topk(2, dim=-1)
-                other = torch.where(top.indices[..., :1] == sampled[..., None], 1, 0)
-                other_ids = top.indices.gather(-1, other)[..., 0].tolist()
-                other_probs = top.values.gather(-1, other)[..., 0].tolist()
+                confidence, other_ids, other_probs = draft_confidences(logits, sampled)
             sampled_ids = sampled.tolist()
             lengths = self.cache.lengths.clone()
             for slot in range(num_rows):
@@ -316,6 +319,21 @@ class ModelDrafter:
             if request_id in sampling
         }
 
+    def _sampling_tensors(
+        self, sampling: Mapping[Hashable, tuple[float, int, float, torch.Tensor]], width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per cache row: temperature, top-k, top-p and its uniforms [rows, width] float64 (zeros past
+        its own); a row not in `sampling` drafts greedily."""
+        settings = [sampling.get(request_id, (0.0, 0, 1.0, None)) for request_id in self.order]
+        temperature = torch.tensor([s[0] for s in settings], device=self.device)
+        top_k = torch.tensor([s[1] for s in settings], device=self.device)
+        top_p = torch.tensor([s[2] for s in settings], device=self.device)
+        uniforms = torch.zeros((len(settings), width), dtype=torch.float64)  # [rows, width]
+        for slot, setting in enumerate(settings):
+            if setting[3] is not None:
+                uniforms[slot, : len(setting[3])] = setting[3]
+        return temperature, top_k, top_p, uniforms
+
     def passes_needed(self, request_id: Hashable, num_drafts: int) -> int:
         """The passes of the last proposal after which the row had its first `num_drafts` drafts."""
         if num_drafts <= 0:
@@ -353,6 +371,10 @@ class ModelDrafter:
             self.fed[request_id] = []
             self.fed_pending[request_id] = []
         self.cache.rollback(lengths)
+
+    def _forget(self, request_id: Hashable) -> None:
+        """Drops a row's bookkeeping as it leaves the cache."""
+        del self.pending[request_id], self.fed[request_id], self.fed_pending[request_id]
 
     def _draft_ids(self, token_ids):
         """Target ids the draft has no embedding for (a padded target vocabulary) become the pad id.

@@ -1,4 +1,5 @@
-"""A draft whose vocabulary differs from the target's is refused at load, with a message naming both."""
+"""At load: a draft with the target's tokenizer shares it; one with another tokenizer drafts across
+vocabularies (`handler.vocab_map`); a pair whose vocabularies cannot work together is refused, naming both."""
 
 from __future__ import annotations
 
@@ -14,22 +15,42 @@ def model(vocab_size: int):
     return types.SimpleNamespace(config=types.SimpleNamespace(get_text_config=lambda: config))
 
 
-def test_a_draft_with_another_tokenizer_is_refused_naming_both(tiny_tokenizer, tmp_path):
+def test_a_draft_with_another_tokenizer_gets_the_map_between_the_vocabularies(tiny_tokenizer, tmp_path, caplog):
     other = tiny_tokenizer.__class__.from_pretrained(tiny_tokenizer.name_or_path)
     other.add_tokens(["<draft-only>"])
     other.save_pretrained(tmp_path / "draft")
     size = len(tiny_tokenizer) + 8
-    with pytest.raises(ValueError) as refused:
+    with caplog.at_level("INFO", logger="handler.loading"):
+        mapping = check_vocabularies(tiny_tokenizer, model(size), model(size), str(tmp_path / "draft"), "models/target")
+    assert mapping.num_shared == len(tiny_tokenizer) and mapping.draft_id(5) == 5
+    assert mapping.target_id(len(tiny_tokenizer)) == -1  # <draft-only>
+    assert (
+        f"{len(tiny_tokenizer)} tokens ({100 * len(tiny_tokenizer) / len(other):.1f}% of the draft's) are shared"
+        in (caplog.text)
+    )
+
+
+def test_a_draft_tokenizer_that_shares_no_token_is_refused_naming_both(tiny_tokenizer, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"\u4e16": 0, "\u754c": 1, "<unk>": 2}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(tmp_path / "draft")
+    size = len(tiny_tokenizer) + 8
+    with pytest.raises(ValueError, match=r"draft's tokenizer \(.*draft\) and the target's \(models/target\) share no"):
         check_vocabularies(tiny_tokenizer, model(size), model(size), str(tmp_path / "draft"), "models/target")
-    message = str(refused.value)
-    assert "draft" in message and str(tmp_path / "draft") in message and "models/target" in message
-    assert f"{len(other)} tokens" in message and f"{len(tiny_tokenizer)} tokens" in message
-    assert "<draft-only>" in message
+
+
+def test_a_draft_tokenizer_named_in_the_config_must_load(tiny_tokenizer, tmp_path):
+    size = len(tiny_tokenizer)
+    with pytest.raises(ValueError, match="handler.draft_tokenizer: cannot load a tokenizer from"):
+        check_vocabularies(tiny_tokenizer, model(size), model(size), "d", "t", str(tmp_path / "missing"))
 
 
 def test_a_draft_vocabulary_smaller_than_the_target_tokenizer_is_refused_naming_both(tiny_tokenizer, tmp_path):
-    with pytest.raises(ValueError, match=r"draft's vocab_size \(8, d\).*target tokenizer's .*t\)"):
-        check_vocabularies(tiny_tokenizer, model(len(tiny_tokenizer)), model(8), "d", "t")
+    with pytest.raises(ValueError, match=r"draft's vocab_size \(8, .*d\).*target tokenizer's .*t\).*draft_tokenizer"):
+        check_vocabularies(tiny_tokenizer, model(len(tiny_tokenizer)), model(8), str(tmp_path / "d"), "t")
 
 
 def test_a_draft_folder_without_a_tokenizer_shares_the_targets(tiny_tokenizer, tmp_path):

@@ -1,0 +1,187 @@
+"""A draft from another family (`handler.drafters.cross_vocab`): lossless with a vocabulary of its own.
+
+The tiny pair's cross draft (`scripts.make_tiny_models --cross-vocab`) is the draft with its ids
+shuffled and merged tokens taken out and put in, so that each side has tokens the other lacks.
+In float32, under both ways greedy rows draft (SLEM and TLI), with the model and hybrid drafters:
+greedy output equal to the target's own `generate`, alone, batched and with a row joining mid-run;
+the prefix cache on equal to off; a seeded request unchanged by the draft; a JSON-schema answer
+equal to constrained plain decoding. Then each pairing of tokenizer families (byte-level BPE,
+SentencePiece with byte fallback, WordLevel with `Fuse`) on tiny random Llama models.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jsonschema
+import pytest
+import torch
+import transformers
+
+from handler.config import SamplingParams
+from handler.constraints import Constraint
+from handler.engine import GenerationRequest
+from handler.loading import check_vocabularies
+from tests.conftest import run_module
+from tests.models.conftest import make_engine
+from tests.models.test_engine import reference_greedy
+
+PROMPTS = ["def fibonacci(n):", "x = [1, 2, 3]\nfor i in x:", "The quick brown fox"]
+NUM_TOKENS = 24
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def cross_pair(tmp_path_factory):
+    """(target, cross draft, target tokenizer, vocab map), in float32."""
+    out = tmp_path_factory.mktemp("cross-vocab")
+    run_module("scripts.make_tiny_models", "--out", str(out), "--cross-vocab", "20", check=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out / "target")
+    target = transformers.AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval()
+    draft = transformers.AutoModelForCausalLM.from_pretrained(out / "cross-draft", dtype=torch.float32).eval()
+    vocab_map = check_vocabularies(tokenizer, target, draft, str(out / "cross-draft"), str(out / "target"))
+    # The engines here have no stop token: neither has the reference, which would otherwise hold its EOS back.
+    target.generation_config.eos_token_id = None
+    assert vocab_map is not None and 0 < vocab_map.shared_share < 1
+    return target, draft, tokenizer, vocab_map
+
+
+def engine_for(cross_pair, greedy: str = "slem", eos_token_ids=(), **options):
+    target, draft, tokenizer, vocab_map = cross_pair
+    return make_engine(
+        target, draft, tokenizer, eos_token_ids, vocab_map=vocab_map, cross_vocab_greedy=greedy, **options
+    )
+
+
+def reference(target, prompt_ids, num_tokens: int = NUM_TOKENS) -> list[int]:
+    return reference_greedy(target, prompt_ids, num_tokens, min_new_tokens=num_tokens, pad_token_id=0)
+
+
+@pytest.mark.parametrize("greedy", ["slem", "tli"])
+def test_greedy_output_is_the_targets_alone_and_batched(cross_pair, greedy):
+    target, _, tokenizer, _ = cross_pair
+    engine = engine_for(cross_pair, greedy)
+    prompts = [tuple(tokenizer(prompt)["input_ids"]) for prompt in PROMPTS]
+    expected = [reference(target, prompt) for prompt in prompts]
+    for drafter in ("model", "hybrid"):
+        for k in (1, 4):
+            requests = [GenerationRequest(p, NUM_TOKENS, GREEDY, k, drafter=drafter) for p in prompts]
+            alone = [engine.generate([request])[0] for request in requests]
+            assert [result.token_ids for result in alone] == expected, (drafter, k)
+            assert [result.token_ids for result in engine.generate(requests)] == expected, (drafter, k)
+    # The draft drafted, and some of its drafts were the target's.
+    stats = [result.stats for result in alone]
+    assert sum(s.draft_tokens_by_drafter.get("model", 0) for s in stats) > 0
+    assert sum(s.accepted_tokens_by_drafter.get("model", 0) for s in stats) > 0
+
+
+def test_a_row_joining_mid_run_and_the_prefix_cache_change_nothing(cross_pair):
+    target, _, tokenizer, _ = cross_pair
+    engine = engine_for(cross_pair, prefix_cache_max_bytes=1 << 24)
+    first, second = (tuple(tokenizer(prompt)["input_ids"]) for prompt in PROMPTS[:2])
+    expected = {first: reference(target, first), second: reference(target, second)}
+    sampled = SamplingParams(temperature=0.8)
+    engine.add_request("first", GenerationRequest(first, NUM_TOKENS, GREEDY, 4))
+    engine.add_request("seeded", GenerationRequest(first, NUM_TOKENS, sampled, 4, seed=3))
+    outputs = {}
+    for step in range(200):
+        if step == 3:  # a greedy row joins the running batch of a greedy (SLEM) and a sampled (TLI) row
+            engine.add_request("second", GenerationRequest(second, NUM_TOKENS, GREEDY, 4))
+        for output in engine.step():
+            if output.result is not None:
+                outputs[output.request_id] = output.result.token_ids
+        if len(outputs) == 3:
+            break
+    assert outputs["first"] == expected[first] and outputs["second"] == expected[second]
+    plain = make_engine(target, None, tokenizer, eos_token_ids=())
+    seeded = plain.generate([GenerationRequest(first, NUM_TOKENS, sampled, 0, seed=3)])[0].token_ids
+    assert outputs["seeded"] == seeded
+    # Again: both prompts come from both models' prefix caches (the draft's keyed by its own ids).
+    again = engine.generate([GenerationRequest(p, NUM_TOKENS, GREEDY, 4) for p in (first, second)])
+    assert [result.cached_tokens > 0 for result in again] == [True, True]
+    assert engine.model_drafter.prefix_cache.stats.num_bytes > 0
+    assert [result.token_ids for result in again] == [expected[first], expected[second]]
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.9), SamplingParams(0.7, 20, 0.9)])
+def test_a_seeded_request_depends_on_its_seed_and_the_target_alone(cross_pair, sampling):
+    target, _, tokenizer, _ = cross_pair
+    prompt = tuple(tokenizer(PROMPTS[0])["input_ids"])
+    plain = make_engine(target, None, tokenizer, eos_token_ids=())
+    expected = plain.generate([GenerationRequest(prompt, NUM_TOKENS, sampling, 0, seed=11)])[0].token_ids
+    engine = engine_for(cross_pair)
+    for k in (1, 3, 6):
+        result = engine.generate([GenerationRequest(prompt, NUM_TOKENS, sampling, k, seed=11)])[0]
+        assert result.token_ids == expected, k
+        assert result.stats.draft_tokens > 0
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("greedy", ["slem", "tli"])
+def test_a_json_schema_answer_masks_in_the_targets_vocabulary(cross_pair, greedy):
+    _, _, tokenizer, _ = cross_pair
+    engine = engine_for(cross_pair, greedy, eos_token_ids=(tokenizer.eos_token_id,))
+    prompt = tuple(tokenizer(PROMPTS[0])["input_ids"])
+    constraint = Constraint.json_schema(SCHEMA)
+    plain, speculative = (
+        engine.generate([GenerationRequest(prompt, 48, GREEDY, k, constraint=constraint, drafter="model")])[0]
+        for k in (0, 4)
+    )
+    jsonschema.validate(json.loads(plain.text), SCHEMA)
+    assert speculative.token_ids == plain.token_ids
+    assert speculative.stats.draft_tokens > 0
+
+
+# Tokenizer families of the tokenizer tier, each pair of them as (target, draft).
+FAMILIES = ["byte_level_bpe", "sentencepiece_bpe", "word_level_fuse"]
+PAIRINGS = [(target, draft) for target in FAMILIES for draft in FAMILIES if target != draft]
+
+
+@functools.cache
+def family_model(family: str, num_layers: int, seed: int):
+    from tests.unit.test_tokenizer_families import build
+
+    tokenizer = build(family)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer) + 3,  # padded, as checkpoints are
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=num_layers,
+        initializer_range=0.2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # no stop token, as the engines here
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("target_family, draft_family", PAIRINGS)
+def test_each_pairing_of_tokenizer_families_gives_the_targets_greedy_output(target_family, draft_family):
+    from handler.vocab_map import VocabMap
+
+    target, tokenizer = family_model(target_family, 2, 0)
+    draft, draft_tokenizer = family_model(draft_family, 1, 1)
+    vocab_map = VocabMap.from_tokenizers(tokenizer, draft_tokenizer, target.config.vocab_size)
+    assert vocab_map.num_shared > 20
+    prompts = [tuple(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in ("hello world", "the café")]
+    expected = [reference(target, prompt, 16) for prompt in prompts]
+    for greedy in ("slem", "tli"):
+        engine = make_engine(
+            target, draft, tokenizer, eos_token_ids=(), vocab_map=vocab_map, cross_vocab_greedy=greedy
+        )
+        requests = [GenerationRequest(prompt, 16, GREEDY, 3) for prompt in prompts]
+        results = engine.generate(requests)
+        assert [result.token_ids for result in results] == expected, greedy
+        assert sum(result.stats.draft_tokens for result in results) > 0
