@@ -60,6 +60,7 @@ GAUGES = {
     "SpecDraftingRowsPercent": "rows that drafted, as a percent of the rows of the steps since the last value",
     "SpecResponsesStored": "responses held in the Responses store (previous_response_id)",
     "SpecResponsesStoreBytes": "bytes of the conversations the Responses store holds",
+    "SpecDraftSharedVocabularyPercent": "a draft from another family: its tokens the target shares, as a percent",
 }
 HISTOGRAMS = {
     "SpecRequestLatencySeconds": "handler time from the request's arrival to its last token",
@@ -195,6 +196,10 @@ class MetricsRecorder:
 
     def record_drafting_rows(self, percent: float) -> None:
         self._add("SpecDraftingRowsPercent", round(percent, 1), PERCENT_UNIT, MetricTypes.GAUGE)
+
+    def record_shared_vocabulary(self, percent: float) -> None:
+        """A draft from another family: the share of its vocabulary that it can propose (`handler.vocab_map`)."""
+        self._add("SpecDraftSharedVocabularyPercent", round(percent, 1), PERCENT_UNIT, MetricTypes.GAUGE)
 
     def record_batch_occupancy(self, num_requests: int) -> None:
         self._add("SpecBatchOccupancy", num_requests, COUNT_UNIT, MetricTypes.GAUGE)

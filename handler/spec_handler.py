@@ -131,6 +131,8 @@ class SpeculativeHandler(BaseHandler):
         self.cost_scale_tally.record(metrics, self.engine.cost_scales)
         self.plan_tally.record(metrics, self.engine.num_steps, self.engine.recent_steps)
         self.response_store_tally.record(metrics, self.response_store)
+        if self.models.vocab_map is not None:
+            metrics.record_shared_vocabulary(100 * self.models.vocab_map.shared_share)
         return self._answer(replies)
 
     def preprocess(self, data):

@@ -125,6 +125,9 @@ SCHEMA = {
 }
 
 
+BOOLEAN = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+
+
 @pytest.mark.parametrize("greedy", ["slem", "tli"])
 def test_a_json_schema_answer_masks_in_the_targets_vocabulary(cross_pair, greedy):
     _, _, tokenizer, _ = cross_pair
@@ -185,3 +188,63 @@ def test_each_pairing_of_tokenizer_families_gives_the_targets_greedy_output(targ
         results = engine.generate(requests)
         assert [result.token_ids for result in results] == expected, greedy
         assert sum(result.stats.draft_tokens for result in results) > 0
+
+
+def test_the_handler_serves_a_draft_from_another_family_on_every_route(cross_pair, tmp_path, monkeypatch):
+    """Through TorchServe's Context, no server: native (plain and streamed) and OpenAI chat with a
+    JSON schema; the shared share is on the metrics."""
+    from ts.context import Context, RequestProcessor
+
+    import handler.spec_handler as spec_handler_module
+    from handler.spec_handler import SpeculativeHandler
+    from tests.models.test_handler import HANDLER_SECTION, RecordingMetrics
+
+    target, draft, tokenizer, vocab_map = cross_pair
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "draft")
+    vocab_map.draft_tokenizer.save_pretrained(tmp_path / "draft")
+
+    def context_for(url_paths):
+        context = Context(
+            "tiny", str(tmp_path), {"model": {"modelName": "tiny"}}, 4, None, "0.12.0",
+            model_yaml_config={"batchSize": 4, "handler": dict(HANDLER_SECTION)},
+        )  # fmt: skip
+        context.request_processor = [
+            RequestProcessor({"body": {"content-type": "application/json"}, "url_path": path}) for path in url_paths
+        ]
+        context.request_ids = {i: f"r{i}" for i in range(len(url_paths))}
+        context.metrics = RecordingMetrics()
+        return context
+
+    handler = SpeculativeHandler()
+    handler.initialize(context_for([]))
+    assert handler.engine.vocab_map is not None
+    sent = []
+    monkeypatch.setattr(
+        spec_handler_module,
+        "send_intermediate_predict_response",
+        lambda ret, req_id_map, message, code, context: sent.append(dict(ret)),
+    )
+    chat = {
+        "messages": [{"role": "user", "content": "Say ok"}],
+        "max_completion_tokens": 48,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": BOOLEAN}},
+    }
+    requests = [
+        ("", {"prompt": "def add(a, b):", "max_new_tokens": 16, "num_speculative_tokens": 0}),
+        ("", {"prompt": "def add(a, b):", "max_new_tokens": 16, "num_speculative_tokens": 4}),
+        ("", {"prompt": "def add(a, b):", "max_new_tokens": 16, "num_speculative_tokens": 4, "stream": True}),
+        ("v1/chat/completions", chat),
+    ]
+    context = context_for([path for path, _ in requests])
+    answers = handler.handle([{"body": body} for _, body in requests], context)
+    assert [context.get_response_status(i)[0] for i in range(len(requests))] == [200] * 4
+    plain, speculative, streamed, chat_answer = answers
+    assert speculative["token_ids"] == plain["token_ids"] and speculative["speculative"]["draft_tokens"] > 0
+    chunks = [json.loads(ret[2]) for ret in sent if 2 in ret]
+    final = json.loads(streamed)
+    assert "".join(chunk["text_delta"] for chunk in chunks) + final["text_delta"] == plain["text"]
+    jsonschema.validate(json.loads(chat_answer["choices"][0]["message"]["content"]), BOOLEAN)
+    recorded = context.metrics.values["SpecDraftSharedVocabularyPercent"]
+    assert recorded == [round(100 * vocab_map.shared_share, 1)]
