@@ -164,10 +164,21 @@ def text_tokenizer():
     return AutoTokenizer.from_pretrained(folder)
 
 
-def make_engine(target, draft, tokenizer, runner: str) -> SpeculativeEngine:
+def make_engine(
+    target, draft, tokenizer, runner: str, vocab_map=None, cross_vocab_greedy: str = "slem"
+) -> SpeculativeEngine:
     """Drafts its fixed k (no cost table), chains only, no stop token: every step the same shape."""
     return SpeculativeEngine(
-        target, draft, tokenizer, (), 0, runner=runner, speculative_tree="off", running_costs=False
+        target,
+        draft,
+        tokenizer,
+        (),
+        0,
+        runner=runner,
+        speculative_tree="off",
+        running_costs=False,
+        vocab_map=vocab_map,
+        cross_vocab_greedy=cross_vocab_greedy,
     )
 
 
@@ -243,6 +254,10 @@ class Setup:
     report: Report
     tokenizer: Any = None
     prompt_generator: torch.Generator = dataclasses.field(default_factory=lambda: torch.Generator().manual_seed(1))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.models["0.5B"].parameters()).dtype
 
     def label(self, kind: str) -> str:
         if kind == runners.DYNAMIC:
@@ -499,6 +514,120 @@ def load_rows(setup: Setup, out_dir: str, max_new_tokens: int, exactness: bool =
     setup.report.section(f"Load ({name}, scripts.bench_load)", {"argv": argv}, lines)
 
 
+# SmolLM2-135M's shape: a Llama with another vocabulary, the cross-family draft of
+# docs/heterogeneous-drafts.md; 39237 of its 49152 tokens are in Qwen2.5's vocabulary.
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)  # fmt: skip
+SMOLLM2_SHARED = 39237
+
+
+def synthetic_vocab_map(target_vocab: int, draft_vocab: int, num_shared: int):
+    """A map between two made-up vocabularies with `num_shared` tokens in common, in shuffled ids:
+    the map's work per step is the real one's (its sizes are), its tokens are not."""
+    from handler.vocab_map import VocabMap
+
+    generator = torch.Generator().manual_seed(2)
+    target_tokens = [b"t%d " % i for i in range(target_vocab)]
+    shared = torch.randperm(target_vocab, generator=generator)[:num_shared].tolist()
+    draft_tokens = [target_tokens[i] for i in shared] + [b"d%d " % i for i in range(draft_vocab - num_shared)]
+    order = torch.randperm(draft_vocab, generator=generator).tolist()
+    return VocabMap(target_tokens, [], [draft_tokens[i] for i in order], [], target_vocab)
+
+
+def cross_vocab_rows(setup: Setup) -> None:
+    """Section 8: a draft from another family, SmolLM2-135M's shape, drafting for the 1.5B target.
+
+    Its passes against the 0.5B's, c against the 1.5B's verify, and the engine's tokens/s with a
+    vocabulary map of the real one's sizes (SLEM and TLI greedy) against the 0.5B draft at the same k.
+    Random weights: no draft is accepted, so every engine row runs the same steps and the row's
+    speed is its step's cost.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    shape = SMOLLM2_SHAPE if setup.device.type == "cuda" else dict(TINY_SHAPES["0.5B"], vocab_size=300)
+    torch.manual_seed(0)
+    with torch.device(setup.device):
+        draft = AutoModelForCausalLM.from_config(LlamaConfig(max_position_embeddings=8192, **shape), dtype=setup.dtype)
+    draft.eval()
+    target, same = setup.models["1.5B"], setup.models["0.5B"]
+    k, lines, data = setup.k, [], {}
+    rows = []
+    for kind in (runners.DYNAMIC, runners.STATIC):
+        small = pass_seconds(draft, kind, 1, 1, setup.context, setup.repeats)
+        half = pass_seconds(same, kind, 1, 1, setup.context, setup.repeats)
+        verify = pass_seconds(target, kind, 1, k + 1, setup.context, setup.repeats)
+        data[kind] = {"135M": small, "0.5B": half, "1.5B_verify": verify}
+        rows.append([setup.label(kind), 1e3 * small, 1e3 * half, 1e3 * verify, small / verify, half / verify])
+    lines += table(["runner", "135M (ms)", "0.5B (ms)", f"1.5B w{k + 1} (ms)", "c 135M", "c 0.5B"], rows) + [""]
+    num_shared = SMOLLM2_SHARED if setup.device.type == "cuda" else 200
+    vocab_map = synthetic_vocab_map(target.config.vocab_size, draft.config.vocab_size, num_shared)
+    prompt = setup.prompt(target)
+    rows = []
+    for kind in (runners.DYNAMIC, runners.STATIC):
+        engines = {
+            "0.5B, same vocabulary": make_engine(target, same, setup.tokenizer, kind),
+            "135M, other vocabulary, SLEM": make_engine(target, draft, setup.tokenizer, kind, vocab_map, "slem"),
+            "135M, other vocabulary, TLI": make_engine(target, draft, setup.tokenizer, kind, vocab_map, "tli"),
+        }
+        for name, engine in engines.items():
+            engine_run(engine, prompt, 16, k)  # warm-up: graph captures, allocator
+            run = median_run([engine_run(engine, prompt, setup.max_new_tokens, k) for _ in range(3)])
+            data[f"{kind} {name}"] = run
+            rows.append([setup.label(kind), name, run["tokens_per_s"], 1e3 * run["seconds"] / run["steps"]])
+    lines += table(["runner", "draft", "tokens/s", "ms per step"], rows)
+    setup.report.section("A draft from another family (135M shape)", data, lines)
+
+
+def admission_rows(setup: Setup, out_dir: str) -> None:
+    """Section 9: the step that admits 16 requests with 256-token prompts, in the setup's dtype, 1.5B
+    target and 0.5B draft: plain (k = 0) against drafting (k = 2), on both runners. The admitting
+    step and the one after, timed with synchronisations (median of 3), and the top CUDA kernels of
+    one admitting step of each, profiled (admission_profile.txt)."""
+    target, draft = setup.models["1.5B"], setup.models["0.5B"]
+    batch, prompt_tokens = (16, 256) if setup.device.type == "cuda" else (4, 32)
+    generator = torch.Generator().manual_seed(3)
+    vocab = min(target.config.vocab_size, draft.config.vocab_size)
+    prompts = [tuple(torch.randint(0, vocab, (prompt_tokens,), generator=generator).tolist()) for _ in range(batch)]
+    rows, data, profiles = [], {}, []
+
+    def admit(engine, k: int, tag: str) -> tuple[float, float]:
+        for index, prompt in enumerate(prompts):
+            engine.add_request((tag, index), GenerationRequest(prompt, 8, SamplingParams(), k))
+        runners.synchronize(setup.device)
+        started = time.perf_counter()
+        engine.step()
+        runners.synchronize(setup.device)
+        admitted = time.perf_counter()
+        engine.step()
+        runners.synchronize(setup.device)
+        after = time.perf_counter()
+        for index in range(len(prompts)):
+            engine.abort_request((tag, index))
+        engine.step()
+        return admitted - started, after - admitted
+
+    for kind in (runners.DYNAMIC, runners.STATIC):
+        for k in (0, 2):
+            engine = make_engine(target, draft, setup.tokenizer, kind)
+            admit(engine, k, "warm")
+            times = [admit(engine, k, f"run{n}") for n in range(3)]
+            first, second = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+            data[f"{kind} k{k}"] = {"admit": first, "next": second}
+            rows.append([setup.label(kind), k, 1e3 * first, 1e3 * second])
+            if setup.device.type == "cuda":
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    admit(engine, k, "profiled")
+                profiles.append(f"### {setup.label(kind)}, k = {k}\n")
+                profiles.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    with open(os.path.join(out_dir, "admission_profile.txt"), "w", encoding="utf-8") as file:
+        file.write("\n".join(profiles))
+    lines = table(["runner", "k", "admitting step (ms)", "next step (ms)"], rows)
+    lines += ["", "admission_profile.txt: the top kernels of one admitting step (and its next) of each."]
+    setup.report.section(f"Admitting {batch} requests ({setup.dtype})", data, lines)
+
+
 def guarded(report: Report, name: str, section: Callable[[], Any]) -> Any:
     """Runs a section; a failure is written to the report and the next section still runs."""
     try:
@@ -519,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated, after the pass times: sweep (and the predicted speedups), engine, profile, "
         "assisted, compile (torch.compile of the static passes; minutes of compiling), "
         "load (scripts.bench_load on the 1.5B target and 0.5B draft, bf16), load-fp32 (the same in float32: "
-        "outputs equal plain decoding's)",
+        "outputs equal plain decoding's), cross (a draft from another family, SmolLM2-135M's shape), admission "
+        "(the step that admits 16 requests, plain against drafting, timed and profiled)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4, help="drafts per step of the engine rows")
@@ -570,6 +700,10 @@ def main(argv: list[str] | None = None) -> int:
         guarded(report, "Compile", lambda: compiled_passes(setup, passes))
     if "load" in sections:
         guarded(report, "Load", lambda: load_rows(setup, args.out_dir, min(args.max_new_tokens, 64)))
+    if "cross" in sections:
+        guarded(report, "cross", lambda: cross_vocab_rows(setup))
+    if "admission" in sections:
+        guarded(report, "admission", lambda: admission_rows(setup, args.out_dir))
     if "load-fp32" in sections:
         guarded(report, "Load fp32", lambda: load_rows(setup, args.out_dir, 48, exactness=True))
     return 0

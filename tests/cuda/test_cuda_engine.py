@@ -7,6 +7,8 @@ with the check shown to catch a broken coupling); a bf16 run completes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -113,3 +115,31 @@ def test_bfloat16_with_cuda_graphs_runs(tiny_models_dir):
     accepted = sum(result.stats.accepted_tokens for result in results)
     drafted = sum(result.stats.draft_tokens for result in results)
     assert accepted >= 0.9 * drafted > 0
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_draft_from_another_family_keeps_greedy_and_seeded_output_on_cuda(tmp_path_factory, runner):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from handler.loading import check_vocabularies
+    from tests.conftest import run_module
+
+    out = tmp_path_factory.mktemp("cross-vocab")
+    run_module("scripts.make_tiny_models", "--out", str(out), "--cross-vocab", "20", check=True)
+    tokenizer = AutoTokenizer.from_pretrained(out / "target")
+    target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval().cuda()
+    draft = AutoModelForCausalLM.from_pretrained(out / "cross-draft", dtype=torch.float32).eval().cuda()
+    vocab_map = check_vocabularies(tokenizer, target, draft, str(out / "cross-draft"))
+    sampled = SamplingParams(temperature=0.9)
+    plain = make_engine(target, None, tokenizer, runner=runner)
+    for greedy in ("slem", "tli"):
+        engine = make_engine(target, draft, tokenizer, runner=runner, vocab_map=vocab_map, cross_vocab_greedy=greedy)
+        requests = [GenerationRequest(encode(tokenizer, prompt), 24, GREEDY, 4) for prompt in PROMPTS]
+        results = engine.generate(requests)
+        for prompt, request, result in zip(PROMPTS, requests, results):
+            alone = plain.generate([dataclasses.replace(request, num_speculative_tokens=0)])[0]
+            assert result.token_ids == alone.token_ids, (greedy, prompt)
+        assert sum(result.stats.draft_tokens for result in results) > 0
+        seeded = GenerationRequest(encode(tokenizer, PROMPTS[0]), 24, sampled, 4, seed=5)
+        expected = plain.generate([dataclasses.replace(seeded, num_speculative_tokens=0)])[0].token_ids
+        assert engine.generate([seeded])[0].token_ids == expected, greedy

@@ -65,3 +65,20 @@ def test_the_load_sections_serve_the_pair_and_keep_every_output_equal_to_plain(t
             assert all(cell["outputs_differ"] == 0 for cell in rows.values()), (name, load)
         assert (tmp_path / name / "load.png").stat().st_size > 0
     assert "--rates" in data["Load (load-fp32, scripts.bench_load)"]["argv"]
+
+
+def test_the_cross_family_and_admission_sections_run_on_the_cpu(tmp_path):
+    argv = [str(tmp_path), "--device", "cpu", "--skip-tests", "--sections", "cross,admission", "--repeats", "1",
+            "--max-new-tokens", "8"]  # fmt: skip
+    assert gpu_check.main(argv) == 0
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(data) == ["header", "Pass times and c", "A draft from another family (135M shape)",
+                          "Admitting 4 requests (torch.float32)"]  # fmt: skip
+    cross = data["A draft from another family (135M shape)"]
+    for kind in ("dynamic", "static"):
+        assert {"135M", "0.5B", "1.5B_verify"} == set(cross[kind])
+        for name in ("0.5B, same vocabulary", "135M, other vocabulary, SLEM", "135M, other vocabulary, TLI"):
+            assert cross[f"{kind} {name}"]["tokens_per_s"] > 0
+    admission = data["Admitting 4 requests (torch.float32)"]
+    assert set(admission) == {f"{kind} k{k}" for kind in ("dynamic", "static") for k in (0, 2)}
+    assert (tmp_path / "admission_profile.txt").exists()
