@@ -598,22 +598,30 @@ def admission_rows(setup: Setup, out_dir: str) -> None:
         engine.step()
         runners.synchronize(setup.device)
         admitted = time.perf_counter()
+        record = engine.recent_steps[-1]
         engine.step()
         runners.synchronize(setup.device)
         after = time.perf_counter()
         for index in range(len(prompts)):
             engine.abort_request((tag, index))
         engine.step()
-        return admitted - started, after - admitted
+        # The admitting step's parts, as the engine's host clock saw them (no synchronisation between).
+        parts = (record.prefill_seconds, record.draft_seconds, record.verify_seconds, record.draft_passes)
+        return admitted - started, after - admitted, *parts
 
     for kind in (runners.DYNAMIC, runners.STATIC):
         for k in (0, 2):
             engine = make_engine(target, draft, setup.tokenizer, kind)
             admit(engine, k, "warm")
             times = [admit(engine, k, f"run{n}") for n in range(3)]
-            first, second = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
-            data[f"{kind} k{k}"] = {"admit": first, "next": second}
-            rows.append([setup.label(kind), k, 1e3 * first, 1e3 * second])
+            first, second, prefill, drafting, verify, passes = (
+                statistics.median(t[n] for t in times) for n in range(6)
+            )
+            data[f"{kind} k{k}"] = {
+                "admit": first, "next": second, "prefill": prefill, "draft": drafting, "verify": verify,
+                "draft_passes": passes,
+            }  # fmt: skip
+            rows.append([setup.label(kind), k, 1e3 * first, 1e3 * prefill, 1e3 * drafting, 1e3 * verify, 1e3 * second])
             if setup.device.type == "cuda":
                 from torch.profiler import ProfilerActivity, profile
 
@@ -623,8 +631,14 @@ def admission_rows(setup: Setup, out_dir: str) -> None:
                 profiles.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
     with open(os.path.join(out_dir, "admission_profile.txt"), "w", encoding="utf-8") as file:
         file.write("\n".join(profiles))
-    lines = table(["runner", "k", "admitting step (ms)", "next step (ms)"], rows)
-    lines += ["", "admission_profile.txt: the top kernels of one admitting step (and its next) of each."]
+    header = ["runner", "k", "admitting step (ms)", "its prefills", "its draft passes", "its verify", "next step (ms)"]
+    lines = table(header, rows)
+    lines += [
+        "",
+        "The admitting step's parts are the engine's host clock (`StepRecord`), not synchronised between parts;"
+        " its prefills are the target's and, for drafting rows, the draft's.",
+        "admission_profile.txt: the top kernels of one admitting step (and its next) of each.",
+    ]
     setup.report.section(f"Admitting {batch} requests ({setup.dtype})", data, lines)
 
 

@@ -89,7 +89,8 @@ class CrossVocabDrafter(ModelDrafter):
 
     @property
     def max_pending(self) -> int:
-        return max((len(self.sequence[r]) - len(self.cached[r]) for r in self.order), default=1) or 1
+        """The most tokens a row feeds the next (or the current) proposal's first pass."""
+        return max((len(self.sequence[r]) - self.synced[r] for r in self.order), default=1) or 1
 
     def _pending(self, request_id: Hashable) -> list[int]:
         return self.sequence[request_id][len(self.cached[request_id]) :]

@@ -76,6 +76,29 @@ def test_greedy_output_is_the_targets_alone_and_batched(cross_pair, greedy):
     assert sum(s.accepted_tokens_by_drafter.get("model", 0) for s in stats) > 0
 
 
+def test_the_planner_and_the_confidence_stop_keep_greedy_and_seeded_output(cross_pair):
+    """With a cost table, each step's k is planned and the draft stops by its own confidence, which
+    the planner prices with the draft's pending tokens (what the proposal feeds first)."""
+    from handler.cost_table import CostTable
+
+    target, _, tokenizer, _ = cross_pair
+    widths = (1, 2, 4, 8)
+    row = tuple(1.0 + 0.05 * (width - 1) for width in widths)
+    costs = CostTable(widths=widths, batch_sizes=(1, 8), target=(row, row), draft=(0.1, 0.1))
+    engine = engine_for(cross_pair, cost_table=costs, draft_confidence=True)
+    prompts = [tuple(tokenizer(prompt)["input_ids"]) for prompt in PROMPTS]
+    sampled = SamplingParams(temperature=0.8)
+    requests = [GenerationRequest(p, NUM_TOKENS, GREEDY, 6, drafter=d) for p in prompts for d in ("model", "hybrid")]
+    requests.append(GenerationRequest(prompts[0], NUM_TOKENS, sampled, 6, seed=4))
+    results = engine.generate(requests)
+    expected = [reference(target, request.prompt_ids) for request in requests[:-1]]
+    assert [result.token_ids for result in results[:-1]] == expected
+    plain = make_engine(target, None, tokenizer, eos_token_ids=())
+    seeded = plain.generate([GenerationRequest(prompts[0], NUM_TOKENS, sampled, 0, seed=4)])[0].token_ids
+    assert results[-1].token_ids == seeded
+    assert sum(result.stats.draft_tokens_by_drafter.get("model", 0) for result in results) > 0
+
+
 def test_a_row_joining_mid_run_and_the_prefix_cache_change_nothing(cross_pair):
     target, _, tokenizer, _ = cross_pair
     engine = engine_for(cross_pair, prefix_cache_max_bytes=1 << 24)
