@@ -517,3 +517,17 @@ def measure_cost_table(
     if path is not None:
         _write_cached(path, key, table)
     return table
+
+
+def measure_for_config(models, config, max_batch_size: int, *, max_k: int | None = None, **options) -> CostTable:
+    """The cost table a handler config needs for its loaded models (`handler.loading.LoadedModels`):
+    as wide as the draft model's largest k (`max_k`; None: the config's cap) or the longest look-up,
+    plus the pending token. `options` go to `measure_cost_table` (cache_dir, model_identity, runner)."""
+    max_drafts = config.max_num_speculative_tokens if max_k is None else max_k
+    return measure_cost_table(
+        models.target,
+        models.draft,
+        max_width=max(max_drafts, config.prompt_lookup_num_tokens) + 1,
+        max_batch_size=max_batch_size,
+        **options,
+    )

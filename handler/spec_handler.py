@@ -24,7 +24,7 @@ from handler.api.openai.requests import Route, route_from_url_path
 from handler.api.openai.responses import ResponseStore
 from handler.config import handler_config_from_yaml_config
 from handler.constraints import compiler_for
-from handler.cost_table import measure_cost_table
+from handler.cost_table import measure_for_config
 from handler.engine import SpeculativeEngine
 from handler.loading import load_models
 from handler.memory_budget import describe, prefix_cache_budget
@@ -57,17 +57,14 @@ class SpeculativeHandler(BaseHandler):
         # Measured now, with the models loaded and before anything else takes memory.
         budget = prefix_cache_budget(self.config, next(self.models.target.parameters()).device)
         logger.info("prefix cache: %s", describe(budget))
-        # Wide enough for the longest look-up as well as the largest k.
-        max_width = max(self.config.max_num_speculative_tokens, self.config.prompt_lookup_num_tokens) + 1
         runner = config_runner(self.config, self.models)
         cost_table = None
         if self.config.adaptive_k:
             # Measured here, on the device and dtype that serve, and cached in the model dir.
-            cost_table = measure_cost_table(
-                self.models.target,
-                self.models.draft,
-                max_width=max_width,
-                max_batch_size=int((context.model_yaml_config or {}).get("batchSize", 1)),
+            cost_table = measure_for_config(
+                self.models,
+                self.config,
+                int((context.model_yaml_config or {}).get("batchSize", 1)),
                 cache_dir=properties.get("model_dir"),
                 model_identity=f"{context.model_name}/{(self.manifest or {}).get('model', {}).get('modelVersion', '')}",
                 runner=runner,

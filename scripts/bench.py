@@ -45,7 +45,6 @@ import logging
 import math
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -54,12 +53,13 @@ import torch
 import yaml
 
 from handler.config import HandlerConfig, SamplingParams, handler_config_from_yaml_config
-from handler.cost_table import CostTable, cpu_model_and_flags, measure_cost_table
+from handler.cost_table import CostTable
 from handler.drafters.suffix import SuffixDrafter
 from handler.engine import DRAFTER_HYBRID, DRAFTER_MODEL, DRAFTER_NGRAM, GenerationRequest, SpeculativeEngine
-from handler.loading import load_models, usable_cpu_cores
+from handler.loading import load_models
 from handler.types import SpeculativeStats
 from scripts import torchserve
+from scripts.bench_common import fmt, machine_info, start_up_cost_table
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = REPO_ROOT / "models" / "qwen2.5-coder-1.5b-instruct"
@@ -67,8 +67,6 @@ DEFAULT_DRAFT = REPO_ROOT / "models" / "qwen2.5-coder-0.5b-instruct"
 DEFAULT_CONFIG = REPO_ROOT / "model-config" / "qwen-coder.yaml"
 PROMPT_SETS = ("open", "grounded")
 GREEDY = SamplingParams()
-# The CPU features that decide which kernels a forward pass can use.
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 # Hugging Face's two adaptive schedules, tried beside the constant ones of the sweep:
 # the default of transformers 5 (20 tokens, stop below 0.4 confidence) and the older heuristic.
 HF_DYNAMIC_SCHEDULES = (
@@ -447,43 +445,6 @@ def summarize_set(methods: list[Method], runs: dict[str, list[Run]]) -> list[dic
 # --------------------------------------------------------------------------- machine, cost table
 
 
-def machine_info() -> dict:
-    """CPU model, cores, the CPU features that matter to the kernels, memory, library versions."""
-    import transformers
-
-    cpu, flags, mem_gib = platform.processor() or platform.machine(), [], None
-    read = cpu_model_and_flags()
-    if read is not None:
-        cpu = read[0] or cpu
-        flags = [flag for flag in CPU_FLAGS if flag in read[1]]
-    try:
-        with open("/proc/meminfo") as f:
-            mem_gib = int(f.readline().split()[1]) / 2**20  # MemTotal, in kB
-    except (OSError, ValueError, IndexError):
-        pass
-    usable = usable_cpu_cores()  # the affinity mask, bounded by a container's CPU limit
-    info = {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "usable_cores": usable,
-        "torch_threads": torch.get_num_threads(),
-        "cpu_flags": flags,
-        "memory_gib": round(mem_gib, 1) if mem_gib else None,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
-    info["description"] = (
-        f"{cpu}, {info['cores']} cores ({usable} usable, {info['torch_threads']} torch threads), "
-        f"flags {' '.join(flags) or 'none of ' + ' '.join(CPU_FLAGS)}"
-        + (f", {info['memory_gib']} GiB" if mem_gib else "")
-        + (f", GPU {info['gpu']}" if info["gpu"] else "")
-        + f"; torch {info['torch']}, transformers {info['transformers']}"
-    )
-    return info
-
-
 def describe_cost_table(table: CostTable) -> dict:
     """The measured grid in milliseconds: target by batch size and width, draft step by batch size."""
     return {
@@ -501,7 +462,7 @@ def cost_table_markdown(cost: dict) -> list[str]:
         "|---" * (len(cost["widths"]) + 2) + "|",
     ]
     for b, target_ms, draft in zip(cost["batch_sizes"], cost["target_ms"], draft_ms):
-        lines.append(f"| {b} | " + " | ".join(f"{ms:.1f}" for ms in target_ms) + f" | {_fmt(draft, '{:.1f}')} |")
+        lines.append(f"| {b} | " + " | ".join(f"{ms:.1f}" for ms in target_ms) + f" | {fmt(draft, '{:.1f}')} |")
     width_1 = cost["target_ms"][0][0]
     lines += [
         "",
@@ -513,10 +474,6 @@ def cost_table_markdown(cost: dict) -> list[str]:
 
 
 # --------------------------------------------------------------------------- report
-
-
-def _fmt(value, pattern: str = "{:.2f}") -> str:
-    return "-" if value is None else pattern.format(value)
 
 
 def _same_output(row: dict, num_prompts: int) -> str:
@@ -581,7 +538,7 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| {row['method']} | {row['tokens_per_second']:.2f} | {min(runs):.2f}-{max(runs):.2f} "
                 f"| {row['vs_target_only']:.2f}x | {row['vs_hf_assisted']:.2f}x | {row['vs_best_hf']:.2f}x "
-                f"| {_fmt(row['acceptance_rate'])} | {_fmt(row['tokens_per_pass'])} | {_fmt(row['drafts_per_pass'])} "
+                f"| {fmt(row['acceptance_rate'])} | {fmt(row['tokens_per_pass'])} | {fmt(row['drafts_per_pass'])} "
                 f"| {_same_output(row, n)} |"
             )
         best_hf = next(r["method"] for r in data["rows"] if r["key"] == data["rows"][0]["best_hf"])
@@ -835,16 +792,10 @@ def main(argv=None) -> int:
     machine = machine_info()
     logger.info("machine: %s", machine["description"])
     draft_note = "int8" if models.draft_quantization == "int8" else str(models.dtype).replace("torch.", "")
-    # Measured afresh (never read from a cache), as the handler measures it at start-up.
-    cost_table = measure_cost_table(
-        models.target,
-        models.draft,
-        # Look-ups may verify more drafts than the draft model's cap: the table must reach their width.
-        max_width=max(args.max_k, config.prompt_lookup_num_tokens) + 1,
-        max_batch_size=args.cost_max_batch_size,
-    )
+    # Measured afresh (never read from a cache), as the handler measures it at start-up; as wide as the
+    # sweep's largest k or the longest look-up.
+    cost_table = start_up_cost_table(models, config, args.cost_max_batch_size, max_k=args.max_k)
     cost = describe_cost_table(cost_table)
-    print("Cost table, measured at start:\n" + cost_table.format(), flush=True)
 
     runner = Runner(models, config, cost_table)
     for prompt_set in sets.values():

@@ -97,10 +97,11 @@ import time
 import yaml
 
 from handler.config import handler_config_from_yaml_config
-from handler.cost_table import CostTable, measure_cost_table
+from handler.cost_table import CostTable
 from handler.engine import DRAFTER_HYBRID, DRAFTER_MODEL, DRAFTER_NGRAM, GenerationRequest, SpeculativeEngine
 from handler.loading import load_models
 from scripts import bench
+from scripts.bench_common import fmt, machine_info, start_up_cost_table
 from scripts.bench_prefix import ChatRoute
 
 logger = logging.getLogger("bench_agentic")
@@ -765,9 +766,9 @@ def markdown(report: dict) -> str:
     ]
     for key, row in rows.items():
         # HF rows count no target passes: their cells stay blank.
-        passes = bench._fmt(row["tokens_per_pass"]) if row["drafter"] else ""
-        acceptance = bench._fmt(row["acceptance_rate"]) if row["drafter"] else ""
-        ratio = bench._fmt(row["vs_target_only"], "{:.2f}x")
+        passes = fmt(row["tokens_per_pass"]) if row["drafter"] else ""
+        acceptance = fmt(row["acceptance_rate"]) if row["drafter"] else ""
+        ratio = fmt(row["vs_target_only"], "{:.2f}x")
         lines.append(
             f"| {key}: {row['label']} | {row['tokens_per_second']:.2f} | {ratio} | {passes} | {acceptance} "
             f"| {row['same_output']}/{trace['num_requests']} |"
@@ -874,13 +875,11 @@ def main(argv=None) -> int:
     # bench_config loads the draft model whatever the config's drafter: the model and hybrid rows need it.
     config = dataclasses.replace(bench.bench_config(args), drafter=shipped.drafter)
     models = load_models(config, None)
-    machine = bench.machine_info()
+    machine = machine_info()
     logger.info("machine: %s", machine["description"])
     cost_table = None
     if config.adaptive_k:  # as the handler measures it at start-up; this bench runs one request at a time
-        widest = max(config.max_num_speculative_tokens, config.prompt_lookup_num_tokens) + 1
-        cost_table = measure_cost_table(models.target, models.draft, max_width=widest, max_batch_size=1)
-        print("Cost table, measured at start:\n" + cost_table.format(), flush=True)
+        cost_table = start_up_cost_table(models, config, 1)
         if args.draft_cost_skew != 1.0:
             cost_table = skew_draft(cost_table, args.draft_cost_skew)
             print(f"Draft step multiplied by {args.draft_cost_skew:g} (--draft-cost-skew)", flush=True)

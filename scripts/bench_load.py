@@ -65,14 +65,15 @@ import statistics
 import time
 
 from handler.config import SamplingParams
-from handler.cost_table import CostTable, measure_cost_table
+from handler.cost_table import CostTable
 from handler.drafters import HYBRID, MODEL, NGRAM, SUFFIX
 from handler.drafters.suffix import SuffixDrafter
 from handler.engine import GenerationRequest, SpeculativeEngine, StepRecord
 from handler.loading import load_models
 from handler.runners import config_runner
 from scripts import bench
-from scripts.bench_prefix import Traffic, drive, percentile, poisson_arrivals
+from scripts.bench_common import fmt, machine_info, percentile, start_up_cost_table
+from scripts.bench_prefix import Traffic, drive, poisson_arrivals
 
 logger = logging.getLogger("bench_load")
 
@@ -312,10 +313,6 @@ def plan_histogram(steps: list[dict]) -> dict[int, dict[int, int]]:
     return {batch: dict(sorted(counts.items())) for batch, counts in sorted(histogram.items())}
 
 
-def _fmt(value, pattern: str = "{:.2f}") -> str:
-    return "-" if value is None else pattern.format(value)
-
-
 def markdown(report: dict) -> str:
     settings = report["settings"]
     lines = [
@@ -339,11 +336,11 @@ def markdown(report: dict) -> str:
     for name, cells in report["loads"].items():
         for key, cell in cells.items():
             lines.append(
-                f"| {name} | {labels[key]} | {cell['tokens_per_s']:.2f} | {_fmt(cell.get('vs_plain'))}x "
+                f"| {name} | {labels[key]} | {cell['tokens_per_s']:.2f} | {fmt(cell.get('vs_plain'))}x "
                 f"| {cell['tpot_p50_s'] * 1e3:.0f} / {cell['tpot_p99_s'] * 1e3:.0f} "
                 f"| {cell['ttft_p50_s']:.2f} / {cell['ttft_p99_s']:.2f} | {cell['mean_k']:.2f} "
                 f"| {cell['mean_width']:.2f} | {cell['drafting_share']:.2f} | {cell['tokens_per_pass']:.2f} "
-                f"| {_fmt(cell.get('outputs_differ'), '{}')} |"
+                f"| {fmt(cell.get('outputs_differ'), '{}')} |"
             )
     lines += ["", "Where the time goes (first repeat; medians per step, by batch size; table: the cost table's):", ""]
     lines.append(
@@ -439,19 +436,12 @@ def main(argv=None) -> int:
     if args.drafter:
         config = dataclasses.replace(config, drafter=args.drafter)
     models = load_models(config, None, args.gpu_id)
-    machine = bench.machine_info()
+    machine = machine_info()
     logger.info("machine: %s", machine["description"])
     batch_room = max(args.max_in_flight, *args.concurrency)
     runner_kind = config_runner(config, models)
     # Measured afresh, as the handler measures it at start-up, up to the batch this run reaches.
-    cost_table = measure_cost_table(
-        models.target,
-        models.draft,
-        max_width=max(config.max_num_speculative_tokens, config.prompt_lookup_num_tokens) + 1,
-        max_batch_size=batch_room,
-        runner=runner_kind,
-    )
-    print("Cost table, measured at start:\n" + cost_table.format(), flush=True)
+    cost_table = start_up_cost_table(models, config, batch_room, runner=runner_kind)
     num_prompts = max(args.open_requests, args.min_requests, max(args.concurrency) * args.requests_per_client)
     prompts = coding_prompts(models.tokenizer, num_prompts)
     rows = [row_spec(key, config) for key in ROWS if key in args.rows]

@@ -26,6 +26,7 @@ import sys
 import time
 
 from scripts import bench
+from scripts.bench_common import machine_info
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     # Plain decoding needs no draft: neither loaded nor timed for its quantization.
     config = dataclasses.replace(bench.bench_config(args), draft_model=None, drafter=bench.DRAFTER_NGRAM)
     models = bench.load_models(config, None)
-    machine = bench.machine_info()
+    machine = machine_info()
     runner = bench.Runner(models, config, cost_table=None)
     sets = bench.load_prompt_sets(pathlib.Path(args.prompts), args.num_prompts, 1)
     prompts = [runner.encode(prompt) for prompt_set in sets.values() for prompt in prompt_set["held_out"]]

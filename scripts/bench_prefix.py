@@ -47,11 +47,12 @@ import yaml
 
 from handler.api.openai.requests import ROUTE_CHAT, parse_openai_request
 from handler.config import HandlerConfig, handler_config_from_yaml_config
-from handler.cost_table import measure_cost_table
+from handler.cost_table import measure_for_config
 from handler.engine import GenerationRequest, GenerationResult, SpeculativeEngine, StepRecord
 from handler.loading import LoadedModels, load_models
 from handler.memory_budget import prefix_cache_budget
-from scripts.bench import DEFAULT_CONFIG, DEFAULT_DRAFT, DEFAULT_TARGET, _shown, first_difference, machine_info
+from scripts.bench import DEFAULT_CONFIG, DEFAULT_DRAFT, DEFAULT_TARGET, _shown, first_difference
+from scripts.bench_common import fmt, machine_info, percentile
 
 logger = logging.getLogger("bench_prefix")
 
@@ -268,10 +269,6 @@ def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
     return arrivals
 
 
-def percentile(values: list[float], q: int) -> float:
-    return values[0] if len(values) == 1 else statistics.quantiles(values, n=100, method="inclusive")[q - 1]
-
-
 @dataclasses.dataclass
 class Traffic:
     """What `drive` saw: per request, in seconds from the start, when it was sent, when the first
@@ -416,10 +413,6 @@ def _count(num: int, noun: str) -> str:
     return f"{num} {noun}{'' if num == 1 else 's'}"
 
 
-def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
-    return "-" if value is None else pattern.format(value)
-
-
 def markdown(report: dict) -> str:
     s, chat, load, diff = report["settings"], report["multi_turn"], report["shared_prompt"], report["differences"]
     planned = ", planned from the cost table" if s["adaptive_k"] else ""
@@ -442,15 +435,15 @@ def markdown(report: dict) -> str:
     for row in chat["turns"]:
         lines.append(
             f"| {row['turn']} | {row['prompt_tokens']} | {row['cached_tokens']} | {row['ttft_off_s']:.3f} | "
-            f"{row['ttft_on_s']:.3f} | {row['ratio']:.2f}x | {_fmt(row['decode_off'])} | {_fmt(row['decode_on'])} |"
+            f"{row['ttft_on_s']:.3f} | {row['ratio']:.2f}x | {fmt(row['decode_off'])} | {fmt(row['decode_on'])} |"
         )
     same = sum(row["same_output"] for row in chat["turns"])
     lines += [
         "",
-        f"Turns 2-{num_turns}: median TTFT on/off {_fmt(chat['median_ratio_later_turns'], '{:.2f}x')}; hit rate "
-        f"{_fmt(chat['hit_rate_later_turns'], '{:.1%}')} (cached tokens / the previous turn's prompt and "
+        f"Turns 2-{num_turns}: median TTFT on/off {fmt(chat['median_ratio_later_turns'], '{:.2f}x')}; hit rate "
+        f"{fmt(chat['hit_rate_later_turns'], '{:.1%}')} (cached tokens / the previous turn's prompt and "
         f"completion); greedy replies identical on and off: {'yes' if chat['identical'] else 'no'} "
-        f"({same}/{num_turns}). Decoding after the first token, on/off: {_fmt(chat['decode_ratio'], '{:.2f}x')} "
+        f"({same}/{num_turns}). Decoding after the first token, on/off: {fmt(chat['decode_ratio'], '{:.2f}x')} "
         "(median over the turns).",
         "",
         *header,
@@ -465,9 +458,9 @@ def markdown(report: dict) -> str:
         m = load[mode]
         lines.append(
             f"| {mode} | {m['tokens_per_s']:.2f} | {m['ttft_p50_s']:.3f} | {m['ttft_p90_s']:.3f} | "
-            f"{_fmt(m['decode_tokens_per_s'])} | {m['cached_tokens']} / {m['prompt_tokens']} |"
+            f"{fmt(m['decode_tokens_per_s'])} | {m['cached_tokens']} / {m['prompt_tokens']} |"
         )
-    ratios = " | ".join(_fmt(load["ratio"][key], "{:.2f}x") for key in LOAD_KEYS)
+    ratios = " | ".join(fmt(load["ratio"][key], "{:.2f}x") for key in LOAD_KEYS)
     where = f", first at token {diff['median_first_difference']:g} (median)" if diff["num_differ"] else ""
     lines += [
         f"| on/off | {ratios} | |",
@@ -541,12 +534,7 @@ def main(argv=None) -> int:
     logger.info("machine: %s", machine["description"])
     cost_table = None
     if config.adaptive_k:  # as the handler measures it at start-up
-        cost_table = measure_cost_table(
-            models.target,
-            models.draft,
-            max_width=max(config.max_num_speculative_tokens, config.prompt_lookup_num_tokens) + 1,
-            max_batch_size=batch_size,
-        )
+        cost_table = measure_for_config(models, config, batch_size)
 
     def engine(mode: str) -> SpeculativeEngine:
         budget = cache_bytes if mode == "on" else None

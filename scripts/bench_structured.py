@@ -41,7 +41,7 @@ import yaml
 from handler.api.openai.tools import tool_format_for, tool_plan
 from handler.config import SamplingParams, handler_config_from_yaml_config
 from handler.constraints import Constraint, compiler_for
-from handler.cost_table import measure_cost_table
+from handler.cost_table import measure_for_config
 from handler.engine import PROPOSER_GRAMMAR, GenerationRequest, SpeculativeEngine
 from handler.loading import load_models
 
@@ -287,7 +287,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    from scripts.bench import machine_info
+    from scripts.bench_common import machine_info
 
     with open(args.config, encoding="utf-8") as f:
         config = handler_config_from_yaml_config(yaml.safe_load(f))
@@ -301,12 +301,7 @@ def main(argv=None) -> int:
     logger.info("machine: %s", machine["description"])
     cost_table = None
     if config.adaptive_k:
-        cost_table = measure_cost_table(
-            models.target,
-            models.draft,
-            max_width=max(config.max_num_speculative_tokens, config.prompt_lookup_num_tokens) + 1,
-            max_batch_size=8,
-        )
+        cost_table = measure_for_config(models, config, 8)
     tokenizer = models.tokenizer
     cases = build_cases(tokenizer)
     for case in cases:

@@ -52,6 +52,7 @@ from pathlib import Path
 
 import requests
 
+from scripts.bench_common import percentile
 from scripts.torchserve import (
     DEFAULT_INFERENCE_URL,
     DEFAULT_KEY_FILE,
@@ -265,17 +266,6 @@ def run_open_loop(
 
 # ---------------------------------------------------------------------------
 # Report
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0..100) with linear interpolation between closest ranks."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def time_per_output_token(outcome: Outcome) -> float | None:

@@ -42,6 +42,10 @@ def test_full_section_round_trips():
     assert HandlerConfig.from_dict({"cpu_packed_weights": False}).cpu_packed_weights is False
     assert HandlerConfig().cpu_packed_weights is True
     assert config.sampling == SamplingParams(0.7, 50, 0.95)
+    # A draft from another family: where its tokenizer is, and how its greedy rows draft.
+    assert (config.draft_tokenizer, config.cross_vocab_greedy) == (None, "slem")
+    other = HandlerConfig.from_dict({"draft_tokenizer": "org/draft-tokenizer", "cross_vocab_greedy": "tli"})
+    assert (other.draft_tokenizer, other.cross_vocab_greedy) == ("org/draft-tokenizer", "tli")
 
 
 @pytest.mark.parametrize(
@@ -76,6 +80,9 @@ def test_full_section_round_trips():
         ({"sampling": [1, 2]}, "handler.sampling"),
         ({"target_model": ""}, "handler.target_model"),
         ({"cpu_packed_weights": "yes"}, "handler.cpu_packed_weights"),
+        ({"cross_vocab_greedy": "greedy"}, "handler.cross_vocab_greedy"),
+        ({"draft_tokenizer": ""}, "handler.draft_tokenizer"),
+        ({"drafter": "ngram", "draft_tokenizer": "tok"}, "handler.draft_tokenizer"),
     ],
 )
 def test_bad_values_name_the_key(section, key_in_message):
