@@ -15,6 +15,14 @@ row from the valid tokens only, so a hole never shifts a rotary position.
   running batch (continuous batching) without padding the others' chunks.
 
 The mask lives on the CPU: bookkeeping then needs no device synchronisation.
+
+Sliding-window layers (Mistral's, Gemma 2's and 3's local layers) keep every
+token here too, as a full layer does, so that rollback stays a length and
+every layer's KV has one shape (the prefix cache copies rows of it). The
+window is the attention mask's: each row's 4D mask lets a token see the
+tokens fewer than `sliding_window` positions before it, counted in the row's
+own positions, so holes never widen it. Where some layers slide and others
+do not, the model gets one mask per layer type.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from typing import Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 from handler.tree import ROOT, chunk_attention
 
@@ -44,15 +52,41 @@ def _padded_states(layer, name: str, num_rows: int, like, width: int) -> torch.T
     return torch.cat([padding, states], dim=2)
 
 
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+
+
+def layer_types(model: torch.nn.Module) -> list[str]:
+    """Each decoder layer's attention type, as `transformers` builds its cache layers."""
+    config = model.config.get_text_config(decoder=True)
+    return get_layer_types_and_kwargs(config)[0]
+
+
+def sliding_window(model: torch.nn.Module) -> int | None:
+    """The window of the model's sliding-window layers, in tokens; None where no layer slides."""
+    if SLIDING_ATTENTION not in layer_types(model):
+        return None
+    return int(model.config.get_text_config(decoder=True).sliding_window)
+
+
 def check_cache_support(model: torch.nn.Module) -> None:
-    """Raises ValueError if the model's cache cannot be rolled back by cropping."""
-    cache = DynamicCache(config=model.config)
-    kinds = {type(layer).__name__ for layer in cache.layers}
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+    """Raises ValueError if the model's cache cannot be rolled back by cropping: a layer that is
+    neither full nor sliding-window attention (state-space, linear-attention, chunked)."""
+    kinds = set(layer_types(model))
+    if not kinds <= {FULL_ATTENTION, SLIDING_ATTENTION}:
+        cache = DynamicCache(config=model.config)
+        names = sorted({type(layer).__name__ for layer in cache.layers})
         raise ValueError(
-            f"{type(model).__name__} uses cache layers {sorted(kinds)}; speculative decoding here needs "
-            "full-attention layers (sliding-window and linear-attention caches cannot be rolled back)"
+            f"{type(model).__name__} uses cache layers {names} ({', '.join(sorted(kinds))}); speculative decoding "
+            "here needs full or sliding-window attention layers (state-space, linear and chunked attention caches "
+            "cannot be rolled back by a length)"
         )
+
+
+def full_cache(model: torch.nn.Module) -> DynamicCache:
+    """A DynamicCache whose every layer keeps every token, sliding-window layers included."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [DynamicLayer() for _ in cache.layers]
+    return cache
 
 
 def tree_attention_error(model: torch.nn.Module) -> str | None:
@@ -127,7 +161,9 @@ class RaggedCache:
     def __init__(self, model: torch.nn.Module, batch_size: int) -> None:
         self.model = model
         self.device = next(model.parameters()).device
-        self.cache = DynamicCache(config=model.config)
+        self.cache = full_cache(model)
+        self.window = sliding_window(model)
+        self.all_sliding = set(layer_types(model)) == {SLIDING_ATTENTION}
         self.mask = torch.zeros((batch_size, 0), dtype=torch.long)  # [batch, columns], CPU
         self.lengths = torch.zeros(batch_size, dtype=torch.long)  # [batch] valid tokens per row, CPU
 
@@ -160,8 +196,17 @@ class RaggedCache:
         # Each real token's position is the number of valid tokens before it in its row.
         position_ids = self.lengths[:, None] + chunk_mask.cumsum(dim=1) - 1  # [batch, width]
         position_ids = position_ids.clamp(min=0)
+        old_positions = self.mask.cumsum(dim=1) - 1  # [batch, old columns]: each valid column's position
         self.mask = torch.cat([self.mask, chunk_mask], dim=1)
         self.lengths = self.lengths + chunk_mask.sum(dim=1)
+        if self.window is not None:
+            width = input_ids.shape[1]
+            kv_positions = torch.cat([old_positions, position_ids], dim=1)  # [batch, columns]
+            seen = self.mask.bool()[:, None, :] & (kv_positions[:, None, :] <= position_ids[:, :, None])
+            # A padding column sees itself only: its output is never read, and a row of nothing is NaN.
+            diagonal = torch.arange(width)
+            seen[:, diagonal, self.num_columns - width + diagonal] |= ~chunk_mask.bool()
+            return self._run(input_ids, self._masks(seen, kv_positions, position_ids), position_ids, logits_to_keep)
         # Without holes (always so for one request) no mask is needed, and attention can take
         # its causal fast path instead of materialising a 4D mask on every pass.
         attention_mask = None if bool(self.mask.all()) else self.mask.to(self.device)
@@ -176,12 +221,36 @@ class RaggedCache:
         position_ids = self.lengths[:, None] + depth  # [batch, width]
         # Each column sees the row's valid cached columns and its own ancestors in the chunk.
         seen = torch.cat([self.mask.bool()[:, None, :].expand(-1, width, -1), allowed], dim=2)  # [b, w, cols]
+        kv_positions = torch.cat([self.mask.cumsum(dim=1) - 1, position_ids], dim=1)  # [batch, columns]
         self.mask = torch.cat([self.mask, torch.ones((batch_size, width), dtype=torch.long)], dim=1)
         self.lengths = self.lengths + width
-        # An additive float mask: eager attention adds it to the scores, SDPA takes it as is.
+        return self._run(input_ids, self._masks(seen, kv_positions, position_ids), position_ids, logits_to_keep)
+
+    def _masks(
+        self,
+        seen: torch.Tensor,  # [batch, width, columns] bool: what each chunk column may attend to
+        kv_positions: torch.Tensor,  # [batch, columns] long: each valid column's position in its row
+        query_positions: torch.Tensor,  # [batch, width] long
+    ):
+        """The model's 4D attention mask (additive: eager attention adds it to the scores, SDPA takes it
+        as is); with sliding-window layers, theirs also hides what lies a window or more behind, and
+        where only some layers slide, one mask per layer type."""
         dtype = self.model.dtype
-        attention_mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, torch.finfo(dtype).min)
-        return self._run(input_ids, attention_mask[:, None].to(self.device), position_ids, logits_to_keep)
+
+        def additive(allowed: torch.Tensor) -> torch.Tensor:  # [batch, 1, width, columns]
+            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+            return mask[:, None].to(self.device)
+
+        if self.window is None:
+            return additive(seen)
+        near = query_positions[:, :, None] - kv_positions[:, None, :] < self.window  # [batch, width, columns]
+        # The diagonal stays: a padding column sees itself.
+        diagonal = torch.eye(seen.shape[1], dtype=torch.bool)
+        near[:, :, -seen.shape[1] :] |= diagonal
+        sliding = additive(seen & near)
+        if self.all_sliding:
+            return sliding
+        return {FULL_ATTENTION: additive(seen), SLIDING_ATTENTION: sliding}
 
     def _run(self, input_ids, attention_mask, position_ids, logits_to_keep: int) -> torch.Tensor:
         output = self.model(

