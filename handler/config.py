@@ -157,9 +157,10 @@ class HandlerConfig:
     # Where the draft's tokenizer is, when not in its folder. A draft whose tokenizer differs from
     # the target's drafts across vocabularies (docs/heterogeneous-drafts.md).
     draft_tokenizer: str | None = None
-    # How such a draft drafts for greedy rows: slem (its whole vocabulary, its text re-tokenized by
-    # the target's tokenizer) or tli (only the tokens both vocabularies share, as for sampled rows).
-    cross_vocab_greedy: str = "slem"
+    # How such a draft drafts for greedy rows: tli (only the tokens both vocabularies share, as for
+    # sampled rows; measured faster under the planner) or slem (its whole vocabulary, its text
+    # re-tokenized by the target's tokenizer).
+    cross_vocab_greedy: str = "tli"
     allow_pickle_weights: bool = False
     cpu_threads: int = 0
     # Memory bound of the running batch: prompt + max_new_tokens summed over the requests

@@ -60,7 +60,7 @@ from handler.adaptive import (
 from handler.config import SPECULATIVE_TREE_MODES, HandlerConfig
 from handler.constraints import RowGrammar, compiler_for
 from handler.cost_table import RunningCostTable
-from handler.drafters import DRAFTERS, HYBRID, MODEL, MODEL_FREE, NGRAM, NO_LOOKUP, SLEM, SUFFIX, Lookup
+from handler.drafters import DRAFTERS, HYBRID, MODEL, MODEL_FREE, NGRAM, NO_LOOKUP, SUFFIX, TLI, Lookup
 from handler.drafters.cross_vocab import CrossVocabDrafter
 from handler.drafters.hybrid import Candidate, choose
 from handler.drafters.model import ModelDrafter, Proposal
@@ -337,7 +337,7 @@ class SpeculativeEngine:
         running_costs: bool = True,
         runner: str | None = None,
         vocab_map=None,
-        cross_vocab_greedy: str = SLEM,
+        cross_vocab_greedy: str = TLI,
     ) -> None:
         """
         Args:

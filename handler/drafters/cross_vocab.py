@@ -29,7 +29,7 @@ from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 
-from handler.drafters import CROSS_VOCAB_GREEDY, SLEM
+from handler.drafters import CROSS_VOCAB_GREEDY, SLEM, TLI
 from handler.drafters.model import ModelDrafter, Proposal, draft_confidences
 from handler.kv_cache import left_pad
 from handler.prefix_cache import PrefixCache, prefill_with_cache
@@ -50,7 +50,7 @@ class CrossVocabDrafter(ModelDrafter):
         draft_pad_token_id: int,
         prefix_cache: PrefixCache | None = None,
         runner=None,
-        greedy: str = SLEM,
+        greedy: str = TLI,
     ) -> None:
         """`greedy`: how unconstrained greedy rows draft, `slem` (the draft's whole vocabulary, its text
         re-tokenized) or `tli` (the shared tokens only, as sampled rows)."""

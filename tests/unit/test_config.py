@@ -43,9 +43,9 @@ def test_full_section_round_trips():
     assert HandlerConfig().cpu_packed_weights is True
     assert config.sampling == SamplingParams(0.7, 50, 0.95)
     # A draft from another family: where its tokenizer is, and how its greedy rows draft.
-    assert (config.draft_tokenizer, config.cross_vocab_greedy) == (None, "slem")
-    other = HandlerConfig.from_dict({"draft_tokenizer": "org/draft-tokenizer", "cross_vocab_greedy": "tli"})
-    assert (other.draft_tokenizer, other.cross_vocab_greedy) == ("org/draft-tokenizer", "tli")
+    assert (config.draft_tokenizer, config.cross_vocab_greedy) == (None, "tli")
+    other = HandlerConfig.from_dict({"draft_tokenizer": "org/draft-tokenizer", "cross_vocab_greedy": "slem"})
+    assert (other.draft_tokenizer, other.cross_vocab_greedy) == ("org/draft-tokenizer", "slem")
 
 
 @pytest.mark.parametrize(
