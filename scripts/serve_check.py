@@ -40,7 +40,10 @@ PROMPTS = [
 ]
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -64,8 +67,9 @@ def write_configs(root: pathlib.Path, ports: list[int], model_store: pathlib.Pat
     return root / "model-config.yaml", root / "config.properties"
 
 
-def hf_reference(target: pathlib.Path, prompts: list[str], max_new_tokens: int) -> tuple[list, list, list]:
-    """Per prompt: the chat-templated prompt ids, `generate`'s greedy ids, and its seconds."""
+def hf_reference(target: pathlib.Path, prompts: list[str], max_new_tokens: int) -> tuple[list, list, list, bool]:
+    """Per prompt: the chat-templated prompt ids (the text's, without a chat template), `generate`'s greedy
+    ids, and its seconds; and whether the tokenizer has a chat template."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -73,7 +77,10 @@ def hf_reference(target: pathlib.Path, prompts: list[str], max_new_tokens: int) 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     prompt_ids, outputs, seconds = [], [], []
     for prompt in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        if tokenizer.chat_template:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        else:  # a pretrained model without a chat template: the prompt as text, as the handler encodes it
+            ids = tokenizer(prompt)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         start = time.perf_counter()
         with torch.no_grad():
@@ -81,17 +88,19 @@ def hf_reference(target: pathlib.Path, prompts: list[str], max_new_tokens: int) 
         seconds.append(time.perf_counter() - start)
         prompt_ids.append(ids)
         outputs.append(out[0, len(ids) :].tolist())
-    return prompt_ids, outputs, seconds
+    return prompt_ids, outputs, seconds, bool(tokenizer.chat_template)
 
 
-def rest_rows(inference_url: str, name: str, prompts: list[str], reference: list, max_new_tokens: int) -> dict:
+def rest_rows(
+    inference_url: str, name: str, prompts: list[str], reference: list, max_new_tokens: int, chat: bool
+) -> dict:
     rows = {}
     for label, extra in (("plain (k=0)", {"num_speculative_tokens": 0}), ("ngram", {"drafter": "ngram"}),
                          ("suffix", {"drafter": "suffix"})):  # fmt: skip
         same, rates, stats = 0, [], []
         for prompt, expected in zip(prompts, reference):
-            body = {"messages": [{"role": "user", "content": prompt}], "max_new_tokens": max_new_tokens,
-                    "temperature": 0, **extra}  # fmt: skip
+            text = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+            body = {**text, "max_new_tokens": max_new_tokens, "temperature": 0, **extra}
             answer = torchserve.generate(inference_url, name, body, {})
             same += list(answer.token_ids) == expected  # both end with the EOS id, when they stop on it
             rates.append(answer.tokens_per_s)
@@ -105,12 +114,16 @@ def rest_rows(inference_url: str, name: str, prompts: list[str], reference: list
     return rows
 
 
-def openai_checks(inference_url: str, name: str) -> dict:
+def openai_checks(inference_url: str, name: str, chat: bool) -> dict:
+    """A chat, a JSON-schema answer and a forced tool call through the `openai` client; without a chat
+    template, a completion, a JSON-schema answer over REST, and the chat route's 400."""
     import jsonschema
     import openai
 
     client = openai.OpenAI(base_url=f"{inference_url}/predictions/{name}/1.0/v1", api_key="unused", max_retries=0)
     ask = [{"role": "user", "content": "Say hello."}]
+    if not chat:
+        return no_template_checks(client, inference_url, name, ask)
     checks = {}
     chat = client.chat.completions.create(model=name, messages=ask, max_completion_tokens=24)
     checks["chat"] = {"ok": bool(chat.choices[0].message.content), "content": chat.choices[0].message.content}
@@ -132,6 +145,29 @@ def openai_checks(inference_url: str, name: str) -> dict:
     return checks
 
 
+def no_template_checks(client, inference_url: str, name: str, ask: list) -> dict:
+    import jsonschema
+    import openai
+
+    checks = {}
+    completion = client.completions.create(model=name, prompt="The capital of France is", max_tokens=16)
+    checks["completion"] = {"ok": bool(completion.choices[0].text), "content": completion.choices[0].text}
+    body = {"prompt": "A person, as JSON:", "json_schema": PERSON, "max_new_tokens": 120, "temperature": 0}
+    answer = torchserve.generate(inference_url, name, body, {})
+    try:
+        jsonschema.validate(json.loads(answer.text), PERSON)
+        checks["json_schema (REST)"] = {"ok": True, "content": answer.text}
+    except (ValueError, jsonschema.ValidationError) as error:
+        checks["json_schema (REST)"] = {"ok": False, "error": str(error)[:200]}
+    try:
+        client.chat.completions.create(model=name, messages=ask, max_completion_tokens=8)
+        checks["chat refused"] = {"ok": False, "error": "the chat route answered without a chat template"}
+    except openai.BadRequestError as error:
+        message = error.body.get("message") if isinstance(error.body, dict) else str(error)
+        checks["chat refused"] = {"ok": "chat template" in str(message), "message": message}
+    return checks
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True, type=pathlib.Path, help="the model folder")
@@ -139,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_results/serve_check.json"))
     args = parser.parse_args(argv)
-    prompt_ids, reference, hf_seconds = hf_reference(args.target, PROMPTS, args.max_new_tokens)
+    prompt_ids, reference, hf_seconds, chat = hf_reference(args.target, PROMPTS, args.max_new_tokens)
     hf_rate = statistics.median(len(out) / s for out, s in zip(reference, hf_seconds))
     root = pathlib.Path(tempfile.mkdtemp(prefix="serve-check-"))
     model_store = root / "model_store"
@@ -158,11 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torchserve.wait_for_ping(inference_url, None, server=server)
         torchserve.register(management_url, f"{args.name}.mar", args.name, {})
-        rows = rest_rows(inference_url, args.name, PROMPTS, reference, args.max_new_tokens)
-        checks = openai_checks(inference_url, args.name)
+        rows = rest_rows(inference_url, args.name, PROMPTS, reference, args.max_new_tokens, chat)
+        checks = openai_checks(inference_url, args.name, chat)
     finally:
         torchserve.stop_server(server)
-    head = f"{args.target.name}, float32, greedy, {len(PROMPTS)} chat prompts, up to {args.max_new_tokens} tokens"
+    kind = "chat prompts" if chat else "text prompts (no chat template)"
+    head = f"{args.target.name}, float32, greedy, {len(PROMPTS)} {kind}, up to {args.max_new_tokens} tokens"
     lines = [
         f"{head}; HF generate: {hf_rate:.1f} tok/s",
         "",
