@@ -193,9 +193,13 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     # Repeat the corpus so that the merges are not decided by single counts.
     tokenizer.train_from_iterator(CORPUS * 4, trainer=trainer)
+    return wrap_tokenizer(tokenizer)
 
+
+def wrap_tokenizer(backend: Tokenizer) -> PreTrainedTokenizerFast:
+    """A `tokenizers` tokenizer as transformers loads the pair's: its special tokens and chat template."""
     wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
+        tokenizer_object=backend,
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
         additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
@@ -398,15 +402,7 @@ def build_cross_vocab_draft(
     spec["model"]["merges"] += [[first, second] for first, second in added]
     for special in spec["added_tokens"]:
         special["id"] = new_id[special["content"]]
-    backend = Tokenizer.from_str(json.dumps(spec))
-    draft_tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
-        model_max_length=1024,
-    )
-    draft_tokenizer.chat_template = CHAT_TEMPLATE
+    draft_tokenizer = wrap_tokenizer(Tokenizer.from_str(json.dumps(spec)))
     eos_token_id = new_id[EOS_TOKEN]
     moved = Qwen2ForCausalLM(build_config(draft.config.vocab_size, eos_token_id))
     moved.load_state_dict(draft.state_dict())

@@ -170,17 +170,10 @@ class CrossVocabDrafter(ModelDrafter):
                 if with_confidence:
                     confidences[slot].append(confidence[slot][0])
                     runners_up[slot].append((other_ids[slot][0], other_probs[slot][0]))
-            for slot in asking:
-                counts[slot].append(len(drafts[slot]))
-            stop = num_passes >= max_passes or all(slot in stalled for slot in asking)
-            while not stop and all(len(drafts[slot]) > num_drafts for slot in asking):
-                num_drafts += 1
-                stop = num_drafts >= k or (
-                    keep_drafting is not None
-                    and not keep_drafting(
-                        num_drafts, {self.order[slot]: confidences[slot][num_drafts - 1] for slot in asking}
-                    )
-                )
+            out_of_passes = num_passes >= max_passes or all(slot in stalled for slot in asking)
+            num_drafts, stop = self._agree(
+                asking, drafts, confidences, counts, num_drafts, k, keep_drafting, stop=out_of_passes
+            )
             if stop:
                 break
         if num_drafts < k and (num_passes >= max_passes or all(slot in stalled for slot in asking)):

@@ -284,17 +284,7 @@ class ModelDrafter:
                 feeds[slot] = drafts[slot][-1:]
             if any(tried):
                 self.cache.rollback(lengths)
-            for slot in asking:
-                counts[slot].append(len(drafts[slot]))
-            stop = False
-            while not stop and all(len(drafts[slot]) > num_drafts for slot in asking):
-                num_drafts += 1
-                stop = num_drafts >= k or (
-                    keep_drafting is not None
-                    and not keep_drafting(
-                        num_drafts, {self.order[slot]: confidences[slot][num_drafts - 1] for slot in asking}
-                    )
-                )
+            num_drafts, stop = self._agree(asking, drafts, confidences, counts, num_drafts, k, keep_drafting)
             if stop:
                 break
         self.last_draft_counts = {self.order[slot]: counts[slot] for slot in asking}
@@ -318,6 +308,35 @@ class ModelDrafter:
             for slot, request_id in enumerate(self.order)
             if request_id in sampling
         }
+
+    def _agree(
+        self,
+        asking: list[int],
+        drafts: list[list[int]],
+        confidences: list[list[float]],
+        counts: dict[int, list[int]],
+        num_drafts: int,
+        k: int,
+        keep_drafting: Callable[[int, dict[Hashable, float]], bool] | None,
+        stop: bool = False,
+    ) -> tuple[int, bool]:
+        """After a pass: records each asking row's drafts so far (`counts`), and moves the drafts the batch
+        agrees on up while every asking row has one more and `keep_drafting` says one more pays.
+
+        Returns:
+            the agreed number of drafts, and whether to stop drafting (k reached, or the rule said so).
+        """
+        for slot in asking:
+            counts[slot].append(len(drafts[slot]))
+        while not stop and all(len(drafts[slot]) > num_drafts for slot in asking):
+            num_drafts += 1
+            stop = num_drafts >= k or (
+                keep_drafting is not None
+                and not keep_drafting(
+                    num_drafts, {self.order[slot]: confidences[slot][num_drafts - 1] for slot in asking}
+                )
+            )
+        return num_drafts, stop
 
     def _sampling_tensors(
         self, sampling: Mapping[Hashable, tuple[float, int, float, torch.Tensor]], width: int
