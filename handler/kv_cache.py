@@ -61,11 +61,41 @@ def layer_types(model: torch.nn.Module) -> list[str]:
     return get_layer_types_and_kwargs(config)[0]
 
 
-def sliding_window(model: torch.nn.Module) -> int | None:
-    """The window of the model's sliding-window layers, in tokens; None where no layer slides."""
-    if SLIDING_ATTENTION not in layer_types(model):
-        return None
-    return int(model.config.get_text_config(decoder=True).sliding_window)
+def sliding_layout(model: torch.nn.Module) -> tuple[int | None, bool]:
+    """The window of the model's sliding-window layers in tokens (None where no layer slides), and
+    whether every layer slides."""
+    kinds = set(layer_types(model))
+    if SLIDING_ATTENTION not in kinds:
+        return None, False
+    return int(model.config.get_text_config(decoder=True).sliding_window), kinds == {SLIDING_ATTENTION}
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[batch, width, columns] bool -> the additive mask [batch, 1, width, columns] on `device`: eager
+    attention adds it to the scores, SDPA takes it as is."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None].to(device)
+
+
+def attention_masks(
+    seen: torch.Tensor,  # [batch, width, columns] bool: what each chunk column may attend to
+    kv_positions: torch.Tensor,  # [batch, columns] long: each column's position in its row
+    query_positions: torch.Tensor,  # [batch, width] long
+    layout: tuple[int | None, bool],  # `sliding_layout`
+    dtype: torch.dtype,
+    device: torch.device,
+):
+    """The model's attention mask: one additive mask, or with sliding-window layers theirs, which also
+    hides what lies a window or more behind, and where only some layers slide, one per layer type.
+    A column's own position is never a window behind it, so every column still sees itself."""
+    window, all_sliding = layout
+    if window is None:
+        return additive_mask(seen, dtype, device)
+    near = query_positions[:, :, None] - kv_positions[:, None, :] < window  # [batch, width, columns]
+    sliding = additive_mask(seen & near, dtype, device)
+    if all_sliding:
+        return sliding
+    return {FULL_ATTENTION: additive_mask(seen, dtype, device), SLIDING_ATTENTION: sliding}
 
 
 def check_cache_support(model: torch.nn.Module) -> None:
@@ -162,8 +192,7 @@ class RaggedCache:
         self.model = model
         self.device = next(model.parameters()).device
         self.cache = full_cache(model)
-        self.window = sliding_window(model)
-        self.all_sliding = set(layer_types(model)) == {SLIDING_ATTENTION}
+        self.layout = sliding_layout(model)
         self.mask = torch.zeros((batch_size, 0), dtype=torch.long)  # [batch, columns], CPU
         self.lengths = torch.zeros(batch_size, dtype=torch.long)  # [batch] valid tokens per row, CPU
 
@@ -199,14 +228,15 @@ class RaggedCache:
         old_positions = self.mask.cumsum(dim=1) - 1  # [batch, old columns]: each valid column's position
         self.mask = torch.cat([self.mask, chunk_mask], dim=1)
         self.lengths = self.lengths + chunk_mask.sum(dim=1)
-        if self.window is not None:
+        if self.layout[0] is not None:
             width = input_ids.shape[1]
             kv_positions = torch.cat([old_positions, position_ids], dim=1)  # [batch, columns]
             seen = self.mask.bool()[:, None, :] & (kv_positions[:, None, :] <= position_ids[:, :, None])
             # A padding column sees itself only: its output is never read, and a row of nothing is NaN.
             diagonal = torch.arange(width)
             seen[:, diagonal, self.num_columns - width + diagonal] |= ~chunk_mask.bool()
-            return self._run(input_ids, self._masks(seen, kv_positions, position_ids), position_ids, logits_to_keep)
+            masks = attention_masks(seen, kv_positions, position_ids, self.layout, self.model.dtype, self.device)
+            return self._run(input_ids, masks, position_ids, logits_to_keep)
         # Without holes (always so for one request) no mask is needed, and attention can take
         # its causal fast path instead of materialising a 4D mask on every pass.
         attention_mask = None if bool(self.mask.all()) else self.mask.to(self.device)
@@ -224,33 +254,8 @@ class RaggedCache:
         kv_positions = torch.cat([self.mask.cumsum(dim=1) - 1, position_ids], dim=1)  # [batch, columns]
         self.mask = torch.cat([self.mask, torch.ones((batch_size, width), dtype=torch.long)], dim=1)
         self.lengths = self.lengths + width
-        return self._run(input_ids, self._masks(seen, kv_positions, position_ids), position_ids, logits_to_keep)
-
-    def _masks(
-        self,
-        seen: torch.Tensor,  # [batch, width, columns] bool: what each chunk column may attend to
-        kv_positions: torch.Tensor,  # [batch, columns] long: each valid column's position in its row
-        query_positions: torch.Tensor,  # [batch, width] long
-    ):
-        """The model's 4D attention mask (additive: eager attention adds it to the scores, SDPA takes it
-        as is); with sliding-window layers, theirs also hides what lies a window or more behind, and
-        where only some layers slide, one mask per layer type."""
-        dtype = self.model.dtype
-
-        def additive(allowed: torch.Tensor) -> torch.Tensor:  # [batch, 1, width, columns]
-            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-            return mask[:, None].to(self.device)
-
-        if self.window is None:
-            return additive(seen)
-        near = query_positions[:, :, None] - kv_positions[:, None, :] < self.window  # [batch, width, columns]
-        # The diagonal stays: a padding column sees itself.
-        diagonal = torch.eye(seen.shape[1], dtype=torch.bool)
-        near[:, :, -seen.shape[1] :] |= diagonal
-        sliding = additive(seen & near)
-        if self.all_sliding:
-            return sliding
-        return {FULL_ATTENTION: additive(seen), SLIDING_ATTENTION: sliding}
+        masks = attention_masks(seen, kv_positions, position_ids, self.layout, self.model.dtype, self.device)
+        return self._run(input_ids, masks, position_ids, logits_to_keep)
 
     def _run(self, input_ids, attention_mask, position_ids, logits_to_keep: int) -> torch.Tensor:
         output = self.model(

@@ -28,14 +28,11 @@ vocabularies" (ICML 2025):
 
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 import torch
 
 from handler.token_bytes import token_bytes
-
-logger = logging.getLogger(__name__)
 
 # Committed target tokens re-tokenized before the draft's text (SLEM): enough for a merge across the
 # boundary to show, and for the text to start on a character.
@@ -172,9 +169,6 @@ class VocabMap:
         if not 0 <= target_id < len(self.target_tokens):
             return []  # a padded row of the target's logits: never a real token
         return longest_match(self.target_tokens[target_id], self._draft_by_bytes, self._longest_draft)
-
-    def draft_bytes(self, draft_ids: Sequence[int]) -> bytes:
-        return b"".join(self.draft_tokens[d] if 0 <= d < len(self.draft_tokens) else b"" for d in draft_ids)
 
     def retokenize(self, context: Sequence[int], draft_ids: Sequence[int]) -> tuple[list[int], list[int]]:
         """The target tokens of the draft's text after the committed `context` (SLEM).

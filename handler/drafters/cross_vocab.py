@@ -32,7 +32,7 @@ import torch
 from handler.drafters import CROSS_VOCAB_GREEDY, SLEM, TLI
 from handler.drafters.model import ModelDrafter, Proposal, draft_confidences
 from handler.kv_cache import left_pad
-from handler.prefix_cache import PrefixCache, prefill_with_cache
+from handler.prefix_cache import PrefixCache
 from handler.sampler import sample_from_probs, warp_logits_to_probs
 from handler.vocab_map import CONTEXT_TOKENS, VocabMap
 
@@ -68,24 +68,15 @@ class CrossVocabDrafter(ModelDrafter):
         ids = [request_id for request_id in request_ids if request_id in self.unfilled]
         if not ids:
             return
-        sequences = {}
         for request_id in ids:
             target_ids = self.unfilled.pop(request_id)
             # A prompt that translates to nothing (a special token the draft cannot spell) feeds the pad.
-            sequences[request_id] = self.vocab_map.translate(target_ids) or [self.pad_token_id]
+            sequence = self.vocab_map.translate(target_ids) or [self.pad_token_id]
             self.context[request_id] = target_ids[-NUM_CONTEXT:]
-        filled = prefill_with_cache(self.model, self.prefix_cache, [sequences[r][:-1] for r in ids], self.pad_token_id)
-        if self.cache is None:
-            self.cache = self.runner.adopt(filled.cache)
-        else:
-            self.cache.extend(filled.cache)
-        for request_id, handle in zip(ids, filled.handles):
-            if handle is not None:
-                self.prefix_handles[request_id] = handle
-            self.order.append(request_id)
-            self.sequence[request_id] = sequences[request_id]
-            self.cached[request_id] = sequences[request_id][:-1]
-            self.synced[request_id] = len(self.cached[request_id])
+            self.sequence[request_id] = sequence
+            self.cached[request_id] = sequence[:-1]
+            self.synced[request_id] = len(sequence) - 1
+        self._join({request_id: list(self.cached[request_id]) for request_id in ids})
 
     @property
     def max_pending(self) -> int:
@@ -176,7 +167,7 @@ class CrossVocabDrafter(ModelDrafter):
             )
             if stop:
                 break
-        if num_drafts < k and (num_passes >= max_passes or all(slot in stalled for slot in asking)):
+        if num_drafts < k and out_of_passes:
             # Out of passes, or every row stalled, before each row had k: each keeps what it has.
             num_drafts = min(k, max(len(drafts[slot]) for slot in asking))
         self.last_draft_counts = {self.order[slot]: counts[slot] for slot in asking}

@@ -118,20 +118,25 @@ class ModelDrafter:
         if not ids:
             return
         sequences = {request_id: self.unfilled.pop(request_id) for request_id in ids}
-        prefixes = [self._draft_ids(sequences[request_id][:-1]) for request_id in ids]
-        filled = prefill_with_cache(self.model, self.prefix_cache, prefixes, self.pad_token_id)
-        new_cache = filled.cache
+        self._join({request_id: self._draft_ids(sequences[request_id][:-1]) for request_id in ids})
+        for request_id in ids:
+            self.pending[request_id] = list(sequences[request_id][-1:])
+            self.fed[request_id] = []
+            self.fed_pending[request_id] = []
+
+    def _join(self, prefixes: Mapping[Hashable, Sequence[int]]) -> None:
+        """Prefills each joining row's prefix, in the draft's ids, through the prefix cache, and appends
+        the rows to the batch in that order."""
+        ids = list(prefixes)
+        filled = prefill_with_cache(self.model, self.prefix_cache, [prefixes[r] for r in ids], self.pad_token_id)
         if self.cache is None:
-            self.cache = self.runner.adopt(new_cache)
+            self.cache = self.runner.adopt(filled.cache)
         else:
-            self.cache.extend(new_cache)
+            self.cache.extend(filled.cache)
         for request_id, handle in zip(ids, filled.handles):
             if handle is not None:
                 self.prefix_handles[request_id] = handle
             self.order.append(request_id)
-            self.pending[request_id] = list(sequences[request_id][-1:])
-            self.fed[request_id] = []
-            self.fed_pending[request_id] = []
 
     @property
     def num_rows(self) -> int:

@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from handler.kv_cache import FULL_ATTENTION, SLIDING_ATTENTION, RaggedCache, kv_layout, layer_types, sliding_window
+from handler.kv_cache import RaggedCache, attention_masks, kv_layout, sliding_layout
 
 # Widths a chunk is padded to; beyond the last, the next multiple of it.
 WIDTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32)
@@ -154,8 +154,7 @@ class StaticRunner:
         self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(model)
         self.dtype = model.dtype
         # Sliding-window layers keep every token too; their window is in the mask (`handler.kv_cache`).
-        self.window = sliding_window(model)
-        self.all_sliding = set(layer_types(model)) == {SLIDING_ATTENTION}
+        self.layout = sliding_layout(model)
         self.layers = [
             _SlotLayer(*(self._zeros(num_slots, column_bucket(num_columns)) for _ in range(2)))
             for _ in range(self.num_layers)
@@ -244,14 +243,12 @@ class StaticRunner:
         relative = torch.arange(num_columns, device=self.device)[None, :] - lengths[:, None]  # [batch, columns]
         in_chunk = allowed.gather(2, relative.clamp(0, width - 1)[:, None, :].expand(batch_size, width, num_columns))
         seen = (in_chunk & (relative < width)[:, None, :]) | (relative < 0)[:, None, :]  # [batch, width, columns]
-        mask = self._additive(seen)
-        if self.window is not None:
+        kv_positions = None
+        if self.layout[0] is not None:
             # A slot's column c holds position c, but for a tree's columns: their positions go where they are written.
             columns = torch.arange(num_columns, device=self.device).expand(batch_size, num_columns)
             kv_positions = columns.scatter(1, write_index, positions)  # [batch, columns]
-            near = positions[:, :, None] - kv_positions[:, None, :] < self.window  # [batch, width, columns]
-            sliding = self._additive(seen & near)
-            mask = sliding if self.all_sliding else {FULL_ATTENTION: mask, SLIDING_ATTENTION: sliding}
+        mask = attention_masks(seen, kv_positions, positions, self.layout, self.dtype, self.device)
         for layer in self.layers:
             layer.num_rows, layer.num_columns, layer.write_index = batch_size, num_columns, write_index
         output = self.model(
@@ -263,12 +260,6 @@ class StaticRunner:
             logits_to_keep=num_kept,
         )
         return output.logits
-
-    def _additive(self, seen: torch.Tensor) -> torch.Tensor:  # [batch, width, columns] bool
-        """An additive mask [batch, 1, width, columns]: attention adds it to the scores (eager) or takes it
-        as is (SDPA)."""
-        mask = torch.zeros(seen.shape, dtype=self.dtype, device=self.device)
-        return mask.masked_fill(~seen, torch.finfo(self.dtype).min)[:, None]
 
     def _capture(self, batch_size: int, width: int, num_kept: int, num_columns: int) -> _Graph:
         device = self.device

@@ -119,17 +119,9 @@ def test_bfloat16_with_cuda_graphs_runs(tiny_models_dir):
 
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_a_draft_from_another_family_keeps_greedy_and_seeded_output_on_cuda(tmp_path_factory, runner):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tests.models.conftest import cross_vocab_pair
 
-    from handler.loading import check_vocabularies
-    from tests.conftest import run_module
-
-    out = tmp_path_factory.mktemp("cross-vocab")
-    run_module("scripts.make_tiny_models", "--out", str(out), "--cross-vocab", "20", check=True)
-    tokenizer = AutoTokenizer.from_pretrained(out / "target")
-    target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval().cuda()
-    draft = AutoModelForCausalLM.from_pretrained(out / "cross-draft", dtype=torch.float32).eval().cuda()
-    vocab_map = check_vocabularies(tokenizer, target, draft, str(out / "cross-draft"))
+    target, draft, tokenizer, vocab_map = cross_vocab_pair(tmp_path_factory.mktemp("cross-vocab"), "cuda")
     sampled = SamplingParams(temperature=0.9)
     plain = make_engine(target, None, tokenizer, runner=runner)
     for greedy in ("slem", "tli"):

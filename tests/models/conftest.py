@@ -32,6 +32,25 @@ def make_engine(target, draft, tokenizer, eos_token_ids=None, **options) -> Spec
     return SpeculativeEngine(target, draft, tokenizer, eos_token_ids, tokenizer.pad_token_id, **options)
 
 
+def cross_vocab_pair(out, device: str = "cpu"):
+    """The tiny target and its cross draft (`scripts.make_tiny_models --cross-vocab 20`: the draft with its
+    own vocabulary), built into `out`, in float32 on `device`: (target, draft, target tokenizer, vocab map)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from handler.loading import check_vocabularies
+    from tests.conftest import run_module
+
+    run_module("scripts.make_tiny_models", "--out", str(out), "--cross-vocab", "20", check=True)
+    tokenizer = AutoTokenizer.from_pretrained(out / "target")
+    target, draft = (
+        AutoModelForCausalLM.from_pretrained(out / name, dtype=torch.float32).eval().to(device)
+        for name in ("target", "cross-draft")
+    )
+    vocab_map = check_vocabularies(tokenizer, target, draft, str(out / "cross-draft"), str(out / "target"))
+    assert vocab_map is not None and 0 < vocab_map.shared_share < 1
+    return target, draft, tokenizer, vocab_map
+
+
 @pytest.fixture(scope="session")
 def engine(tiny_pair):
     return make_engine(*tiny_pair)

@@ -24,7 +24,7 @@ from handler.constraints import Constraint
 from handler.engine import GenerationRequest
 from handler.loading import check_vocabularies
 from tests.conftest import run_module
-from tests.models.conftest import make_engine
+from tests.models.conftest import cross_vocab_pair, make_engine
 from tests.models.test_engine import reference_greedy
 
 PROMPTS = ["def fibonacci(n):", "x = [1, 2, 3]\nfor i in x:", "The quick brown fox"]
@@ -35,15 +35,9 @@ GREEDY = SamplingParams()
 @pytest.fixture(scope="module")
 def cross_pair(tmp_path_factory):
     """(target, cross draft, target tokenizer, vocab map), in float32."""
-    out = tmp_path_factory.mktemp("cross-vocab")
-    run_module("scripts.make_tiny_models", "--out", str(out), "--cross-vocab", "20", check=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(out / "target")
-    target = transformers.AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval()
-    draft = transformers.AutoModelForCausalLM.from_pretrained(out / "cross-draft", dtype=torch.float32).eval()
-    vocab_map = check_vocabularies(tokenizer, target, draft, str(out / "cross-draft"), str(out / "target"))
+    target, draft, tokenizer, vocab_map = cross_vocab_pair(tmp_path_factory.mktemp("cross-vocab"))
     # The engines here have no stop token: neither has the reference, which would otherwise hold its EOS back.
     target.generation_config.eos_token_id = None
-    assert vocab_map is not None and 0 < vocab_map.shared_share < 1
     return target, draft, tokenizer, vocab_map
 
 

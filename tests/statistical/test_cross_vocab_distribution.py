@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
-from handler.loading import check_vocabularies
 from handler.sampler import sample_from_probs
-from tests.conftest import run_module
-from tests.models.conftest import make_engine
+from tests.models.conftest import cross_vocab_pair, make_engine
 
 from .test_distribution import BUG_P_VALUE, PASS_P_VALUE
 from .test_engine_distribution import SETTINGS, p_values, sample_two_tokens
@@ -24,12 +21,7 @@ from .test_engine_distribution import SETTINGS, p_values, sample_two_tokens
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(target, tokenizer, engine with the cross draft), in float32."""
-    out = tmp_path_factory.mktemp("cross-vocab")
-    run_module("scripts.make_tiny_models", "--out", str(out), "--cross-vocab", "20", check=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(out / "target")
-    target = transformers.AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval()
-    draft = transformers.AutoModelForCausalLM.from_pretrained(out / "cross-draft", dtype=torch.float32).eval()
-    vocab_map = check_vocabularies(tokenizer, target, draft, str(out / "cross-draft"))
+    target, draft, tokenizer, vocab_map = cross_vocab_pair(tmp_path_factory.mktemp("cross-vocab"))
     return target, tokenizer, make_engine(target, draft, tokenizer, eos_token_ids=(), vocab_map=vocab_map)
 
 
