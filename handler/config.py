@@ -27,14 +27,14 @@ from handler.types import (  # noqa: F401 - re-exported
 )
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# auto: on the CPU, int8 where its draft step measures clearly faster at start-up (handler.cpu_speed).
+# auto: on the CPU, int8 where its draft step measures clearly faster at start-up (handler.runtime.cpu_speed).
 DRAFT_QUANTIZATIONS = ("none", "int8", "auto")
 # handler.speculative_tree: trees of look-up candidates where the model allows ("auto"), or chains.
 SPECULATIVE_TREE_MODES = ("auto", "off")
 # handler.runner: how the models hold the running batch's KV and run their passes (handler.runners);
 # auto times both at start-up and keeps the faster.
 RUNNER_MODES = ("auto", "dynamic", "static")
-# auto, then handler.api.openai.tools.FORMAT_NAMES (vLLM's parser names; a unit test keeps them equal).
+# auto, then handler.api.openai.tool_formats.FORMAT_NAMES (vLLM's parser names; a unit test keeps them equal).
 TOOL_CALL_PARSERS = ("auto", "hermes", "mistral", "llama3_json", "json")
 # Who proposes drafts (handler.drafters): DRAFTERS, of which MODEL_FREE need no draft model.
 # Longest n-gram the look-up matches; longer suffixes rarely add matches.
@@ -148,7 +148,7 @@ class HandlerConfig:
     max_new_tokens_limit: int = 2048
     adaptive_k: bool = False
     # With adaptive_k, the draft model drafts up to the request's k and stops where its own
-    # calibrated confidence says one more draft does not pay (handler.adaptive.ConfidenceStop).
+    # calibrated confidence says one more draft does not pay (handler.planning.planner.ConfidenceStop).
     draft_confidence: bool = True
     # With the hybrid drafter: the suffix trees guess the draft model's next drafts, and one
     # draft pass checks them all (handler.drafters, guessed drafting); the drafts are unchanged.
@@ -171,10 +171,10 @@ class HandlerConfig:
     # over it gets a 400 (compiling runs while the batch waits).
     grammar_compile_timeout_s: float = 2.0
     # Keep the KV of earlier prompts and completions for the requests that share their
-    # prefix (handler.prefix_cache, docs/prefix-caching.md).
+    # prefix (handler.caches.prefix_cache, docs/prefix-caching.md).
     prefix_cache: bool = True
     # Bytes the prefix cache holds, both models together. 0 = automatic: a quarter of the
-    # memory available at start-up (handler.memory_budget). YAML may write "4GiB" or "2GB".
+    # memory available at start-up (handler.caches.memory_budget). YAML may write "4GiB" or "2GB".
     prefix_cache_max_bytes: int = 0
     # The Responses route's store of responses (previous_response_id): in memory, least recently
     # used out first, bounded in responses and in bytes (their conversations' JSON). 0 responses: none kept.
@@ -195,7 +195,7 @@ class HandlerConfig:
     # slots with fixed shapes, captured as CUDA graphs on a GPU; auto: whichever passes run faster here.
     runner: str = "auto"
     # The chat template's tool-call format: auto (recognised from the template) or one of vLLM's
-    # parser names (handler.api.openai.tools.FORMATS), for a template that renders tools its own way.
+    # parser names (handler.api.openai.tool_formats.FORMATS), for a template that renders tools its own way.
     tool_call_parser: str = "auto"
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 

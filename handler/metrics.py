@@ -185,7 +185,7 @@ class MetricsRecorder:
         self._add("SpecSuffixTreeTokens", num_tokens, COUNT_UNIT, MetricTypes.GAUGE)
 
     def record_cost_scales(self, target_percent: float, draft_percent: float) -> None:
-        """The planner's running correction of its cost table (`handler.cost_table.RunningCostTable`)."""
+        """The planner's running correction of its cost table (`handler.planning.cost_table.RunningCostTable`)."""
         self._add("SpecTargetCostPercent", round(target_percent, 1), PERCENT_UNIT, MetricTypes.GAUGE)
         self._add("SpecDraftCostPercent", round(draft_percent, 1), PERCENT_UNIT, MetricTypes.GAUGE)
 

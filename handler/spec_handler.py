@@ -20,14 +20,12 @@ import time
 from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.torch_handler.base_handler import BaseHandler
 
-from handler.api.openai.requests import Route, route_from_url_path
 from handler.api.openai.responses import ResponseStore
+from handler.api.openai.routes import Route, route_from_url_path
+from handler.caches.memory_budget import describe, prefix_cache_budget
 from handler.config import handler_config_from_yaml_config
 from handler.constraints import compiler_for
-from handler.cost_table import measure_for_config
 from handler.engine import SpeculativeEngine
-from handler.loading import load_models
-from handler.memory_budget import describe, prefix_cache_budget
 from handler.metrics import (
     CostScaleTally,
     MetricsRecorder,
@@ -36,7 +34,9 @@ from handler.metrics import (
     ResponseStoreTally,
     SuffixTreeTally,
 )
+from handler.planning.measure import measure_for_config
 from handler.runners import config_runner
+from handler.runtime.loading import load_models
 from handler.schema import RequestError
 from handler.serving import ContinuousBatcher, Reply, StaticBatch, parse_entry
 
@@ -126,7 +126,7 @@ class SpeculativeHandler(BaseHandler):
         self.prefix_cache_tally.record(metrics, self.engine.prefix_cache_stats)
         self.suffix_tree_tally.record(metrics, self.engine.suffix_tree_stats)
         self.cost_scale_tally.record(metrics, self.engine.cost_scales)
-        self.plan_tally.record(metrics, self.engine.num_steps, self.engine.recent_steps)
+        self.plan_tally.record(metrics, self.engine.steps.num_steps, self.engine.steps.recent_steps)
         self.response_store_tally.record(metrics, self.response_store)
         if self.models.vocab_map is not None:
             metrics.record_shared_vocabulary(100 * self.models.vocab_map.shared_share)

@@ -53,10 +53,10 @@ import torch
 import yaml
 
 from handler.config import HandlerConfig, SamplingParams, handler_config_from_yaml_config
-from handler.cost_table import CostTable
-from handler.drafters.suffix import SuffixDrafter
-from handler.engine import DRAFTER_HYBRID, DRAFTER_MODEL, DRAFTER_NGRAM, GenerationRequest, SpeculativeEngine
-from handler.loading import load_models
+from handler.drafters import HYBRID, MODEL, NGRAM
+from handler.engine import GenerationRequest, SpeculativeEngine
+from handler.planning.cost_table import CostTable
+from handler.runtime.loading import load_models
 from handler.types import SpeculativeStats
 from scripts import torchserve
 from scripts.bench_common import fmt, machine_info, start_up_cost_table
@@ -126,9 +126,9 @@ def engine_method(key: str, drafter: str, k: int, planned: bool, lookup: int = 0
         label = "this engine, k=0 (plain decoding)"
     else:
         mode = f"cost-table k<={k}" if planned else f"fixed k={k}"
-        if drafter == DRAFTER_NGRAM and lookup:
+        if drafter == NGRAM and lookup:
             mode = f"cost-table, look-ups<={lookup}" if planned else f"look-ups of {lookup}"
-        elif drafter == DRAFTER_HYBRID and lookup:
+        elif drafter == HYBRID and lookup:
             mode += f", look-ups<={lookup}"
         label = f"this engine, {drafter} drafter, {mode}"
     return Method(key, label, k=k, drafter=drafter, planned=planned)
@@ -199,7 +199,7 @@ class Runner:
         run = Run()
         if method.is_engine:
             engine = self.engine(method.planned, method.confidence)
-            engine.suffix_drafter = SuffixDrafter(engine.suffix_drafter.options)
+            engine.forget_suffix_history()
         for prompt_ids in prompts_ids:
             start = time.perf_counter()
             if method.is_engine:
@@ -290,18 +290,18 @@ def sweep(runner: Runner, sets: dict, args, draft_note: str) -> dict:
             return {"label": method.label, "tokens_per_second": run.tokens_per_second, **acceptance(run)}
 
         baseline = measure(hf_target_only())
-        engine_fixed = {k: measure(engine_method("engine_fixed", DRAFTER_MODEL, k, planned=False)) for k in ks}
+        engine_fixed = {k: measure(engine_method("engine_fixed", MODEL, k, planned=False)) for k in ks}
         hf_constant = {k: measure(hf_assisted(constant_schedule(k), draft_note)) for k in ks}
         hf_dynamic = [(schedule, measure(hf_assisted(schedule, draft_note))) for schedule in HF_DYNAMIC_SCHEDULES]
         best_k = max(ks, key=lambda k: engine_fixed[k]["tokens_per_second"])
         hf_candidates = [(constant_schedule(k), row) for k, row in hf_constant.items()] + hf_dynamic
         best_hf = max(hf_candidates, key=lambda item: item[1]["tokens_per_second"])[0]
         modes = {
-            "model planned": measure(engine_method("engine_planned", DRAFTER_MODEL, cap, planned=True)),
-            "ngram planned": measure(engine_method("engine_ngram", DRAFTER_NGRAM, cap, True, lookup)),
-            "ngram fixed": measure(engine_method("engine_ngram", DRAFTER_NGRAM, cap, False, lookup)),
-            "hybrid planned": measure(engine_method("engine_hybrid", DRAFTER_HYBRID, cap, True, lookup)),
-            "hybrid fixed": measure(engine_method("engine_hybrid", DRAFTER_HYBRID, best_k, False, lookup)),
+            "model planned": measure(engine_method("engine_planned", MODEL, cap, planned=True)),
+            "ngram planned": measure(engine_method("engine_ngram", NGRAM, cap, True, lookup)),
+            "ngram fixed": measure(engine_method("engine_ngram", NGRAM, cap, False, lookup)),
+            "hybrid planned": measure(engine_method("engine_hybrid", HYBRID, cap, True, lookup)),
+            "hybrid fixed": measure(engine_method("engine_hybrid", HYBRID, best_k, False, lookup)),
         }
         result["sets"][name] = {
             "target_only_tokens_per_second": baseline["tokens_per_second"],
@@ -348,21 +348,21 @@ def table_methods(set_sweep: dict, sweep_result: dict, cap: int, draft_note: str
         hf_assisted(set_sweep["best_hf_schedule"], draft_note),
         hf_prompt_lookup(3),
         hf_prompt_lookup(10),
-        engine_method("engine_k0", DRAFTER_MODEL, 0, planned=False),
-        engine_method("engine_fixed", DRAFTER_MODEL, set_sweep["best_k"], planned=False),
-        engine_method("engine_planned", DRAFTER_MODEL, cap, planned=True),
+        engine_method("engine_k0", MODEL, 0, planned=False),
+        engine_method("engine_fixed", MODEL, set_sweep["best_k"], planned=False),
+        engine_method("engine_planned", MODEL, cap, planned=True),
         # The draft model without its confidence stop: the planned k from the acceptance tracker alone.
         dataclasses.replace(
-            engine_method("engine_planned_tracker", DRAFTER_MODEL, cap, planned=True),
+            engine_method("engine_planned_tracker", MODEL, cap, planned=True),
             label=f"this engine, model drafter, cost-table k<={cap}, tracker only (draft_confidence off)",
             confidence=False,
         ),
-        engine_method("engine_ngram", DRAFTER_NGRAM, cap, sweep_result["ngram_planned"], lookup),
+        engine_method("engine_ngram", NGRAM, cap, sweep_result["ngram_planned"], lookup),
         # The shipped mode always has its row, whatever one noisy sweep run preferred.
-        engine_method("engine_hybrid", DRAFTER_HYBRID, cap, True, lookup),
+        engine_method("engine_hybrid", HYBRID, cap, True, lookup),
     ]
     if not sweep_result["hybrid_planned"]:
-        methods.append(engine_method("engine_hybrid_fixed", DRAFTER_HYBRID, set_sweep["best_k"], False, lookup))
+        methods.append(engine_method("engine_hybrid_fixed", HYBRID, set_sweep["best_k"], False, lookup))
     # The look-up rows again with speculative_tree off: trees against chains, same plan and cost table.
     for method in [m for m in methods if m.key in ("engine_ngram", "engine_hybrid")]:
         label = f"{method.label}, chains only"
@@ -518,7 +518,7 @@ def markdown(report: dict) -> str:
         f"{settings['runs']} runs (row order rotated each run); sweep on {settings['sweep_prompts']} tuning "
         f"prompt(s) per set x {_budgets(settings['sweep_max_new_tokens'])} tokens.",
         "",
-        "Cost table, measured at start (handler.cost_table; between grid points the planner interpolates):",
+        "Cost table, measured at start (handler.planning.cost_table; between grid points the planner interpolates):",
         "",
         *cost_table_markdown(report["cost_table"]),
     ]
@@ -768,7 +768,7 @@ def bench_config(args) -> HandlerConfig:
         config = handler_config_from_yaml_config(yaml.safe_load(f))
     overrides = {"target_model": str(pathlib.Path(args.target).resolve())}
     overrides["draft_model"] = str(pathlib.Path(args.draft).resolve())
-    overrides["drafter"] = DRAFTER_MODEL if config.drafter == DRAFTER_NGRAM else config.drafter
+    overrides["drafter"] = MODEL if config.drafter == NGRAM else config.drafter
     if args.dtype:
         overrides["dtype"] = args.dtype
     if args.draft_quantization:

@@ -97,37 +97,36 @@ import time
 import yaml
 
 from handler.config import handler_config_from_yaml_config
-from handler.cost_table import CostTable
-from handler.engine import DRAFTER_HYBRID, DRAFTER_MODEL, DRAFTER_NGRAM, GenerationRequest, SpeculativeEngine
-from handler.loading import load_models
+from handler.drafters import HYBRID, MODEL, NGRAM, SUFFIX
+from handler.engine import EngineOptions, GenerationRequest, SpeculativeEngine
+from handler.planning.cost_table import CostTable
+from handler.runtime.loading import load_models
 from scripts import bench
 from scripts.bench_common import fmt, machine_info, start_up_cost_table
 from scripts.bench_prefix import ChatRoute
 
 logger = logging.getLogger("bench_agentic")
 
-# A plain string: older versions of the engine have no suffix drafter, and the other rows still run there.
-DRAFTER_SUFFIX = "suffix"
 BASELINE, SHIPPED = "hf_target_only", "shipped"
 # The shipped config with its prefix cache as the config sets it: the only row that reuses the KV of
 # earlier requests' prompts and answers (every other row pays each prompt's whole prefill).
 SHIPPED_CACHED = "shipped_prefix_cache"
 # The same, but planning from the cost table as measured at start, without the running correction
-# (`handler.cost_table.RunningCostTable`): what the correction brings, or costs.
+# (`handler.planning.cost_table.RunningCostTable`): what the correction brings, or costs.
 SHIPPED_FIXED = "shipped_fixed_costs"
 # The model drafter with the same prefix cache: what `shipped_prefix_cache` is compared with, like for like.
 MODEL_CACHED = "model_prefix_cache"
 SHIPPED_CACHED_ROWS = (SHIPPED_CACHED, SHIPPED_FIXED)
 CACHED_ROWS = (MODEL_CACHED, *SHIPPED_CACHED_ROWS)
 HF_ROWS = (BASELINE, "hf_prompt_lookup")
-DRAFTER_ROWS = (DRAFTER_MODEL, DRAFTER_NGRAM, DRAFTER_SUFFIX, DRAFTER_HYBRID)
+DRAFTER_ROWS = (MODEL, NGRAM, SUFFIX, HYBRID)
 # The look-up drafters with speculative_tree off: chains only, beside their rows with trees.
 CHAIN_SUFFIX = "_chain"
-CHAIN_ROWS = tuple(f"{drafter}{CHAIN_SUFFIX}" for drafter in (DRAFTER_NGRAM, DRAFTER_SUFFIX, DRAFTER_HYBRID))
+CHAIN_ROWS = tuple(f"{drafter}{CHAIN_SUFFIX}" for drafter in (NGRAM, SUFFIX, HYBRID))
 ROWS = (*HF_ROWS, *DRAFTER_ROWS, *CHAIN_ROWS, SHIPPED, *CACHED_ROWS)
 SHIPPED_ROWS = (SHIPPED, *SHIPPED_CACHED_ROWS)
 # The rows `shipped` is compared with: the drafters a config could ship before the suffix drafter.
-SHIPPED_ALTERNATIVES = (DRAFTER_MODEL, DRAFTER_NGRAM, DRAFTER_HYBRID)
+SHIPPED_ALTERNATIVES = (MODEL, NGRAM, HYBRID)
 HF_PROMPT_LOOKUP_TOKENS = 10
 # --warm-requests draws its earlier requests from the same generator with this added to --seed: other names,
 # values and order, none of the timed trace's conversations.
@@ -600,17 +599,15 @@ def row_methods(keys: list[str], config) -> list[bench.Method]:
             if key in SHIPPED_ROWS:
                 drafter = config.drafter
             else:
-                drafter = DRAFTER_MODEL if key == MODEL_CACHED else key.removesuffix(CHAIN_SUFFIX)
+                drafter = MODEL if key == MODEL_CACHED else key.removesuffix(CHAIN_SUFFIX)
             # bench labels look-ups for the n-gram drafter; the suffix drafter's are drafted alike.
-            method = bench.engine_method(
-                key, DRAFTER_NGRAM if drafter == DRAFTER_SUFFIX else drafter, k, planned, lookup
-            )
-            label = method.label.replace(f"{DRAFTER_NGRAM} drafter", f"{drafter} drafter")
+            method = bench.engine_method(key, NGRAM if drafter == SUFFIX else drafter, k, planned, lookup)
+            label = method.label.replace(f"{NGRAM} drafter", f"{drafter} drafter")
             if key in SHIPPED_ROWS:
                 label = label.replace("this engine,", "this engine as shipped,")
             if key in CHAIN_ROWS:
                 label += ", chains only (speculative_tree off)"
-            elif drafter != DRAFTER_MODEL and config.speculative_tree == "auto":
+            elif drafter != MODEL and config.speculative_tree == "auto":
                 label += ", trees"
             if key in CACHED_ROWS:
                 label += ", prefix cache " + ("on" if config.prefix_cache else "off (as the config sets it)")
@@ -883,14 +880,14 @@ def main(argv=None) -> int:
         if args.draft_cost_skew != 1.0:
             cost_table = skew_draft(cost_table, args.draft_cost_skew)
             print(f"Draft step multiplied by {args.draft_cost_skew:g} (--draft-cost-skew)", flush=True)
-    options = {} if args.suffix_estimate is None else {"suffix_estimate": args.suffix_estimate}
+    estimate = {} if args.suffix_estimate is None else {"suffix_estimate": args.suffix_estimate}
 
     def new_engine(prefix_cache: bool = False, running_costs: bool = True) -> SpeculativeEngine:
         """A fresh engine; with `prefix_cache`, the config's own prefix cache (its budget), else none;
         `running_costs`: the engine's running correction of the cost table (its default) or none."""
         cache = {} if prefix_cache else {"prefix_cache_max_bytes": None}
         return SpeculativeEngine.from_config(
-            models, config, cost_table, running_costs=running_costs, **cache, **options
+            models, config, cost_table, options=EngineOptions(running_costs=running_costs, **estimate), **cache
         )
 
     methods = row_methods(args.methods, config)

@@ -15,19 +15,15 @@ def machine_info() -> dict:
     import torch
     import transformers
 
-    from handler.cost_table import cpu_model_and_flags
-    from handler.loading import usable_cpu_cores
+    from handler.runtime.host import cpu_model_and_flags, meminfo_total, usable_cpu_cores
 
-    cpu, flags, mem_gib = platform.processor() or platform.machine(), [], None
+    cpu, flags = platform.processor() or platform.machine(), []
     read = cpu_model_and_flags()
     if read is not None:
         cpu = read[0] or cpu
         flags = [flag for flag in CPU_FLAGS if flag in read[1]]
-    try:
-        with open("/proc/meminfo") as f:
-            mem_gib = int(f.readline().split()[1]) / 2**20  # MemTotal, in kB
-    except (OSError, ValueError, IndexError):
-        pass
+    mem_bytes = meminfo_total()
+    mem_gib = None if mem_bytes is None else mem_bytes / 2**30
     usable = usable_cpu_cores()  # the affinity mask, bounded by a container's CPU limit
     info = {
         "cpu": cpu,
@@ -53,8 +49,8 @@ def machine_info() -> dict:
 
 def start_up_cost_table(models, config, max_batch_size: int, **options):
     """The cost table measured afresh, as the handler measures it at start-up, and printed
-    (`handler.cost_table.measure_for_config`; `options`: max_k, runner)."""
-    from handler.cost_table import measure_for_config
+    (`handler.planning.measure.measure_for_config`; `options`: max_k, runner)."""
+    from handler.planning.measure import measure_for_config
 
     cost_table = measure_for_config(models, config, max_batch_size, **options)
     print("Cost table, measured at start:\n" + cost_table.format(), flush=True)

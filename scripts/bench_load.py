@@ -65,12 +65,11 @@ import statistics
 import time
 
 from handler.config import SamplingParams
-from handler.cost_table import CostTable
 from handler.drafters import HYBRID, MODEL, NGRAM, SUFFIX
-from handler.drafters.suffix import SuffixDrafter
 from handler.engine import GenerationRequest, SpeculativeEngine, StepRecord
-from handler.loading import load_models
+from handler.planning.cost_table import CostTable
 from handler.runners import config_runner
+from handler.runtime.loading import load_models
 from scripts import bench
 from scripts.bench_common import fmt, machine_info, percentile, start_up_cost_table
 from scripts.bench_prefix import Traffic, drive, poisson_arrivals
@@ -208,7 +207,7 @@ class Bench:
 
     def measure(self, row: Row, prompts: list, arrivals: list[float] | None, concurrency: int) -> dict:
         engine = self.engine(row, self.warm_prompts)
-        engine.suffix_drafter = SuffixDrafter(engine.suffix_drafter.options)
+        engine.forget_suffix_history()
         return figures(drive(engine, [self.request(row, p) for p in prompts], arrivals, concurrency))
 
 

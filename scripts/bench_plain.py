@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 
+from handler.drafters import NGRAM
 from scripts import bench
 from scripts.bench_common import machine_info
 
@@ -51,13 +52,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     # Plain decoding needs no draft: neither loaded nor timed for its quantization.
-    config = dataclasses.replace(bench.bench_config(args), draft_model=None, drafter=bench.DRAFTER_NGRAM)
+    config = dataclasses.replace(bench.bench_config(args), draft_model=None, drafter=NGRAM)
     models = bench.load_models(config, None)
     machine = machine_info()
     runner = bench.Runner(models, config, cost_table=None)
     sets = bench.load_prompt_sets(pathlib.Path(args.prompts), args.num_prompts, 1)
     prompts = [runner.encode(prompt) for prompt_set in sets.values() for prompt in prompt_set["held_out"]]
-    methods = {"engine": bench.engine_method("engine_k0", bench.DRAFTER_NGRAM, 0, False), "hf": bench.hf_target_only()}
+    methods = {"engine": bench.engine_method("engine_k0", NGRAM, 0, False), "hf": bench.hf_target_only()}
     rates = {name: [] for name in methods}
     ratios, same, started = [], 0, time.perf_counter()
     for index, prompt_ids in enumerate(prompts):

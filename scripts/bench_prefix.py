@@ -45,12 +45,13 @@ import time
 
 import yaml
 
-from handler.api.openai.requests import ROUTE_CHAT, parse_openai_request
+from handler.api.openai.requests import parse_openai_request
+from handler.api.openai.routes import ROUTE_CHAT
+from handler.caches.memory_budget import prefix_cache_budget
 from handler.config import HandlerConfig, handler_config_from_yaml_config
-from handler.cost_table import measure_for_config
 from handler.engine import GenerationRequest, GenerationResult, SpeculativeEngine, StepRecord
-from handler.loading import LoadedModels, load_models
-from handler.memory_budget import prefix_cache_budget
+from handler.planning.measure import measure_for_config
+from handler.runtime.loading import LoadedModels, load_models
 from scripts.bench import DEFAULT_CONFIG, DEFAULT_DRAFT, DEFAULT_TARGET, _shown, first_difference
 from scripts.bench_common import fmt, machine_info, percentile
 
@@ -305,11 +306,11 @@ def drive(engine: SpeculativeEngine, requests: list, arrivals: list[float] | Non
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, arrivals[next_index] - now))
             continue
-        num_steps = engine.num_steps
+        num_steps = engine.steps.num_steps
         outputs = engine.step()
         now = time.perf_counter() - started
-        if engine.num_steps > num_steps:  # a step that only admitted requests keeps no record
-            steps.append(engine.recent_steps[-1])
+        if engine.steps.num_steps > num_steps:  # a step that only admitted requests keeps no record
+            steps.append(engine.steps.recent_steps[-1])
         for output in outputs:
             index = output.request_id
             if not first_tokens[index] and output.new_token_ids:

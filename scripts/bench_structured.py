@@ -41,9 +41,9 @@ import yaml
 from handler.api.openai.tools import tool_format_for, tool_plan
 from handler.config import SamplingParams, handler_config_from_yaml_config
 from handler.constraints import Constraint, compiler_for
-from handler.cost_table import measure_for_config
-from handler.engine import PROPOSER_GRAMMAR, GenerationRequest, SpeculativeEngine
-from handler.loading import load_models
+from handler.engine import PROPOSER_GRAMMAR, EngineOptions, GenerationRequest, SpeculativeEngine
+from handler.planning.measure import measure_for_config
+from handler.runtime.loading import load_models
 
 logger = logging.getLogger("bench_structured")
 
@@ -233,8 +233,8 @@ def mask_share_at_batch(engine: SpeculativeEngine, cases: list[Case], batch_size
     step_seconds = mask_seconds = 0.0
     while engine.has_unfinished_requests():
         engine.step()
-        step_seconds += engine.last_step_seconds
-        mask_seconds += engine.last_step_mask_seconds
+        step_seconds += engine.steps.last_step_seconds
+        mask_seconds += engine.steps.last_step_mask_seconds
     return mask_seconds / step_seconds if step_seconds else 0.0
 
 
@@ -310,7 +310,11 @@ def main(argv=None) -> int:
     def engine(grammar_drafts: bool) -> SpeculativeEngine:
         # No prefix cache: each case runs several times, and later runs would skip their prefill.
         return SpeculativeEngine.from_config(
-            models, config, cost_table, grammar_drafts=grammar_drafts, prefix_cache_max_bytes=None
+            models,
+            config,
+            cost_table,
+            options=EngineOptions(grammar_drafts=grammar_drafts),
+            prefix_cache_max_bytes=None,
         )
 
     k = config.num_speculative_tokens

@@ -52,9 +52,9 @@ from typing import Any, Callable
 import torch
 
 from handler import runners
-from handler.adaptive import chain_expected_tokens
 from handler.config import SamplingParams
-from handler.engine import GenerationRequest, SpeculativeEngine
+from handler.engine import EngineOptions, GenerationRequest, SpeculativeEngine
+from handler.planning.planner import chain_expected_tokens
 from handler.runners.static import StaticRunner
 
 logger = logging.getLogger("gpu_check")
@@ -108,7 +108,7 @@ class PassClock:
         self.patched: list[tuple[object, str, Callable]] = []
 
     def __enter__(self) -> PassClock:
-        from handler.kv_cache import RaggedCache
+        from handler.caches.kv_cache import RaggedCache
 
         for owner, name in ((StaticRunner, "run"), (RaggedCache, "_run")):
             original = getattr(owner, name)
@@ -176,7 +176,7 @@ def make_engine(
         0,
         runner=runner,
         speculative_tree="off",
-        running_costs=False,
+        options=EngineOptions(running_costs=False),
         vocab_map=vocab_map,
         cross_vocab_greedy=cross_vocab_greedy,
     )
@@ -598,7 +598,7 @@ def admission_rows(setup: Setup, out_dir: str) -> None:
         engine.step()
         runners.synchronize(setup.device)
         admitted = time.perf_counter()
-        record = engine.recent_steps[-1]
+        record = engine.steps.recent_steps[-1]
         engine.step()
         runners.synchronize(setup.device)
         after = time.perf_counter()

@@ -9,7 +9,7 @@
    token for token, and their tokens/s (the handler's time, `generate`'s own);
 3. through the official `openai` client: a chat, a JSON-schema answer (validated), and a forced
    tool call (in the model's own format, or written into the prompt where its chat template
-   renders no tools: `handler.api.openai.tools.JsonFormat`);
+   renders no tools: `handler.api.openai.tool_formats.JsonFormat`);
 4. prints a table and writes it, with the details, to --out (JSON).
 
 Timings are medians over the prompts, on this machine, one request at a time.

@@ -17,9 +17,12 @@ from typing import Any, Protocol, Sequence
 
 from handler.api.native import NativeAnswer, ParsedRequest, decode_body, parse_request
 from handler.api.openai import requests as openai_requests
+from handler.api.openai import routes
 from handler.api.openai.answers import OpenAIAnswer
-from handler.api.openai.requests import OpenAIRequest, Route
-from handler.api.openai.responses import ResponsesAnswer, parse_responses_request
+from handler.api.openai.requests import OpenAIRequest
+from handler.api.openai.response_answers import ResponsesAnswer
+from handler.api.openai.responses import parse_responses_request
+from handler.api.openai.routes import Route
 from handler.config import HandlerConfig
 from handler.schema import JSON_CONTENT_TYPE, RequestError
 from handler.types import GenerationRequest, GenerationResult
@@ -70,7 +73,7 @@ def parse_entry(
     try:
         body = row.get("body", row.get("data")) if isinstance(row, dict) else row
         if openai:
-            if route.kind == openai_requests.ROUTE_RESPONSES:
+            if route.kind == routes.ROUTE_RESPONSES:
                 decoded = openai_requests.decode_openai_body(body, content_type)
                 parsed = parse_responses_request(decoded, config, tokenizer, max_context, model_name, response_store)
             else:
@@ -96,7 +99,7 @@ def parse_entry(
         rejected = RequestError(f"server: could not process the request ({type(error).__name__})", 500)
     if not openai:
         return rejected
-    status, body = openai_requests.error_answer(rejected)
+    status, body = routes.error_answer(rejected)
     return Reply(body, status=status, content_type=JSON_CONTENT_TYPE)
 
 
@@ -159,7 +162,7 @@ class Answer(Protocol):
 
 
 def answer_for(parsed: ParsedRequest | OpenAIRequest, tokenizer) -> Answer:
-    if isinstance(parsed, OpenAIRequest) and parsed.kind == openai_requests.ROUTE_RESPONSES:
+    if isinstance(parsed, OpenAIRequest) and parsed.kind == routes.ROUTE_RESPONSES:
         return ResponsesAnswer(parsed, tokenizer)
     if isinstance(parsed, OpenAIRequest):
         return OpenAIAnswer(parsed, tokenizer)

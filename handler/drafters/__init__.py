@@ -23,7 +23,7 @@ stays the target's distribution whoever proposed it.
 Every drafter follows the rows of the engine's batch through the same calls:
 `add(prompts)` when requests join, `observe(committed)` after every step, and
 `remove(request_ids, sequences)` when they leave. Look-up drafters answer
-`lookup(request_id, max_tokens, tree=False) -> Lookup`, a chain or, with
+`lookup(request_id, max_tokens, tree=False) -> Proposal`, a chain or, with
 `tree`, a tree of up to `max_tokens` drafts (`handler.tree`); the model drafter samples a whole
 batch in `propose`.
 """
@@ -50,8 +50,9 @@ CROSS_VOCAB_GREEDY = (SLEM, TLI)
 
 
 @dataclasses.dataclass(frozen=True)
-class Lookup:
-    """A look-up's proposal for one row."""
+class Proposal:
+    """One row's drafts for one step, a chain or a tree: a look-up's, the tokens a grammar forces,
+    or the draft model's chain with its runners-up as siblings (`handler.engine.propose`)."""
 
     token_ids: list[int]
     # probs[j]: the estimated probability that drafts 0..j are all accepted (a suffix tree's
@@ -69,9 +70,9 @@ class Lookup:
         """Whether some draft does not follow the one before it."""
         return self.parents is not None and not is_chain(self.parents)
 
-    def prefix(self, num: int) -> Lookup:
+    def prefix(self, num: int) -> Proposal:
         """The first `num` drafts, a proposal again: parents come before their children."""
-        return Lookup(
+        return Proposal(
             self.token_ids[:num],
             None if self.probs is None else self.probs[:num],
             None if self.parents is None else self.parents[:num],
@@ -79,7 +80,7 @@ class Lookup:
         )
 
 
-NO_LOOKUP = Lookup([])
+NO_DRAFTS = Proposal([])  # no drafts: plain decoding for the row
 
 
 class Drafter(Protocol):

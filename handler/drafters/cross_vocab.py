@@ -29,10 +29,10 @@ from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 
+from handler.caches.kv_cache import left_pad
+from handler.caches.prefix_cache import PrefixCache
 from handler.drafters import CROSS_VOCAB_GREEDY, SLEM, TLI
-from handler.drafters.model import ModelDrafter, Proposal, draft_confidences
-from handler.kv_cache import left_pad
-from handler.prefix_cache import PrefixCache
+from handler.drafters.model import DraftSample, ModelDrafter, draft_confidences
 from handler.sampler import sample_from_probs, warp_logits_to_probs
 from handler.vocab_map import CONTEXT_TOKENS, VocabMap
 
@@ -93,7 +93,7 @@ class CrossVocabDrafter(ModelDrafter):
         keep_drafting: Callable[[int, dict[Hashable, float]], bool] | None = None,
         with_confidence: bool = True,
         guesses=None,
-    ) -> dict[Hashable, Proposal]:
+    ) -> dict[Hashable, DraftSample]:
         """As `ModelDrafter.propose`, in target ids; `guesses` are not taken. A row may end with fewer
         drafts than the others (a SLEM row whose text the passes did not finish, a stalled row)."""
         assert sampling and self.cache is not None
@@ -181,7 +181,7 @@ class CrossVocabDrafter(ModelDrafter):
                 probs[torch.arange(len(token_ids)), torch.tensor(token_ids, dtype=torch.long)] = 1.0
             else:
                 probs = torch.stack(probs_of[slot][: len(token_ids)])  # [n, vocab]
-            proposals[self.order[slot]] = Proposal(
+            proposals[self.order[slot]] = DraftSample(
                 torch.tensor(token_ids, dtype=torch.long, device=self.device),
                 probs,
                 confidences[slot][: len(token_ids)],

@@ -2,7 +2,7 @@
 
 The candidates are the look-ups that found something (suffix trees, n-gram)
 and the draft model. Each comes with its expected tokens per step, E(0..max_k)
-(`handler.adaptive`): a look-up's from its tree probabilities or its
+(`handler.planning.planner`): a look-up's from its tree probabilities or its
 acceptance tracker, the model's from its tracker. With a cost table, a
 candidate's worth is its best E(k) / seconds(k) over k, where a look-up's
 step costs one verification of width k + 1 and the model's adds k draft
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from handler.drafters import MODEL, Lookup
+from handler.drafters import MODEL, Proposal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Candidate:
     """One drafter's offer for a row this step."""
 
     proposer: str
-    lookup: Lookup  # the look-up's drafts; empty for the model, which drafts during the step
+    lookup: Proposal  # the look-up's drafts; empty for the model, which drafts during the step
     max_k: int  # the most drafts it can verify this step
     curve: Sequence[float]  # expected tokens E(0..max_k), bonus token included
 

@@ -18,10 +18,10 @@ from typing import Callable, Hashable, Mapping, NamedTuple, Sequence
 
 import torch
 
+from handler.caches.kv_cache import left_pad
+from handler.caches.prefix_cache import PrefixCache, prefill_with_cache
+from handler.caches.rollback import draft_rollback
 from handler.drafters import MODEL
-from handler.kv_cache import left_pad
-from handler.prefix_cache import PrefixCache, prefill_with_cache
-from handler.rollback import draft_rollback
 from handler.runners import BatchCache, DynamicRunner
 from handler.sampler import sample_from_probs, warp_logits_to_probs
 
@@ -53,7 +53,7 @@ def draft_confidences(
     return confidence, other_ids, other_probs
 
 
-class Proposal(NamedTuple):
+class DraftSample(NamedTuple):
     """One row's drafts from the draft model."""
 
     token_ids: torch.Tensor  # [n]
@@ -193,7 +193,7 @@ class ModelDrafter:
         keep_drafting: Callable[[int, dict[Hashable, float]], bool] | None = None,
         with_confidence: bool = True,
         guesses: Mapping[Hashable, Callable[[list[int], int], Sequence[int]]] | None = None,
-    ) -> dict[Hashable, Proposal]:
+    ) -> dict[Hashable, DraftSample]:
         """Samples up to k draft tokens for every row of the cache, k the most any row in `sampling` wants.
 
         With `guesses`, a row's draft pass may also run over tokens the draft model is
@@ -219,7 +219,7 @@ class ModelDrafter:
                 for rows in `sampling`.
 
         Returns:
-            request id -> its `Proposal` of n <= k drafts, for the rows in `sampling`; the
+            request id -> its `DraftSample` of n <= k drafts, for the rows in `sampling`; the
             number of draft passes they took is `last_num_passes`.
         """
         assert sampling and self.cache is not None
@@ -304,7 +304,7 @@ class ModelDrafter:
             self.fed[request_id] = drafts[slot][: num - 1]
         self.cache.rollback(lengths)
         return {
-            request_id: Proposal(
+            request_id: DraftSample(
                 torch.tensor(drafts[slot][:num_drafts], dtype=torch.long, device=self.device),
                 torch.stack(probs_of[slot][:num_drafts]),
                 confidences[slot][:num_drafts],
@@ -377,7 +377,7 @@ class ModelDrafter:
         tokens, but never the last committed token: the next proposal needs the
         logits that follow it, so it stays pending. The unseen committed tokens
         become pending. A row absent from `committed` committed nothing.
-        The arithmetic is `handler.rollback.draft_rollback`.
+        The arithmetic is `handler.caches.rollback.draft_rollback`.
         """
         for request_id, tokens in self.unfilled.items():
             tokens.extend(committed.get(request_id, ()))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Hashable, Mapping, Sequence
 
-from handler.drafters import NGRAM, NO_LOOKUP, Lookup
+from handler.drafters import NGRAM, NO_DRAFTS, Proposal
 from handler.tree import ROOT, order_best_first
 
 # The most occurrences of one n-gram a tree look-up follows: the earliest ones.
@@ -62,7 +62,7 @@ class NgramIndex:
                 return self.tokens[start : start + k]
         return []
 
-    def lookup_tree(self, max_nodes: int) -> Lookup:
+    def lookup_tree(self, max_nodes: int) -> Proposal:
         """The continuations of the longest matching suffix's occurrences, merged into a tree.
 
         Each node's share is the fraction of the occurrences whose continuation runs
@@ -97,8 +97,8 @@ class NgramIndex:
                     heads[occurrence] = node
             shares = [count / len(starts) for count in counts]
             token_ids, parents, shares = order_best_first(token_ids, parents, shares)
-            return Lookup(token_ids[:max_nodes], None, parents[:max_nodes], shares[:max_nodes])
-        return NO_LOOKUP
+            return Proposal(token_ids[:max_nodes], None, parents[:max_nodes], shares[:max_nodes])
+        return NO_DRAFTS
 
 
 class NgramDrafter:
@@ -121,12 +121,12 @@ class NgramDrafter:
         for request_id in request_ids:
             self.rows.pop(request_id, None)
 
-    def lookup(self, request_id: Hashable, max_tokens: int, tree: bool = False) -> Lookup:
+    def lookup(self, request_id: Hashable, max_tokens: int, tree: bool = False) -> Proposal:
         if max_tokens <= 0:
-            return NO_LOOKUP
+            return NO_DRAFTS
         if tree:
             return self.rows[request_id].lookup_tree(max_tokens)
-        return Lookup(self.rows[request_id].lookup(max_tokens))
+        return Proposal(self.rows[request_id].lookup(max_tokens))
 
     def observe(self, committed: Mapping[Hashable, Sequence[int]]) -> None:
         for request_id, new_tokens in committed.items():

@@ -35,7 +35,7 @@ import dataclasses
 import functools
 from typing import Hashable, Mapping, Sequence
 
-from handler.drafters import NO_LOOKUP, SUFFIX, Lookup
+from handler.drafters import NO_DRAFTS, SUFFIX, Proposal
 from handler.tree import ROOT, order_best_first
 
 # vLLM's defaults for `method: suffix`.
@@ -156,17 +156,17 @@ class SuffixDrafter:
             if row is not None and row.seq_id is not None:
                 del self.owner[row.seq_id]
 
-    def lookup(self, request_id: Hashable, max_tokens: int, tree: bool = False) -> Lookup:
+    def lookup(self, request_id: Hashable, max_tokens: int, tree: bool = False) -> Proposal:
         """The most likely continuation of the row's last tokens, up to `max_tokens` tokens.
 
         With `tree`: the most likely continuations, a tree of up to `max_tokens` nodes,
         best first (each node's probability is its path's).
         """
         if max_tokens <= 0:
-            return NO_LOOKUP
+            return NO_DRAFTS
         row = self.rows[request_id]
         if not row.context:
-            return NO_LOOKUP
+            return NO_DRAFTS
         max_tokens = min(max_tokens, self.options.max_depth)
         best, other = self._speculate(row, row.context, max_tokens, tree)
         if tree and other is not None and other.token_ids:
@@ -175,9 +175,9 @@ class SuffixDrafter:
         if other is not None and other.score > best.score:
             best = other
         if not best.token_ids:
-            return NO_LOOKUP
+            return NO_DRAFTS
         parents = list(best.parents) if tree else None
-        return Lookup(list(best.token_ids), list(best.probs), parents)
+        return Proposal(list(best.token_ids), list(best.probs), parents)
 
     def continuation(self, request_id: Hashable, drafts: Sequence[int], max_tokens: int) -> list[int]:
         """The likeliest continuation of the row's tokens followed by `drafts` (not committed), as a chain.
@@ -230,7 +230,7 @@ class SuffixDrafter:
             self.rows[request_id].seq_id = None
 
 
-def _merge_drafts(drafts, max_tokens: int) -> Lookup:
+def _merge_drafts(drafts, max_tokens: int) -> Proposal:
     """Speculated trees merged into one: a path proposed twice keeps its higher probability.
 
     Returns:
@@ -252,6 +252,6 @@ def _merge_drafts(drafts, max_tokens: int) -> Lookup:
                 probs[node] = max(probs[node], prob)
             mapped.append(node)
     if not token_ids:
-        return NO_LOOKUP
+        return NO_DRAFTS
     token_ids, parents, probs = order_best_first(token_ids, parents, probs)
-    return Lookup(token_ids[:max_tokens], probs[:max_tokens], parents[:max_tokens])
+    return Proposal(token_ids[:max_tokens], probs[:max_tokens], parents[:max_tokens])

@@ -1,7 +1,7 @@
 """Model runners: what stands between the step loop and a model's forward pass.
 
 A runner owns one model's KV layout. The engine and the draft-model drafter never
-call a model directly: rows are prefilled into a `handler.kv_cache.RaggedCache`
+call a model directly: rows are prefilled into a `handler.caches.kv_cache.RaggedCache`
 (eager, any width, the prefix cache's KV copied in), and the runner `adopt`s that
 cache as the running batch. The batch then takes every later pass through one
 interface, `BatchCache`:
@@ -32,8 +32,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from handler.caches.kv_cache import RaggedCache, prefill
 from handler.config import RUNNER_MODES
-from handler.kv_cache import RaggedCache, prefill
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def time_runner_pass(runner: ModelRunner, batch_size: int, width: int, context: 
 
 
 def config_runner(config, models) -> str:
-    """The runner a handler config names for its loaded models (`handler.loading.LoadedModels`),
+    """The runner a handler config names for its loaded models (`handler.runtime.loading.LoadedModels`),
     `auto` timed at the config's verify width (`num_speculative_tokens + 1`)."""
     return resolve_runner(config.runner, [models.target, models.draft], config.num_speculative_tokens + 1)
 

@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from handler.kv_cache import RaggedCache, attention_masks, kv_layout, sliding_layout
+from handler.caches.kv_cache import RaggedCache, attention_masks, kv_layout, sliding_layout
 
 # Widths a chunk is padded to; beyond the last, the next multiple of it.
 WIDTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32)
@@ -153,7 +153,7 @@ class StaticRunner:
         assert not self.graphs or self.device.type == "cuda", "CUDA graphs need a CUDA device"
         self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(model)
         self.dtype = model.dtype
-        # Sliding-window layers keep every token too; their window is in the mask (`handler.kv_cache`).
+        # Sliding-window layers keep every token too; their window is in the mask (`handler.caches.kv_cache`).
         self.layout = sliding_layout(model)
         self.layers = [
             _SlotLayer(*(self._zeros(num_slots, column_bucket(num_columns)) for _ in range(2)))

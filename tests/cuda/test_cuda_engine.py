@@ -86,7 +86,7 @@ def test_sampled_tokens_follow_the_target_with_cuda_graphs(
 def test_the_cuda_check_catches_a_coupling_that_reuses_one_uniform(
     cpu_pair, cuda_pair, monkeypatch, graph_sized_batches
 ):
-    import handler.engine as engine_module
+    import handler.engine.verify as engine_module
     from handler.sampler import position_uniforms
 
     monkeypatch.setattr(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handler.engine import SpeculativeEngine
-from handler.loading import collect_eos_token_ids
+from handler.engine import EngineOptions, SpeculativeEngine
+from handler.runtime.loading import collect_eos_token_ids
 
 
 @pytest.fixture(scope="session")
@@ -19,17 +19,17 @@ def tiny_pair(tiny_models_dir):
     return target, draft, tokenizer
 
 
-def make_engine(target, draft, tokenizer, eos_token_ids=None, **options) -> SpeculativeEngine:
-    """`options`: further keyword arguments of SpeculativeEngine (a cost table, draft_confidence).
+def make_engine(target, draft, tokenizer, eos_token_ids=None, **arguments) -> SpeculativeEngine:
+    """`arguments`: further keyword arguments of SpeculativeEngine (a cost table, draft_confidence).
 
-    A hand-made cost table stands as given unless the test asks for `running_costs`: the tiny
-    models' passes take milliseconds, and rescaling the table by them would plan by the machine's
-    timing instead of by the costs the test chose.
+    A hand-made cost table stands as given unless the test's `options` ask for `running_costs`: the
+    tiny models' passes take milliseconds, and rescaling the table by them would plan by the
+    machine's timing instead of by the costs the test chose.
     """
     if eos_token_ids is None:
         eos_token_ids = collect_eos_token_ids(tokenizer, target.generation_config)
-    options.setdefault("running_costs", False)
-    return SpeculativeEngine(target, draft, tokenizer, eos_token_ids, tokenizer.pad_token_id, **options)
+    arguments.setdefault("options", EngineOptions(running_costs=False))
+    return SpeculativeEngine(target, draft, tokenizer, eos_token_ids, tokenizer.pad_token_id, **arguments)
 
 
 def cross_vocab_pair(out, device: str = "cpu"):
@@ -37,7 +37,7 @@ def cross_vocab_pair(out, device: str = "cpu"):
     own vocabulary), built into `out`, in float32 on `device`: (target, draft, target tokenizer, vocab map)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from handler.loading import check_vocabularies
+    from handler.runtime.loading import check_vocabularies
     from tests.conftest import run_module
 
     run_module("scripts.make_tiny_models", "--out", str(out), "--cross-vocab", "20", check=True)

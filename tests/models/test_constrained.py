@@ -15,11 +15,11 @@ import re
 import jsonschema
 import pytest
 
-from handler.adaptive import CostModel
+from handler.planning.cost_table import CostModel
 from handler.config import SamplingParams
 from handler.constraints import Constraint
-from handler.engine import PROPOSER_GRAMMAR, GenerationRequest, SpeculativeEngine
-from handler.loading import collect_eos_token_ids
+from handler.engine import PROPOSER_GRAMMAR, EngineOptions, GenerationRequest, SpeculativeEngine
+from handler.runtime.loading import collect_eos_token_ids
 
 PERSON = {
     "type": "object",
@@ -74,7 +74,8 @@ def engine_for(tiny_pair, eos_ids):
             cost_table = CostModel(draft_step=0.2, target_step=1.0, target_per_extra_token=0.05) if planned else None
             engines[planned] = SpeculativeEngine(
                 # The hand-made costs stand as given: planned by them, not by this machine's timing.
-                target, draft, tokenizer, eos_ids, tokenizer.pad_token_id, cost_table=cost_table, running_costs=False
+                target, draft, tokenizer, eos_ids, tokenizer.pad_token_id, cost_table=cost_table,
+                options=EngineOptions(running_costs=False),
             )
         return engines[planned]
 
@@ -135,8 +136,8 @@ def test_planned_steps_keep_constrained_output_exact(tiny_pair, engine_for, draf
 def test_where_the_outcome_check_stops_speculation_the_grammars_forced_tokens_stay(tiny_pair, eos_ids, monkeypatch):
     """The check of drafting against plain decoding (a CPU's, with running costs) vetoes speculation; the
     tokens a grammar forces are certain, so they are still verified as drafts, and are no sample of it."""
-    from handler.adaptive import OutcomeCheck
-    from handler.cost_table import CostTable
+    from handler.planning.estimators import OutcomeCheck
+    from handler.planning.cost_table import CostTable
 
     target, draft, tokenizer = tiny_pair
     # About the tiny pair's own seconds, so that the running correction keeps the table's shape.
@@ -222,7 +223,7 @@ def test_forced_tokens_are_free_drafts(tiny_pair, engine_for):
     assert forced["draft_tokens"] >= 10
     assert forced["accepted_tokens"] == forced["draft_tokens"]
     assert result.stats.constrained and result.stats.mask_seconds > 0
-    assert engine_for().last_step_mask_seconds <= engine_for().last_step_seconds
+    assert engine_for().steps.last_step_mask_seconds <= engine_for().steps.last_step_seconds
 
 
 def test_a_grammar_that_spells_a_special_token_literally_serves_exactly(tiny_pair, engine_for):

@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handler import cpu_speed
+from handler.runtime import cpu_speed
 from handler.config import HandlerConfig
-from handler.cpu_speed import (
-    PackedLinear,
-    checkpoint_fp32_bytes,
-    choose_cpu_dtype,
-    first_layer_weight_shapes,
-    measure_bf16_speedup,
-    pack_linear_layers,
-)
+from handler.runtime.cpu_speed import PackedLinear, checkpoint_fp32_bytes, choose_cpu_dtype, first_layer_weight_shapes, measure_bf16_speedup, pack_linear_layers
 from handler.engine import GenerationRequest
-from handler.loading import load_models
+from handler.runtime.loading import load_models
 
 from .conftest import make_engine
 from .test_engine import GREEDY, PROMPTS, encode, reference_greedy
@@ -72,10 +65,10 @@ def test_a_tied_head_may_run_on_a_packed_copy_beside_the_embedding(tiny_models_d
     with torch.inference_mode():
         torch.testing.assert_close(packed(input_ids).logits, plain(input_ids).logits, rtol=1e-4, atol=1e-4)
     # Without the memory for the copy, the head stays on the shared weight.
-    monkeypatch.setattr("handler.memory_budget.host_available_memory", lambda: (1000, "a test"))
+    monkeypatch.setattr("handler.runtime.cpu_speed.host_available_memory", lambda: (1000, "a test"))
     assert not cpu_speed.tied_head_copy_fits(plain)
     untied = AutoModelForCausalLM.from_pretrained(tiny_models_dir / "target", dtype=torch.float32)
-    monkeypatch.setattr("handler.memory_budget.host_available_memory", lambda: (2**40, "a test"))
+    monkeypatch.setattr("handler.runtime.cpu_speed.host_available_memory", lambda: (2**40, "a test"))
     assert not cpu_speed.tied_head_copy_fits(untied)  # nothing to copy: its head has its own weight
 
 
@@ -138,7 +131,7 @@ def test_checkpoint_sizes_and_shapes_come_from_the_safetensors_headers(tiny_mode
 def test_auto_dtype_rule(monkeypatch):
     shapes = [(64, 32), (32, 64)]
     big = 4 * 2**30
-    monkeypatch.setattr(cpu_speed, "_available_memory_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(cpu_speed, "host_available_memory", lambda: (64 * 2**30, "a test"))
     # Small models stay float32 without measuring.
     monkeypatch.setattr(cpu_speed, "measure_bf16_speedup", lambda *a, **k: pytest.fail("measured a tiny model"))
     assert choose_cpu_dtype(10 * 2**20, shapes, 5) == torch.float32
@@ -152,7 +145,7 @@ def test_auto_dtype_rule(monkeypatch):
     monkeypatch.setattr(cpu_speed, "measure_bf16_speedup", lambda *a, **k: 1.1)
     assert choose_cpu_dtype(big, shapes, 5) == torch.float32
     # float32 that would not fit in memory: bf16 whatever the speed, where oneDNN runs bf16 on this CPU.
-    monkeypatch.setattr(cpu_speed, "_available_memory_bytes", lambda: 5 * 2**30)
+    monkeypatch.setattr(cpu_speed, "host_available_memory", lambda: (5 * 2**30, "a test"))
     monkeypatch.setattr(cpu_speed, "onednn_supports", lambda dtype: True)
     assert choose_cpu_dtype(big, shapes, 5) == torch.bfloat16
     # Where it does not, the measured speed decides, as for models that fit.
@@ -168,7 +161,7 @@ def test_the_bf16_speedup_is_measured_on_real_layers():
 def test_a_packed_model_deep_copies_and_unpacks_for_the_int8_quantizer(tiny_models_dir, tiny_pair):
     import copy
 
-    from handler.cpu_speed import quantize_draft_int8
+    from handler.runtime.cpu_speed import quantize_draft_int8
 
     _, plain_draft, _ = tiny_pair
     packed, _ = load_tiny(tiny_models_dir)
@@ -199,7 +192,7 @@ def test_draft_quantization_auto_keeps_the_form_whose_step_is_faster(tiny_models
     monkeypatch.setattr(cpu_speed, "decode_step_seconds", timed)
     config = HandlerConfig(dtype="float32", draft_quantization="auto")
     seconds.update(float=0.030, int8=0.020)  # 1.5x: int8
-    with caplog.at_level("INFO", logger="handler.cpu_speed"):
+    with caplog.at_level("INFO", logger="handler.runtime.cpu_speed"):
         chosen = load_models(config, str(tiny_models_dir))
     assert chosen.draft_quantization == "int8"
     assert any(isinstance(module, DynamicInt8Linear) for module in chosen.draft.modules())

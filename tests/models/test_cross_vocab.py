@@ -22,7 +22,7 @@ import transformers
 from handler.config import SamplingParams
 from handler.constraints import Constraint
 from handler.engine import GenerationRequest
-from handler.loading import check_vocabularies
+from handler.runtime.loading import check_vocabularies
 from tests.conftest import run_module
 from tests.models.conftest import cross_vocab_pair, make_engine
 from tests.models.test_engine import reference_greedy
@@ -73,7 +73,7 @@ def test_greedy_output_is_the_targets_alone_and_batched(cross_pair, greedy):
 def test_the_planner_and_the_confidence_stop_keep_greedy_and_seeded_output(cross_pair):
     """With a cost table, each step's k is planned and the draft stops by its own confidence, which
     the planner prices with the draft's pending tokens (what the proposal feeds first)."""
-    from handler.cost_table import CostTable
+    from handler.planning.cost_table import CostTable
 
     target, _, tokenizer, _ = cross_pair
     widths = (1, 2, 4, 8)

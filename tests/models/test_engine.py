@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from handler.adaptive import CostModel
+from handler.planning.cost_table import CostModel
 from handler.config import SamplingParams
-from handler.engine import GenerationRequest
-from handler.kv_cache import COMPACT_SLACK, RaggedCache, left_pad
+from handler.engine import EngineOptions, GenerationRequest
+from handler.caches.kv_cache import COMPACT_SLACK, RaggedCache, left_pad
 
 from .conftest import make_engine
 
@@ -186,13 +186,13 @@ def seeded_outputs(tiny_pair, engine) -> dict[str, list[int]]:
     """One seeded request under every k, drafter, draft, plan and batch this engine offers."""
     import copy
 
-    from handler.adaptive import CostModel
-    from handler.cpu_speed import quantize_draft_int8
+    from handler.planning.cost_table import CostModel
+    from handler.runtime.cpu_speed import quantize_draft_int8
 
     target, draft, tokenizer = tiny_pair
     int8_engine = make_engine(target, quantize_draft_int8(copy.deepcopy(draft)), tokenizer)
-    planned = make_engine(target, draft, tokenizer)
-    planned.cost_table = CostModel(draft_step=0.3, target_step=1.0, target_per_extra_token=0.3)
+    costs = CostModel(draft_step=0.3, target_step=1.0, target_per_extra_token=0.3)
+    planned = make_engine(target, draft, tokenizer, cost_table=costs)
     confident = make_engine(target, draft, tokenizer, cost_table=CONFIDENT_COSTS, draft_confidence=True)
     prompt_ids = encode(tokenizer, PROMPTS[0])
     others = [
@@ -219,7 +219,7 @@ def test_a_seeded_request_depends_on_its_seed_and_the_target_alone(tiny_pair, en
 
 
 def test_the_seed_check_catches_uniforms_keyed_by_step_instead_of_position(tiny_pair, engine, monkeypatch):
-    import handler.engine as engine_module
+    import handler.engine.verify as engine_module
     from handler.sampler import position_uniforms
 
     # The bug: each step restarts the positions at 0, so the tokens depend on where steps begin.
@@ -276,27 +276,25 @@ def test_stop_string_truncates_text_and_reports_stop(tiny_pair):
 
 
 def test_adaptive_k_is_still_exact_and_falls_back_when_the_draft_is_useless(tiny_pair):
-    from handler.adaptive import CostModel
+    from handler.planning.cost_table import CostModel
 
     target, draft, tokenizer = tiny_pair
     policy = CostModel(draft_step=0.3, target_step=1.0, target_per_extra_token=0.05)
-    adaptive = make_engine(target, draft, tokenizer)
-    adaptive.cost_table = policy
+    adaptive = make_engine(target, draft, tokenizer, cost_table=policy)
     for prompt in PROMPTS[:3]:
         prompt_ids = encode(tokenizer, prompt)
         result = adaptive.generate([GenerationRequest(prompt_ids, 40, GREEDY, 8)])[0]
         assert result.token_ids == reference_greedy(target, prompt_ids, 40)
 
     # A draft that never agrees: after a few steps the request stops drafting.
-    hopeless = make_engine(target, draft, tokenizer, eos_token_ids=())
-    hopeless.cost_table = CostModel(draft_step=1.0, target_step=1.0, target_per_extra_token=0.0)
+    useless = CostModel(draft_step=1.0, target_step=1.0, target_per_extra_token=0.0)
+    hopeless = make_engine(target, draft, tokenizer, eos_token_ids=(), cost_table=useless)
     result = hopeless.generate([GenerationRequest(encode(tokenizer, PROMPTS[0]), 40, GREEDY, 4)])[0]
     assert result.stats.fell_back
     assert result.stats.draft_tokens < 40
 
     # A perfect draft keeps the full k.
-    same = make_engine(target, target, tokenizer, eos_token_ids=())
-    same.cost_table = policy
+    same = make_engine(target, target, tokenizer, eos_token_ids=(), cost_table=policy)
     result = same.generate([GenerationRequest(encode(tokenizer, PROMPTS[0]), 41, GREEDY, 4)])[0]
     assert not result.stats.fell_back
     assert result.stats.target_forward_passes <= 41 // 5 + 3
@@ -304,12 +302,12 @@ def test_adaptive_k_is_still_exact_and_falls_back_when_the_draft_is_useless(tiny
 
 def test_the_engine_rescales_its_cost_table_by_the_passes_it_times(tiny_pair):
     """A table that says a target pass takes a second: the tiny models' passes pull its scale down."""
-    from handler.cost_table import MAX_SCALE, MIN_OBSERVATIONS, CostTable, RunningCostTable
+    from handler.planning.cost_table import MAX_SCALE, MIN_OBSERVATIONS, CostTable, RunningCostTable
 
     target, draft, tokenizer = tiny_pair
     # The draft looks cheap enough to draft at every step.
     slow = CostTable(widths=(1, 8), batch_sizes=(1, 2), target=((1.0, 1.0), (1.0, 1.0)), draft=(0.01, 0.01))
-    engine = make_engine(target, draft, tokenizer, cost_table=slow, running_costs=True)
+    engine = make_engine(target, draft, tokenizer, cost_table=slow, options=EngineOptions(running_costs=True))
     assert isinstance(engine.cost_table, RunningCostTable) and engine.cost_table.table is slow
     requests = [GenerationRequest(encode(tokenizer, prompt), 30, GREEDY, 4) for prompt in PROMPTS[:2]]
     results = engine.generate(requests)
@@ -321,7 +319,7 @@ def test_the_engine_rescales_its_cost_table_by_the_passes_it_times(tiny_pair):
     assert engine.cost_table.target_seconds(1, 1) == pytest.approx(1.0 / MAX_SCALE)
     assert engine.cost_scales == (engine.cost_table.target_scale, engine.cost_table.draft_scale)
 
-    fixed = make_engine(target, draft, tokenizer, cost_table=slow, running_costs=False)
+    fixed = make_engine(target, draft, tokenizer, cost_table=slow, options=EngineOptions(running_costs=False))
     fixed.generate(requests)
     assert fixed.cost_table is slow and fixed.cost_scales is None
 

@@ -23,7 +23,7 @@ import transformers
 from handler.config import SamplingParams
 from handler.constraints import Constraint
 from handler.engine import GenerationRequest
-from handler.kv_cache import check_cache_support
+from handler.caches.kv_cache import check_cache_support
 from tests.models.conftest import make_engine
 from tests.models.test_engine import reference_greedy
 

@@ -114,11 +114,12 @@ def test_a_seeded_request_with_penalties_depends_on_its_seed_alone(tiny_pair, no
 def test_the_draft_model_shapes_its_drafts_for_penalised_rows_and_forgets_them_each_step(
     tiny_pair, no_eos_engine, monkeypatch
 ):
-    import handler.engine as engine_module
+    from handler.engine import SpeculativeEngine
+    from handler.engine.row import Row
 
     _, _, tokenizer = tiny_pair
     calls, drafted_after_steps = [], []
-    real_shape, real_step = engine_module._Row.shape_draft_logits, engine_module.SpeculativeEngine.step
+    real_shape, real_step = Row.shape_draft_logits, SpeculativeEngine.step
 
     def shape(row, logits, previous_draft):
         calls.append(previous_draft)
@@ -129,8 +130,8 @@ def test_the_draft_model_shapes_its_drafts_for_penalised_rows_and_forgets_them_e
         drafted_after_steps.extend(len(row.drafted) for row in engine.rows)
         return outputs
 
-    monkeypatch.setattr(engine_module._Row, "shape_draft_logits", shape)
-    monkeypatch.setattr(engine_module.SpeculativeEngine, "step", step)
+    monkeypatch.setattr(Row, "shape_draft_logits", shape)
+    monkeypatch.setattr(SpeculativeEngine, "step", step)
     no_eos_engine.generate([request(tokenizer, PROMPTS[0], SETTINGS["presence_frequency"])])
     assert calls, "a penalised row's drafts must be drawn from the penalised draft distribution"
     assert drafted_after_steps and not any(drafted_after_steps), "the drafts of one step must not count in the next"

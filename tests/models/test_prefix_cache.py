@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from handler.engine import GenerationRequest, SpeculativeEngine
-from handler.kv_cache import RaggedCache
-from handler.loading import collect_eos_token_ids
-from handler.prefix_cache import prefill_with_cache
+from handler.caches.kv_cache import RaggedCache
+from handler.runtime.loading import collect_eos_token_ids
+from handler.caches.prefix_cache import prefill_with_cache
 
 from .test_engine import GREEDY
 from .test_step_api import SAMPLED, run_staggered
@@ -202,7 +202,7 @@ def test_a_tiny_budget_evicts_but_never_the_prefix_of_a_row_in_flight(tiny_pair)
 
 
 def _bytes_per_token(engine, draft: bool = False) -> int:
-    from handler.kv_cache import kv_bytes_per_token
+    from handler.caches.kv_cache import kv_bytes_per_token
 
     return kv_bytes_per_token(engine.model_drafter.model if draft else engine.target)
 
@@ -250,7 +250,7 @@ def cached_sequences(cache) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_every_cached_prefix_holds_the_kv_a_fresh_prefill_computes(tiny_pair, drafter):
     """Greedy outputs of tiny random models barely depend on distant context, so the KV is checked directly."""
-    from handler.kv_cache import prefill
+    from handler.caches.kv_cache import prefill
 
     engine = make(tiny_pair, 64 * MIB)
     requests = conversation_requests(drafter, seed=7)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from handler import runners
-from handler.kv_cache import RaggedCache, prefill
+from handler.caches.kv_cache import RaggedCache, prefill
 from handler.runners.static import COLUMN_STEP, StaticRunner, width_bucket
 from handler.tree import chunk_attention
 

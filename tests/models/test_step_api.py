@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handler.adaptive import MIN_STEPS_BEFORE_FALLBACK, PROBE_INTERVAL, CostModel
+from handler.planning.estimators import MIN_STEPS_BEFORE_FALLBACK, PROBE_INTERVAL
+from handler.planning.cost_table import CostModel
 from handler.config import SamplingParams
-from handler.drafters import Lookup
+from handler.drafters import Proposal
 from handler.engine import GenerationRequest
 
 from .conftest import make_engine
@@ -155,8 +156,7 @@ def test_hybrid_uses_the_lookup_where_it_matches_and_the_model_elsewhere(tiny_pa
 @pytest.mark.parametrize("drafter", ["ngram", "suffix", "hybrid"])
 def test_look_ups_propose_up_to_their_own_cap_and_stay_exact(tiny_pair, drafter, monkeypatch):
     target, draft, tokenizer = tiny_pair
-    engine = make_engine(target, draft, tokenizer)
-    monkeypatch.setattr(engine, "prompt_lookup_num_tokens", 6)
+    engine = make_engine(target, draft, tokenizer, prompt_lookup_num_tokens=6)
     prompt_ids = encode(tokenizer, PROMPTS[0])
     expected = reference_greedy(target, prompt_ids, 24)
 
@@ -167,7 +167,7 @@ def test_look_ups_propose_up_to_their_own_cap_and_stay_exact(tiny_pair, drafter,
     def oracle(request_id, cap, tree=False):
         caps.append(cap)
         done = len(next(row for row in engine.rows if row.request_id == request_id).token_ids)
-        return Lookup(list(expected[done : done + cap]))
+        return Proposal(list(expected[done : done + cap]))
 
     # The suffix drafter is the oracle where it is the row's drafter; under hybrid it finds nothing.
     lookup = engine.suffix_drafter if drafter == "suffix" else engine.ngram_drafter
@@ -176,7 +176,7 @@ def test_look_ups_propose_up_to_their_own_cap_and_stay_exact(tiny_pair, drafter,
     monkeypatch.setattr(lookup, "lookup", oracle)
     monkeypatch.setattr(lookup, "add", lambda prompts, **kw: indexed_rows.extend(prompts) or index(prompts, **kw))
     if drafter == "hybrid":
-        monkeypatch.setattr(engine.suffix_drafter, "lookup", lambda request_id, cap, tree=False: Lookup([]))
+        monkeypatch.setattr(engine.suffix_drafter, "lookup", lambda request_id, cap, tree=False: Proposal([]))
     monkeypatch.setattr(engine.model_drafter, "propose", lambda rows: model_ks.append(rows) or propose(rows))
     monkeypatch.setattr(
         engine.model_drafter, "add", lambda prompts, **kw: fed_rows.extend(prompts) or add(prompts, **kw)
@@ -219,8 +219,7 @@ def test_a_table_where_drafting_never_pays_gives_plain_decoding(tiny_pair):
     target, draft, tokenizer = tiny_pair
     # Width 2 costs twice width 1: no acceptance rate can pay for a draft.
     table = CostModel(draft_step=0.05, target_step=1.0, target_per_extra_token=1.0)
-    planned = make_engine(target, draft, tokenizer)
-    planned.cost_table = table
+    planned = make_engine(target, draft, tokenizer, cost_table=table)
     prompt_ids = encode(tokenizer, PROMPTS[1])
     result = planned.generate([GenerationRequest(prompt_ids, 30, GREEDY, 4)])[0]
     assert result.token_ids == reference_greedy(target, prompt_ids, 30)
@@ -232,8 +231,8 @@ def test_a_table_where_drafting_never_pays_gives_plain_decoding(tiny_pair):
 
 def test_batch_plan_never_changes_a_seeded_request(tiny_pair):
     target, draft, tokenizer = tiny_pair
-    planned = make_engine(target, draft, tokenizer, eos_token_ids=())
-    planned.cost_table = CostModel(draft_step=0.3, target_step=1.0, target_per_extra_token=0.3)
+    costs = CostModel(draft_step=0.3, target_step=1.0, target_per_extra_token=0.3)
+    planned = make_engine(target, draft, tokenizer, eos_token_ids=(), cost_table=costs)
     seeded = GenerationRequest(encode(tokenizer, PROMPTS[0]), 25, SAMPLED, 3, seed=123)
     alone = planned.generate([seeded])[0]
     others = [GenerationRequest(encode(tokenizer, p), 30, GREEDY, 8) for p in PROMPTS[1:4]]
@@ -247,16 +246,16 @@ def test_a_row_that_fell_back_probes_every_interval_where_a_typical_row_would_dr
     expected = make_engine(target, draft, tokenizer, eos_token_ids=()).generate(
         [GenerationRequest(prompt_ids, 120, GREEDY, 0)]
     )[0].token_ids
-    planned = make_engine(target, draft, tokenizer, eos_token_ids=())
     # A look-up's draft pays where the target takes it more than 3 times in 10.
-    planned.cost_table = CostModel(draft_step=1.0, target_step=1.0, target_per_extra_token=0.3)
+    costs = CostModel(draft_step=1.0, target_step=1.0, target_per_extra_token=0.3)
+    planned = make_engine(target, draft, tokenizer, eos_token_ids=(), cost_table=costs)
     # The pool has seen other requests' look-ups taken every time; this request's are always wrong.
     for _ in range(50):
-        planned.pool_trackers["ngram"].update(1, 1)
+        planned.estimates.pool_trackers["ngram"].update(1, 1)
 
     def wrong(request_id, cap, tree=False):
         done = len(planned.rows[0].token_ids)
-        return Lookup([(expected[done] + 1) % tokenizer.vocab_size] if cap and done < len(expected) else [])
+        return Proposal([(expected[done] + 1) % tokenizer.vocab_size] if cap and done < len(expected) else [])
 
     monkeypatch.setattr(planned.ngram_drafter, "lookup", wrong)
     result = planned.generate([GenerationRequest(prompt_ids, 120, GREEDY, 1, drafter="ngram")])[0]
@@ -268,9 +267,9 @@ def test_a_row_that_fell_back_probes_every_interval_where_a_typical_row_would_dr
 
 def test_where_drafting_never_pays_no_row_probes(tiny_pair):
     target, draft, tokenizer = tiny_pair
-    planned = make_engine(target, draft, tokenizer, eos_token_ids=())
     # Width 2 costs twice width 1: no acceptance pays for a draft, and a probe would only cost.
-    planned.cost_table = CostModel(draft_step=0.05, target_step=1.0, target_per_extra_token=1.0)
+    costs = CostModel(draft_step=0.05, target_step=1.0, target_per_extra_token=1.0)
+    planned = make_engine(target, draft, tokenizer, eos_token_ids=(), cost_table=costs)
     result = planned.generate([GenerationRequest(encode(tokenizer, PROMPTS[1]), 120, GREEDY, 4)])[0]
     # The first steps draft (the pool knows nothing yet), one token each; then never again.
     assert result.stats.num_drafts == MIN_STEPS_BEFORE_FALLBACK

@@ -7,11 +7,11 @@ import logging
 import pytest
 import torch
 
-from handler.adaptive import CostModel
+from handler.planning.cost_table import CostModel
 from handler.config import SamplingParams
-from handler.drafters import Lookup
+from handler.drafters import Proposal
 from handler.engine import GenerationRequest
-from handler.kv_cache import RaggedCache, prefill, tree_attention_error
+from handler.caches.kv_cache import RaggedCache, prefill, tree_attention_error
 from handler.tree import ROOT, chain_with_siblings, chunk_attention
 
 from .conftest import make_engine
@@ -47,18 +47,18 @@ class OracleTrees:
         for request_id in request_ids:
             self.rows.pop(request_id, None)
 
-    def lookup(self, request_id, max_tokens: int, tree: bool = False) -> Lookup:
+    def lookup(self, request_id, max_tokens: int, tree: bool = False) -> Proposal:
         answer, emitted = self.rows[request_id]
         truth = answer[emitted : emitted + max_tokens]
         if len(truth) < 2 or max_tokens < 1:
-            return Lookup([])
+            return Proposal([])
         wrong = [(token + 1) % self.vocab_size for token in truth]
         if not tree:
-            return Lookup([wrong[0], *truth[1:]][:max_tokens])
+            return Proposal([wrong[0], *truth[1:]][:max_tokens])
         token_ids = [wrong[0], truth[0], wrong[1], *truth[1:]]
         parents = [ROOT, ROOT, 1, 1, *range(3, len(token_ids) - 1)]
         probs = [0.9 ** (index + 1) for index in range(len(token_ids))]
-        return Lookup(token_ids[:max_tokens], probs[:max_tokens], parents[:max_tokens])
+        return Proposal(token_ids[:max_tokens], probs[:max_tokens], parents[:max_tokens])
 
 
 @pytest.fixture
@@ -66,7 +66,7 @@ def oracle_engine(tiny_pair):
     target, draft, tokenizer = tiny_pair
     engine = make_engine(target, draft, tokenizer)
     oracle = OracleTrees(target.config.vocab_size)
-    engine.suffix_drafter = oracle
+    engine.drafter_map["suffix"] = oracle
     for prompt in PROMPTS:
         prompt_ids = encode(tokenizer, prompt)
         oracle.answers[prompt_ids] = reference_greedy(target, prompt_ids, 30)
@@ -204,7 +204,7 @@ def test_trees_off_in_the_engine_verifies_chains(tiny_pair):
 
     engine = SpeculativeEngine(target, draft, tokenizer, [], tokenizer.pad_token_id, speculative_tree="off")
     oracle = OracleTrees(target.config.vocab_size)
-    engine.suffix_drafter = oracle
+    engine.drafter_map["suffix"] = oracle
     prompt_ids = encode(tokenizer, PROMPTS[0])
     oracle.answers[prompt_ids] = reference_greedy(target, prompt_ids, 20)
     result = engine.generate([GenerationRequest(prompt_ids, 20, GREEDY, 5, drafter="suffix")])[0]
@@ -218,7 +218,7 @@ FREE_WIDTH = CostModel(draft_step=0.1, target_step=1.0, target_per_extra_token=0
 
 def assert_draft_cache_holds_committed_tokens(engine, tokenizer) -> None:
     """Each draft-model row caches a prefix of its committed tokens, exactly as a fresh prefill does,
-    and keeps the rest pending (`handler.rollback`)."""
+    and keeps the rest pending (`handler.caches.rollback`)."""
     drafter = engine.model_drafter
     for row in engine.rows:
         if row.request_id not in drafter.order:
@@ -295,24 +295,24 @@ def test_without_a_cost_table_the_draft_measures_no_confidence(tiny_pair, monkey
     result = engine.generate([GenerationRequest(prompt_ids, 20, GREEDY, 4)])[0]
     assert result.token_ids == reference_greedy(target, prompt_ids, 20)
     assert calls and not any(calls)
-    assert sum(engine.calibrations[True].verified) == 0.0
+    assert sum(engine.estimates.calibrations[True].verified) == 0.0
 
 
 class DecoyTrees(OracleTrees):
     """A look-up whose first-choice chain is the answer, with a wrong sibling beside each of its
     nodes that its guesses rate nearly as likely: branches the target never takes."""
 
-    def lookup(self, request_id, max_tokens: int, tree: bool = False) -> Lookup:
+    def lookup(self, request_id, max_tokens: int, tree: bool = False) -> Proposal:
         answer, emitted = self.rows[request_id]
         truth = answer[emitted : emitted + max(max_tokens // 2, 1)]
         if len(truth) < 2:
-            return Lookup([])
+            return Proposal([])
         chain_probs = [0.95 ** (index + 1) for index in range(len(truth))]
         if not tree:
-            return Lookup(truth, chain_probs)
+            return Proposal(truth, chain_probs)
         wrong = [(token + 1) % self.vocab_size for token in truth]
         token_ids, parents = chain_with_siblings(truth, range(len(truth)), wrong)
-        return Lookup(token_ids, [*chain_probs, *(0.9 * prob for prob in chain_probs)], parents)
+        return Proposal(token_ids, [*chain_probs, *(0.9 * prob for prob in chain_probs)], parents)
 
 
 # Each verified column costs a tenth of a pass: a branch has to earn its column.
@@ -325,11 +325,11 @@ def test_branches_the_target_never_takes_are_cut_from_the_plan(tiny_pair):
     target, draft, tokenizer = tiny_pair
     engine = make_engine(target, draft, tokenizer, cost_table=PRICED_WIDTH, prompt_lookup_num_tokens=16)
     decoy = DecoyTrees(target.config.vocab_size)
-    engine.suffix_drafter = decoy
+    engine.drafter_map["suffix"] = decoy
     prompt_ids = encode(tokenizer, PROMPTS[0])
     decoy.answers[prompt_ids] = reference_greedy(target, prompt_ids, 40)
     request = GenerationRequest(prompt_ids, 40, GREEDY, 16, drafter="suffix")
-    calibration = engine.branch_calibrations["suffix"]
+    calibration = engine.estimates.branch_calibrations["suffix"]
     assert calibration.factor == 1.0
     first = engine.generate([request])[0]
     assert first.token_ids == decoy.answers[prompt_ids]

@@ -108,10 +108,10 @@ def test_an_engine_row_starts_with_empty_suffix_trees(monkeypatch):
 
 def test_the_machine_line_counts_the_cores_a_container_may_use(monkeypatch):
     # A CPU limit below the affinity mask (a container's) is what the run had: the line says so.
-    from handler import loading
+    from handler.runtime import host
     from scripts import bench_common
 
-    monkeypatch.setattr(loading, "usable_cpu_cores", lambda: 1)
+    monkeypatch.setattr(host, "usable_cpu_cores", lambda: 1)
     info = bench_common.machine_info()
     assert info["usable_cores"] == 1
     assert "(1 usable, " in info["description"]

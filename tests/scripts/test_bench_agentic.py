@@ -14,8 +14,8 @@ import types
 
 import pytest
 
-from handler.cost_table import CostTable
 from handler.drafters.suffix import SuffixDrafter, SuffixOptions
+from handler.planning.cost_table import CostTable
 from scripts import bench_agentic
 from tests.conftest import REPO_ROOT
 

@@ -15,10 +15,10 @@ def reproducible_unseeded(monkeypatch):
     Unseeded requests take the rejection sampler's path, seeded ones the coupling's
     (`handler.sampler`): the statistical tests check both.
     """
-    import handler.engine as engine_module
+    import handler.engine.row as row_module
 
     seeds = itertools.count()
-    monkeypatch.setattr(engine_module, "unseeded_generator", lambda: torch.Generator().manual_seed(next(seeds)))
+    monkeypatch.setattr(row_module, "unseeded_generator", lambda: torch.Generator().manual_seed(next(seeds)))
 
 
 def lookup_only_engine(tiny_models_dir):

@@ -22,7 +22,7 @@ from handler import constraints
 from handler.config import SamplingParams
 from handler.constraints import Constraint, RowGrammar
 from handler.engine import GenerationRequest
-from handler.loading import collect_eos_token_ids
+from handler.runtime.loading import collect_eos_token_ids
 from handler.sampler import warp_logits_to_probs
 
 from .test_distribution import BUG_P_VALUE, PASS_P_VALUE, chi_square_p_value

@@ -70,12 +70,14 @@ def test_engine_samples_follow_the_target(pair, sampling, seeded, reproducible_u
 def test_engine_samples_follow_the_target_with_the_confidence_stop(pair, seeded, reproducible_unseeded):
     """The draft model stops after one draft or goes on to two, by its own confidence: the tokens
     still follow the target's distribution."""
-    from handler.adaptive import CostModel
+    from handler.planning.cost_table import CostModel
     from tests.models.conftest import make_engine
 
     target, tokenizer, engine = pair
     costs = CostModel(draft_step=0.15, target_step=1.0, target_per_extra_token=0.05)
-    confident = make_engine(target, engine.draft, tokenizer, eos_token_ids=(), cost_table=costs, draft_confidence=True)
+    confident = make_engine(
+        target, engine.model_drafter.model, tokenizer, eos_token_ids=(), cost_table=costs, draft_confidence=True
+    )
     sampling, draft_counts = SETTINGS[0], collections.Counter()
     tokens = sample_two_tokens((target, tokenizer, confident), sampling, seeded, draft_counts)
     assert len(draft_counts) > 1, draft_counts  # the stop cut some chains, not others
@@ -83,7 +85,7 @@ def test_engine_samples_follow_the_target_with_the_confidence_stop(pair, seeded,
 
 
 def test_the_check_catches_a_coupling_that_reuses_one_uniform(pair, monkeypatch):
-    import handler.engine as engine_module
+    import handler.engine.verify as engine_module
     from handler.sampler import position_uniforms
 
     # Every position gets the first position's uniform: each token alone is right, the pair is not.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import handler.engine as engine_module
+import handler.engine.verify as engine_module
 from handler.config import SamplingParams
 from handler.engine import GenerationRequest
 from handler.sampler import rejection_sample, warp_logits_to_probs

@@ -69,7 +69,7 @@ def test_penalised_samples_follow_the_penalised_target(pair, seeded, reproducibl
 
 
 def test_the_check_catches_penalties_that_ignore_the_drafts_before_a_position(pair, monkeypatch, reproducible_unseeded):  # noqa: F811
-    import handler.engine as engine_module
+    import handler.engine.verify as engine_module
 
     def without_drafts(logits, sampling, base_counts, seen, draft_token_ids):
         # The bug: every position is scored with the committed history only.

@@ -119,7 +119,8 @@ def test_cpu_threads_zero_means_every_available_core():
 
     import torch
 
-    from handler.loading import set_cpu_threads, usable_cpu_cores
+    from handler.runtime.host import usable_cpu_cores
+    from handler.runtime.loading import set_cpu_threads
 
     before = torch.get_num_threads()
     try:
@@ -130,27 +131,6 @@ def test_cpu_threads_zero_means_every_available_core():
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="handler.cpu_threads"):
         HandlerConfig.from_dict({"cpu_threads": -1})
-
-
-@pytest.mark.parametrize(
-    ("files", "expected"),
-    [
-        ({"cpu.max": "800000 100000\n"}, 8),  # cgroup v2: limits.cpu "8"
-        ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 cores: rounded up
-        ({"cpu.max": "max 100000\n"}, None),
-        ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4),  # cgroup v1
-        ({"cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, None),
-        ({}, None),  # no cgroup files: no limit known
-    ],
-)
-def test_a_containers_cpu_limit_bounds_the_threads(tmp_path, files, expected):
-    # A pod limited to 8 cores on a 64-core node still has all 64 in its affinity mask.
-    from handler.loading import cgroup_cpu_limit
-
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    assert cgroup_cpu_limit(str(tmp_path)) == expected
 
 
 def test_drafter_keys():

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from handler.adaptive import Offer, expected_tokens, plan_batch
-from handler.cost_table import MAX_SCALE, MIN_OBSERVATIONS, CostTable, RunningCostTable, _cache_path, sparse_grid
+from handler.planning.cost_table import MAX_SCALE, MIN_OBSERVATIONS, CostTable, RunningCostTable, sparse_grid
+from handler.planning.measure import _cache_path
+from handler.planning.planner import Offer, expected_tokens, plan_batch
 
 # Batch 1 and 4; widths 1, 2, 4: verification costs grow with width and batch.
 TABLE = CostTable(
@@ -71,7 +72,7 @@ def test_the_cache_file_name_follows_the_key(tmp_path):
 
 
 def test_noisy_measurements_are_made_monotone_without_letting_one_spike_set_the_rest():
-    from handler.cost_table import _isotonic
+    from handler.planning.measure import _isotonic
 
     assert _isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     assert _isotonic([1.0, 5.0, 2.0, 3.0, 6.0]) == pytest.approx([1.0, 10 / 3, 10 / 3, 10 / 3, 6.0])

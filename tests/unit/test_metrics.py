@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from handler.api.openai.responses import ResponseStore
+from handler.caches.prefix_cache import PrefixCacheStats
 from handler.drafters.suffix import SuffixTreeStats
 from handler.engine import SpeculativeStats
 from handler.metrics import (
@@ -13,7 +14,6 @@ from handler.metrics import (
     ResponseStoreTally,
     SuffixTreeTally,
 )
-from handler.prefix_cache import PrefixCacheStats
 
 
 class RecordingCache:

@@ -25,7 +25,8 @@ from handler.api.openai.answers import (
     speculative_totals,
     usage,
 )
-from handler.api.openai.requests import ROUTE_CHAT, ROUTE_COMPLETIONS, OpenAIRequest
+from handler.api.openai.requests import OpenAIRequest
+from handler.api.openai.routes import ROUTE_CHAT, ROUTE_COMPLETIONS
 from handler.engine import GenerationRequest, SpeculativeStats
 from handler.token_bytes import is_byte_level
 

@@ -5,19 +5,16 @@ from __future__ import annotations
 import pytest
 
 from handler.api.native import RequestError, parse_request
-from handler.api.openai.requests import (
-    MAX_CHOICES,
+from handler.api.openai.requests import MAX_CHOICES, choice_seed, decode_openai_body, parse_openai_request
+from handler.api.openai.routes import (
     ROUTE_CHAT,
     ROUTE_COMPLETIONS,
     ROUTE_MODEL,
     ROUTE_MODELS,
     ROUTE_NATIVE,
     ROUTE_UNKNOWN,
-    choice_seed,
-    decode_openai_body,
     error_answer,
     models_answer,
-    parse_openai_request,
     route_from_url_path,
     unknown_route_error,
 )

@@ -18,8 +18,10 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from handler.api.native import RequestError
-from handler.api.openai.requests import ROUTE_RESPONSES, Route, parse_openai_entry, route_from_url_path
-from handler.api.openai.responses import ResponsesAnswer, ResponseStore, input_messages, parse_responses_request
+from handler.api.openai.requests import parse_openai_entry
+from handler.api.openai.response_answers import ResponsesAnswer
+from handler.api.openai.responses import ResponseStore, input_messages, parse_responses_request
+from handler.api.openai.routes import ROUTE_RESPONSES, Route, route_from_url_path
 from handler.config import HandlerConfig
 from tests.unit.test_openai_answers import FakeResult, stats
 

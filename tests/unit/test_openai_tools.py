@@ -18,17 +18,10 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from handler.api.native import RequestError
 from handler.api.openai.answers import OpenAIStream, response_body
-from handler.api.openai.requests import ROUTE_CHAT, ROUTE_COMPLETIONS, OpenAIRequest, parse_openai_request
-from handler.api.openai.tools import (
-    JSON_FORMAT,
-    NO_PARAMETERS,
-    Function,
-    HermesFormat,
-    JsonFormat,
-    ToolCall,
-    token_markers,
-    tool_format_for,
-)
+from handler.api.openai.requests import OpenAIRequest, parse_openai_request
+from handler.api.openai.routes import ROUTE_CHAT, ROUTE_COMPLETIONS
+from handler.api.openai.tool_formats import JSON_FORMAT, Function, HermesFormat, JsonFormat, ToolCall
+from handler.api.openai.tools import NO_PARAMETERS, token_markers, tool_format_for
 from handler.config import HandlerConfig
 from handler.constraints import KIND_GRAMMAR, KIND_JSON_SCHEMA
 from handler.engine import GenerationRequest

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from handler.prefix_cache import MIN_SHARED_TOKENS, PrefixCache, _shared_new_prefixes
+from handler.caches.prefix_cache import MIN_SHARED_TOKENS, PrefixCache, _shared_new_prefixes
 
 NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 1, 2
 # float32 KV: bytes per token over every layer, keys and values.

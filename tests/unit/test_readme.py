@@ -40,3 +40,27 @@ def test_relative_links_point_at_files_that_exist():
         text = (REPO_ROOT / doc).read_text(encoding="utf-8")
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
             assert (REPO_ROOT / "docs" / target).exists(), f"{doc}: {target}"
+
+
+def layout_paths() -> list[str]:
+    """The paths the layout table names: a row's later entries are relative to its first one's folder
+    (`handler/engine/`, `runners/` names handler/runners/)."""
+    paths = []
+    for cell in re.findall(r"^\| ([^|]*`[^|]*) \|", section("Layout"), re.MULTILINE):
+        names = re.findall(r"`([^`]+)`", cell)
+        base = names[0].rstrip("/").rpartition("/")[0]
+        paths.append(names[0])
+        paths += [f"{base}/{name}" if base and "/" not in name.rstrip("/") else name for name in names[1:]]
+    return paths
+
+
+def test_the_layout_table_matches_the_handler_tree():
+    named = set(layout_paths())
+    handler_paths = {path for path in named if path.startswith("handler/")}
+    for path in handler_paths:
+        assert (REPO_ROOT / path).exists(), path
+    for entry in sorted((REPO_ROOT / "handler").iterdir()):
+        if entry.name.startswith(("_", ".")):
+            continue
+        relative = f"handler/{entry.name}" + ("/" if entry.is_dir() else "")
+        assert relative in handler_paths, f"the README's layout table does not name {relative}"

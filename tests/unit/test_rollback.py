@@ -1,7 +1,7 @@
 """The rollback arithmetic of both caches, by hand-worked cases and against a replay of the tokens.
 
 The replays keep each cache as the list of token ids it holds and check the
-invariant of `handler.rollback`: cached tokens + pending tokens == committed
+invariant of `handler.caches.rollback`: cached tokens + pending tokens == committed
 tokens, with at least one pending token, and the draft cache keeping every fed
 draft that agrees with the committed tokens. `hypothesis` is not in the
 environment, so the property checks draw thousands of random steps from a
@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from handler.rollback import DraftRollback, draft_rollback, target_lengths_after_verify
+from handler.caches.rollback import DraftRollback, draft_rollback, target_lengths_after_verify
 
 PAD = -1  # the padding of a verify chunk beyond a row's own k; never a real token
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from handler.api.native import ParsedRequest, RequestError
-from handler.api.openai.requests import route_from_url_path
+from handler.api.openai.routes import route_from_url_path
 from handler.config import HandlerConfig
 from handler.metrics import MetricsRecorder
 from handler.serving import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from handler.drafters import MODEL, NGRAM, NO_LOOKUP, SUFFIX, Lookup
+from handler.drafters import MODEL, NGRAM, NO_DRAFTS, SUFFIX, Proposal
 from handler.drafters.hybrid import Candidate, choose
 from handler.drafters.suffix import SuffixDrafter, SuffixOptions, SuffixTreeStats
 
@@ -31,7 +31,7 @@ def test_proposes_the_continuation_of_the_request_own_text():
     drafter.observe({"a": [7, 8]})
     assert drafter.lookup("a", 8).token_ids == [9, 1, 5, 6]
     assert drafter.lookup("a", 2).token_ids == [9, 1]
-    assert drafter.lookup("a", 0) is NO_LOOKUP
+    assert drafter.lookup("a", 0) is NO_DRAFTS
 
 
 def test_learns_across_requests_and_weighs_continuations_by_count():
@@ -79,7 +79,7 @@ def test_the_shared_tree_evicts_the_oldest_output_beyond_its_bounds():
     assert drafter.stats == SuffixTreeStats(2, 8)
     drafter.add({"x": [60, 61]})
     drafter.add({"y": [9, 80, 81]})
-    assert drafter.lookup("x", 2) is NO_LOOKUP  # a's output went first
+    assert drafter.lookup("x", 2) is NO_DRAFTS  # a's output went first
     assert drafter.lookup("y", 2).token_ids == [82, 83]
 
     by_tokens = SuffixDrafter(SuffixOptions(max_cached_tokens=10))
@@ -118,7 +118,7 @@ def test_nothing_is_shared_when_the_server_or_the_request_says_so():
     closed = SuffixDrafter(SuffixOptions(share_across_requests=False))
     answered(closed, "a", PROMPT, ANSWER)
     closed.add({"b": [20, 21, 22]})
-    assert closed.stats == SuffixTreeStats(0, 0) and closed.lookup("b", 4) is NO_LOOKUP
+    assert closed.stats == SuffixTreeStats(0, 0) and closed.lookup("b", 4) is NO_DRAFTS
 
     drafter = SuffixDrafter()
     # A private request's output never enters the shared tree...
@@ -130,7 +130,7 @@ def test_nothing_is_shared_when_the_server_or_the_request_says_so():
     answered(drafter, "a", PROMPT, ANSWER)
     drafter.add({"reader": [20, 21, 22]}, private=["reader"])
     drafter.add({"sharer": [20, 21, 22]})
-    assert drafter.lookup("reader", 4) is NO_LOOKUP
+    assert drafter.lookup("reader", 4) is NO_DRAFTS
     assert drafter.lookup("sharer", 4).token_ids == [23, 24]
 
 
@@ -149,7 +149,7 @@ def test_remove_forgets_the_request_but_keeps_its_output():
 
 def candidate(proposer: str, curve: list[float]) -> Candidate:
     max_k = len(curve) - 1
-    lookup = Lookup([]) if proposer == MODEL else Lookup(list(range(max_k)))
+    lookup = Proposal([]) if proposer == MODEL else Proposal(list(range(max_k)))
     return Candidate(proposer, lookup, max_k, curve)
 
 

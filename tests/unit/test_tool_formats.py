@@ -13,15 +13,10 @@ import re
 
 import pytest
 
-from handler.api.openai.requests import ROUTE_CHAT, parse_openai_request
-from handler.api.openai.tools import (
-    FORMAT_NAMES,
-    HermesFormat,
-    Llama3JsonFormat,
-    MistralFormat,
-    token_markers,
-    tool_format_for,
-)
+from handler.api.openai.requests import parse_openai_request
+from handler.api.openai.routes import ROUTE_CHAT
+from handler.api.openai.tool_formats import FORMAT_NAMES, HermesFormat, Llama3JsonFormat, MistralFormat
+from handler.api.openai.tools import token_markers, tool_format_for
 from handler.config import TOOL_CALL_PARSERS, HandlerConfig, handler_config_from_yaml_config
 from tests.unit.test_openai_tools import FUNCTIONS, TOOLS, USER, accepts, load_tokenizer, named, openai_call
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handler.drafters import Lookup
+from handler.drafters import Proposal
 from handler.drafters.ngram import MAX_OCCURRENCES, NgramIndex
 from handler.tree import (
     ROOT,
@@ -40,11 +40,11 @@ def test_depths_and_chains():
 
 
 def test_lookup_prefix_keeps_a_tree_and_knows_a_chain():
-    lookup = Lookup(TOKENS, [0.9, 0.5, 0.4, 0.3, 0.2], PARENTS)
+    lookup = Proposal(TOKENS, [0.9, 0.5, 0.4, 0.3, 0.2], PARENTS)
     assert lookup.is_tree
-    assert lookup.prefix(1) == Lookup([10], [0.9], [ROOT])
+    assert lookup.prefix(1) == Proposal([10], [0.9], [ROOT])
     assert not lookup.prefix(1).is_tree
-    assert not Lookup([1, 2, 3]).is_tree
+    assert not Proposal([1, 2, 3]).is_tree
 
 
 def test_chunk_attention_sees_the_root_and_its_ancestors_only():
@@ -146,7 +146,7 @@ def test_ngram_tree_merges_the_occurrences_continuations():
 
 def test_ngram_tree_of_one_occurrence_is_the_chain():
     index = NgramIndex([5, 6, 7, 8, 9, 5, 6], 1, 4)
-    assert index.lookup_tree(3) == Lookup([7, 8, 9], None, [ROOT, 0, 1], [1.0, 1.0, 1.0])
+    assert index.lookup_tree(3) == Proposal([7, 8, 9], None, [ROOT, 0, 1], [1.0, 1.0, 1.0])
     assert index.lookup(3) == [7, 8, 9]
     assert index.lookup_tree(3).is_tree is False
 

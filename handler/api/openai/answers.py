@@ -23,8 +23,9 @@ import codecs
 import json
 from typing import Sequence
 
-from handler.api.openai.requests import ROUTE_CHAT, OpenAIRequest, error_answer
-from handler.api.openai.tools import ToolCall
+from handler.api.openai.requests import OpenAIRequest
+from handler.api.openai.routes import ROUTE_CHAT, error_answer
+from handler.api.openai.tool_formats import ToolCall
 from handler.detokenizer import REPLACEMENT_CHARACTER
 from handler.schema import JSON_CONTENT_TYPE, RequestError
 from handler.streaming import DeltaTracker

@@ -1,8 +1,5 @@
-"""The OpenAI-compatible API, requests side: routes, request translation, errors, the model list.
-
-TorchServe 0.12 hands the path segments after `/predictions/{model}/{version}/`
-to the handler in the `url_path` request header ("" on the native route), so a
-client uses `base_url = http://HOST:8080/predictions/{model}/{version}/v1`.
+"""The OpenAI-compatible API, requests side: request translation (routes, errors and the model list
+are in `handler.api.openai.routes`).
 
 An OpenAI body is translated into one native body per prompt and parsed by
 `handler.api.native.parse_request`, so both doors share every validation rule,
@@ -28,41 +25,31 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
 import time
 import uuid
 from typing import Any, Callable, Mapping
 
 from handler.api.native import parse_request
-from handler.api.openai.tools import (
-    FUNCTION_NAME,
-    ToolCallFormat,
-    ToolPlan,
-    message_tool_calls,
-    tool_format_for,
-    tool_plan,
+from handler.api.openai.routes import (
+    PATHS,
+    ROUTE_CHAT,
+    ROUTE_COMPLETIONS,
+    ROUTE_MODEL,
+    ROUTE_MODELS,
+    ROUTE_RESPONSES,
+    ROUTE_UNKNOWN,
+    Route,
+    models_answer,
+    unknown_route_error,
 )
+from handler.api.openai.tool_formats import ToolCallFormat
+from handler.api.openai.tools import FUNCTION_NAME, ToolPlan, message_tool_calls, tool_format_for, tool_plan
 from handler.config import HandlerConfig
 from handler.schema import REQUEST_FIELDS, SEED_RANGE, RequestError, integer_field
 from handler.types import GenerationRequest
 
-ROUTE_NATIVE = "native"
-ROUTE_COMPLETIONS = "completions"
-ROUTE_CHAT = "chat"
-ROUTE_RESPONSES = "responses"  # handler.api.openai.responses: translated into a chat request
-ROUTE_MODELS = "models"
-ROUTE_MODEL = "model"  # GET v1/models/{id}
-ROUTE_UNKNOWN = "unknown"
-PATHS = {
-    "v1/completions": ROUTE_COMPLETIONS,
-    "v1/chat/completions": ROUTE_CHAT,
-    "v1/responses": ROUTE_RESPONSES,
-    "v1/models": ROUTE_MODELS,
-}
-
 MAX_CHOICES = 8  # engine rows one request may take: prompts x n
 MAX_TOP_LOGPROBS = 20
-OWNED_BY = "torchserve"
 
 # Fields both routes translate; the native field each one feeds is in brackets.
 SHARED_FIELDS = (
@@ -143,39 +130,6 @@ STREAM_OPTIONS = ("include_usage", "include_obfuscation")
 MESSAGE_EXTRA_KEYS = ("function_call", "refusal", "audio", "annotations")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 JSON_SCHEMA_FORMAT_KEYS = ("name", "schema", "strict", "description")
-
-
-@dataclasses.dataclass(frozen=True)
-class Route:
-    """Where a request goes: `kind` is one of the ROUTE_* names; `path` is the normalised url_path."""
-
-    kind: str
-    path: str = ""
-    model_id: str | None = None  # for ROUTE_MODEL
-
-    @property
-    def is_openai(self) -> bool:
-        return self.kind != ROUTE_NATIVE
-
-
-def route_from_url_path(url_path: str | None) -> Route:
-    """Maps TorchServe's `url_path` header to a route.
-
-    Args:
-        url_path: the path after `/predictions/{model}/{version}/`: "" or None on
-            the native route (older TorchServe versions send no header).
-    Returns:
-        The route; empty segments are dropped, so `v1//models/` is `v1/models`.
-    """
-    segments = [segment for segment in (url_path or "").split("/") if segment]
-    path = "/".join(segments)
-    if not segments:
-        return Route(ROUTE_NATIVE)
-    if path in PATHS:
-        return Route(PATHS[path], path)
-    if len(segments) == 3 and segments[:2] == ["v1", "models"]:
-        return Route(ROUTE_MODEL, path, model_id=segments[2])
-    return Route(ROUTE_UNKNOWN, path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -562,57 +516,3 @@ def _text_of_parts(parts: list, field: str) -> str:
             raise RequestError(f'{field}[{index}]: only {{"type": "text", "text": ...}} parts are supported')
         texts.append(part["text"])
     return "\n".join(texts)
-
-
-# ---------------------------------------------------------------------------
-# Errors and the model list
-
-_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]/]*): ")
-_NOT_PARAMS = ("body", "server", "url")
-
-
-def error_answer(error: RequestError) -> tuple[int, dict]:
-    """The HTTP status and OpenAI error body for a refused or failed request.
-
-    The param is the field the message starts with. A prompt too long for the
-    context is a 400 with code `context_length_exceeded`, as OpenAI answers it
-    (the native route says 413).
-    """
-    message = str(error)
-    match = _FIELD_PREFIX.match(message)
-    param = match.group(1) if match and match.group(1) not in _NOT_PARAMS else None
-    status, code = error.status, None
-    if status == 413:
-        status, code = 400, "context_length_exceeded"
-    elif status == 404 and param == "model":
-        code = "model_not_found"
-    elif status == 404:
-        code = "unknown_url"
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def unknown_route_error(route: Route) -> RequestError:
-    return RequestError(
-        f"url: no route /{route.path}; this server has /v1/completions, /v1/chat/completions, /v1/responses "
-        "and /v1/models",
-        status=404,
-    )
-
-
-def model_card(model_name: str, created: int) -> dict:
-    return {"id": model_name, "object": "model", "created": created, "owned_by": OWNED_BY}
-
-
-def models_answer(route: Route, model_name: str, created: int) -> dict:
-    """GET v1/models (a list with this model) or v1/models/{id}; raises a 404 RequestError for another id."""
-    if route.kind == ROUTE_MODELS:
-        return {"object": "list", "data": [model_card(model_name, created)]}
-    assert route.kind == ROUTE_MODEL
-    if route.model_id != model_name:
-        raise RequestError(
-            f"model: the model {json.dumps(route.model_id)} does not exist; this endpoint serves "
-            f"{json.dumps(model_name)}",
-            status=404,
-        )
-    return model_card(model_name, created)

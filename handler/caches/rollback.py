@@ -1,6 +1,6 @@
 """How far each KV cache rolls back after a speculative step: plain integer arithmetic.
 
-Rolling back is cropping a row's cache to a length (`handler.kv_cache`); these
+Rolling back is cropping a row's cache to a length (`handler.caches.kv_cache`); these
 functions say which length, from token counts and token ids alone, so that the
 arithmetic can be tested without a model. The engine and the draft-model
 drafter call them and apply the result to their `RaggedCache`.

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from handler.loading import check_vocabularies
+from handler.runtime.loading import check_vocabularies
 
 
 def model(vocab_size: int):
@@ -20,7 +20,7 @@ def test_a_draft_with_another_tokenizer_gets_the_map_between_the_vocabularies(ti
     other.add_tokens(["<draft-only>"])
     other.save_pretrained(tmp_path / "draft")
     size = len(tiny_tokenizer) + 8
-    with caplog.at_level("INFO", logger="handler.loading"):
+    with caplog.at_level("INFO", logger="handler.runtime.loading"):
         mapping = check_vocabularies(tiny_tokenizer, model(size), model(size), str(tmp_path / "draft"), "models/target")
     assert mapping.num_shared == len(tiny_tokenizer) and mapping.draft_id(5) == 5
     assert mapping.target_id(len(tiny_tokenizer)) == -1  # <draft-only>

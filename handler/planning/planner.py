@@ -6,53 +6,20 @@ k draft passes plus one verification over k + 1 tokens. A request's tracker
 refines E(k) with an acceptance per draft position (`AcceptanceTracker`).
 `plan_batch` picks every row's k, and whether it drafts with the model or its
 look-up, to maximise the whole batch's expected tokens per second, with costs
-read from a measured `handler.cost_table.CostTable`; k = 0 (plain decoding,
+read from a measured `handler.planning.cost_table.CostTable`; k = 0 (plain decoding,
 still exact) wins whenever drafting does not beat it. Adaptation never touches
 the sampler, so output stays lossless.
 
-`CostModel` is a linear cost table (a fixed cost per pass plus one per extra
-verified token), for tests and back-of-the-envelope estimates; a served model
-plans with the table measured at start-up.
+The estimates it plans with are in `handler.planning.estimators`; `ConfidenceStop`
+and `choose_runners_up` price the draft model's stop and its runners-up the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import statistics
 from typing import Callable, Sequence
 
-# Weight of past steps in the acceptance estimate (about the last 10 steps count).
-DECAY = 0.9
-# Steps a request drafts before its own acceptance estimate plans it; until then, and again
-# after PROBE_INTERVAL steps without drafts, it is planned with the pool's: every request's
-# steps together (`POOL_DECAY`). A row whose own estimate keeps it at k = 0 then drafts once more
-# where a typical row would, so that its estimate can recover, and a new row under load is not
-# made to draft before the batch would gain from it.
-MIN_STEPS_BEFORE_FALLBACK = 4
-PROBE_INTERVAL = 32
-# The pool's weight of past steps: about the last 100 row-steps of every request count.
-POOL_DECAY = 0.99
-# Draft positions with their own acceptance estimate (max_num_speculative_tokens is at most 32).
-MAX_POSITIONS = 32
-# Weight, in steps, of the overall rate in each position's estimate.
-POSITION_PRIOR = 2.0
-
-
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-    """A linear cost table: the draft on one token, the target on 1 + k tokens, any batch size."""
-
-    draft_step: float
-    target_step: float
-    target_per_extra_token: float
-
-    def target_seconds(self, batch_size: int, width: int) -> float:
-        """The cost-table view of this linear model (it ignores the batch size)."""
-        return self.target_step + (width - 1) * self.target_per_extra_token
-
-    def draft_seconds(self, batch_size: int) -> float:
-        return self.draft_step
+from handler.planning.estimators import ConfidenceCalibration
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -216,207 +183,6 @@ def _priced(rows: list[_Row], width: int, drafts: int, step_seconds: Callable[[i
     return BatchPlan(tuple(ks), tuple(uses_model), any_tree, passes, tokens, seconds)
 
 
-# The realized check of drafting against plain decoding (`OutcomeCheck`): step rates per arm and
-# batch size in its window, the steps each arm needs before a verdict, how often the arm the
-# verdict leaves out still runs (one step in EXPLORE_CLOSE while the two arms are within
-# CLOSE_MARGIN of each other, else one in EXPLORE_FAR), and how often an arm with too few steps runs.
-OUTCOME_WINDOW = 32
-OUTCOME_MIN_STEPS = 8
-EXPLORE_CLOSE = 16
-EXPLORE_FAR = 64
-CLOSE_MARGIN = 0.25
-EXPLORE_UNSEEN = 4
-# The other arm runs in bursts of this many steps: the first drafting step after plain ones feeds
-# the draft every token it missed (a wide catch-up pass) and is not a fair sample; the engine
-# samples a drafting step only after one that drafted.
-EXPLORE_BURST = 4
-
-
-def batch_bucket(batch_size: int) -> int:
-    """The power of two nearest to `batch_size` by ratio: the batch sizes `OutcomeCheck` pools."""
-    return 2 ** round(math.log2(batch_size))
-
-
-class OutcomeCheck:
-    """Whether the steps that drafted gave more tokens per second than the plain steps, as they ran.
-
-    The plan prices steps with a cost table, and on a busy machine the table can be off by the
-    10 to 20 % that separate drafting from plain decoding under load; there the plan would draft
-    at a loss it cannot see. So the engine times every step, per batch size (its nearest grid
-    point) and per arm (a step that drafted, a step that did not), as tokens per second per row,
-    and the medians over a window give a verdict: the plan runs where its arm is the faster, and
-    the other arm runs one step in a few, enough to notice when the verdict changes. Drafting or
-    not never changes the output, so neither does the check.
-    """
-
-    def __init__(self) -> None:
-        self.rates: dict[tuple[int, bool], list[float]] = {}
-
-    def observe(self, bucket: int, drafted: bool, rate: float) -> None:
-        """A step of this batch-size bucket, that drafted or not, gave `rate` tokens per second per row."""
-        window = self.rates.setdefault((bucket, drafted), [])
-        window.append(rate)
-        del window[:-OUTCOME_WINDOW]
-
-    def ratio(self, bucket: int) -> float | None:
-        """Drafting's median rate over plain decoding's at this bucket; None while either has too few steps."""
-        drafted, plain = self.rates.get((bucket, True), []), self.rates.get((bucket, False), [])
-        if len(drafted) < OUTCOME_MIN_STEPS or len(plain) < OUTCOME_MIN_STEPS:
-            return None
-        return statistics.median(drafted) / statistics.median(plain)
-
-    def arm(self, bucket: int, planned: bool, step: int) -> bool:
-        """Whether step number `step` at this bucket drafts, given whether the plan drafts."""
-        ratio = self.ratio(bucket)
-        if ratio is None:
-            # The arm with fewer steps takes a burst in every EXPLORE_UNSEEN, the plan the others.
-            unseen = len(self.rates.get((bucket, True), [])) <= len(self.rates.get((bucket, False), []))
-            return unseen if _burst(step, EXPLORE_UNSEEN) else planned
-        faster = ratio > 1.0  # the plan's choice gives way where it lost as it ran
-        every = EXPLORE_CLOSE if abs(math.log(ratio)) < math.log(1.0 + CLOSE_MARGIN) else EXPLORE_FAR
-        return (not faster) if _burst(step, every) else faster
-
-
-def _burst(step: int, every: int) -> bool:
-    """Whether step number `step` falls in the burst of EXPLORE_BURST steps that opens every
-    `every` bursts' worth of steps: one step in `every` on average, in runs."""
-    return step % (every * EXPLORE_BURST) < EXPLORE_BURST
-
-
-class AcceptanceTracker:
-    """A decayed estimate of one request's acceptance, overall and per draft position.
-
-    Overall: a step that accepts n of k drafts is n successes and, when n < k,
-    one failure: the maximum-likelihood view of a geometric run. A uniform
-    prior (one success, one failure) keeps the first steps from swinging to 0
-    or 1.
-
-    Per position: the chance that draft j is accepted once drafts 1..j-1 were.
-    Acceptance is not independent per token. A look-up is often wrong at its
-    first token but, once right, right for a long copied run, and one rate for
-    every position misjudges what a longer look-up adds. Each position's
-    estimate starts at the overall rate with weight `POSITION_PRIOR` steps, so
-    positions rarely reached fall back to the geometric model.
-    """
-
-    def __init__(self, decay: float = DECAY) -> None:
-        """`decay`: the weight of past steps (a pool of every request's steps forgets slower)."""
-        self.decay = decay
-        self.successes = 0.0
-        self.failures = 0.0
-        self.num_steps = 0
-        self.reached = [0.0] * MAX_POSITIONS  # decayed steps that verified draft j (j - 1 accepted)
-        self.passed = [0.0] * MAX_POSITIONS  # ... and accepted it
-
-    def update(self, num_accepted: int, k: int) -> None:
-        if k == 0:
-            return
-        decay = self.decay
-        self.successes = decay * self.successes + num_accepted
-        self.failures = decay * self.failures + (1.0 if num_accepted < k else 0.0)
-        self.num_steps += 1
-        for j in range(MAX_POSITIONS):
-            self.reached[j] = decay * self.reached[j] + (1.0 if j <= num_accepted and j < k else 0.0)
-            self.passed[j] = decay * self.passed[j] + (1.0 if j < num_accepted else 0.0)
-
-    @property
-    def acceptance(self) -> float:
-        return (self.successes + 1.0) / (self.successes + self.failures + 2.0)
-
-    def expected_curve(self, max_k: int) -> list[float]:
-        """E(0..max_k): expected tokens from a step with k drafts, bonus token included."""
-        overall = self.acceptance
-        curve, survive = [1.0], 1.0
-        for j in range(max_k):
-            if j < MAX_POSITIONS:
-                survive *= (self.passed[j] + POSITION_PRIOR * overall) / (self.reached[j] + POSITION_PRIOR)
-            else:
-                survive *= overall
-            curve.append(curve[-1] + survive)
-        return curve
-
-
-# Draft confidence: the draft model's own probability of each token it drafts (softmax of its
-# logits, before any warping). Hugging Face's assisted generation stops drafting below a fixed
-# cut-off; here a calibration maps confidence to the chance that the target accepts the draft,
-# and the cost table decides whether one more draft pays (`ConfidenceStop`).
-CONFIDENCE_BINS = 10
-# Per draft observed in a bin: about the last 200 drafts of each bin count.
-CONFIDENCE_DECAY = 0.995
-# Weight, in drafts, of each bin's prior: acceptance equal to the bin's mean confidence.
-CONFIDENCE_PRIOR = 4.0
-
-
-class ConfidenceCalibration:
-    """How often the target accepts a draft of a given confidence, from the drafts verified so far.
-
-    Confidence is cut into `CONFIDENCE_BINS` equal bins; each keeps decayed counts of
-    the drafts verified in it and of those accepted. A bin starts at its own mean
-    confidence (a calibrated draft whose argmax is the target's), with the weight of
-    `CONFIDENCE_PRIOR` drafts, so that empty bins stay sensible.
-    """
-
-    def __init__(self) -> None:
-        self.verified = [0.0] * CONFIDENCE_BINS
-        self.accepted = [0.0] * CONFIDENCE_BINS
-
-    @staticmethod
-    def _bin(confidence: float) -> int:
-        return min(max(int(confidence * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
-
-    def acceptance(self, confidence: float) -> float:
-        """The estimated chance that the target accepts a draft of this confidence."""
-        index = self._bin(confidence)
-        prior = (index + 0.5) / CONFIDENCE_BINS
-        return (self.accepted[index] + CONFIDENCE_PRIOR * prior) / (self.verified[index] + CONFIDENCE_PRIOR)
-
-    @property
-    def mean_acceptance(self) -> float:
-        """The chance that the target accepts a draft whose confidence is not known yet: over every
-        draft judged so far, with the weight of `CONFIDENCE_PRIOR` drafts at one half."""
-        return (sum(self.accepted) + CONFIDENCE_PRIOR * 0.5) / (sum(self.verified) + CONFIDENCE_PRIOR)
-
-    def update(self, confidences: Sequence[float], num_accepted: int) -> None:
-        """Takes one verified chain: drafts 0..num_accepted-1 accepted, the next one (if any) rejected.
-
-        Drafts after the first rejection were never judged and are left out.
-        """
-        assert 0 <= num_accepted <= len(confidences), (num_accepted, len(confidences))
-        for position, confidence in enumerate(confidences[: num_accepted + 1]):
-            index = self._bin(confidence)
-            self.verified[index] = CONFIDENCE_DECAY * self.verified[index] + 1.0
-            self.accepted[index] = CONFIDENCE_DECAY * self.accepted[index] + float(position < num_accepted)
-
-
-class GuessRate:
-    """The share of a row's model drafts that came free, for guessed drafting (`handler.drafters`).
-
-    A step's first draft always takes a draft pass; each later one is free when the look-up
-    guessed the drafts before it, so that an earlier pass of the step already gave its logits.
-    Decayed counts, as `AcceptanceTracker`'s; the prior (one draft that was not free) keeps a
-    row that has not drafted with guesses yet at one pass per draft.
-    """
-
-    def __init__(self) -> None:
-        self.free = 0.0
-        self.chances = 1.0
-
-    @property
-    def rate(self) -> float:
-        return self.free / self.chances
-
-    def update(self, num_drafts: int, num_passes: int) -> None:
-        """Takes one step's drafts and the draft passes they needed."""
-        if num_drafts <= 1:
-            return
-        self.free = DECAY * self.free + (num_drafts - num_passes)
-        self.chances = DECAY * self.chances + (num_drafts - 1)
-
-    def passes(self, num_drafts: int) -> float:
-        """The expected draft passes of `num_drafts` drafts."""
-        return 0.0 if num_drafts <= 0 else 1.0 + (num_drafts - 1) * (1.0 - self.rate)
-
-
 class ConfidenceStop:
     """Decides, draft by draft, whether the draft model drafts one more token for the batch.
 
@@ -470,49 +236,6 @@ class ConfidenceStop:
         seconds = self.step_seconds(num_drafted)
         extra = self.step_seconds(num_drafted + 1) - seconds
         return gain * seconds > self.tokens * extra
-
-
-# A look-up tree's branches (its nodes off the first-choice path, `handler.tree`) are scored by
-# guesses: an n-gram continuation's share of the matched occurrences, or a suffix tree's counts,
-# times the row's acceptance at that depth. On code edits these guesses ran about 8x too high (8.5
-# accepted branch nodes expected, 1 seen, over 16 trees), so each step a tree paid for columns that
-# were almost never taken. `BranchCalibration` scales them by what was seen. The engine keeps one
-# more for a suffix look-up's own chain probabilities (its counts, not the target's acceptance).
-# Per tree step that verified branches: about the last 50 such steps count.
-BRANCH_DECAY = 0.98
-# Weight, in expected accepted nodes, of the prior belief that the guesses are right.
-BRANCH_PRIOR = 1.0
-
-
-class BranchCalibration:
-    """The ratio of branch nodes accepted to branch nodes expected, for one kind of look-up.
-
-    Both counts decay; the prior (`BRANCH_PRIOR` expected and accepted) starts the factor at 1.
-    The factor is capped at 1, so a branch never outranks its first-choice sibling. A step whose
-    plan cut every branch verifies none, and would teach the factor nothing: `relax` decays the
-    counts toward the prior instead, so that branches are tried again after a while (about 100
-    such steps bring a factor of 0.1 back to 0.3).
-    """
-
-    def __init__(self) -> None:
-        self.expected = 0.0
-        self.accepted = 0.0
-
-    @property
-    def factor(self) -> float:
-        return min(1.0, (self.accepted + BRANCH_PRIOR) / (self.expected + BRANCH_PRIOR))
-
-    def update(self, expected: float, accepted: int) -> None:
-        """Takes one verified tree: the uncalibrated estimates of its branch nodes summed, and how
-        many of those nodes the walk accepted."""
-        assert expected >= 0.0 and accepted >= 0, (expected, accepted)
-        self.expected = BRANCH_DECAY * self.expected + expected
-        self.accepted = BRANCH_DECAY * self.accepted + accepted
-
-    def relax(self) -> None:
-        """A tree whose branches were all cut: no evidence, a step back toward the prior."""
-        self.expected *= BRANCH_DECAY
-        self.accepted *= BRANCH_DECAY
 
 
 def chain_expected_tokens(acceptances: Sequence[float]) -> float:

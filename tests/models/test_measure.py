@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from handler import cost_table
-from handler.cost_table import measure_cost_table
+from handler.planning import cost_table, measure
+from handler.planning.measure import measure_cost_table
 
 
 def test_measures_every_grid_point_in_a_couple_of_seconds(tiny_pair):
@@ -38,13 +38,13 @@ def test_the_cache_is_read_back_and_a_stale_key_re_measures(tiny_pair, tmp_path,
     assert len(list(tmp_path.glob("cost_table-*.json"))) == 1
 
     calls = []
-    real_time_grid = cost_table._time_grid
+    real_time_grid = measure._time_grid
 
     def counting_time_grid(*args, **kwargs):
         calls.append(args[2:4])
         return real_time_grid(*args, **kwargs)
 
-    monkeypatch.setattr(cost_table, "_time_grid", counting_time_grid)
+    monkeypatch.setattr(measure, "_time_grid", counting_time_grid)
     again = measure_cost_table(target, draft, 3, 2, repeats=1, warmups=0, cache_dir=str(tmp_path), model_identity="m/1")
     assert again == first and calls == []
 

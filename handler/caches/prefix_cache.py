@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from handler.kv_cache import RaggedCache, prefill, prefill_with_logits
+from handler.caches.kv_cache import RaggedCache, prefill, prefill_with_logits
 
 # The least new prefix two joining rows must share to be computed once before their rows.
 MIN_SHARED_TOKENS = 16

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
+from handler.caches.kv_cache import check_cache_support
 from handler.config import HandlerConfig
-from handler.kv_cache import check_cache_support
+from handler.runtime.host import usable_cpu_cores
 
 logger = logging.getLogger(__name__)
 
@@ -41,50 +42,6 @@ def select_device(gpu_id: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> int | None:
-    """The CPU limit of this process's cgroup in whole cores (rounded up), or None when unlimited.
-
-    A container's CPU limit (Kubernetes `resources.limits.cpu`, `docker run
-    --cpus`) is a CFS quota, not an affinity mask: the process still sees every
-    core of the node, and one thread per node core would be throttled to the
-    quota. cgroup v2 writes it as `cpu.max` ("QUOTA PERIOD" or "max PERIOD"),
-    cgroup v1 as `cpu.cfs_quota_us` and `cpu.cfs_period_us` (quota -1: none).
-    """
-
-    def read(*names: str) -> list[str] | None:
-        for name in names:
-            try:
-                with open(os.path.join(root, name), encoding="ascii") as f:
-                    return f.read().split()
-            except OSError:
-                continue
-        return None
-
-    v2 = read("cpu.max")
-    if v2 is not None and len(v2) == 2:
-        quota, period = v2
-    else:
-        v1_quota = read("cpu/cpu.cfs_quota_us", "cpu,cpuacct/cpu.cfs_quota_us")
-        v1_period = read("cpu/cpu.cfs_period_us", "cpu,cpuacct/cpu.cfs_period_us")
-        if not v1_quota or not v1_period:
-            return None
-        quota, period = v1_quota[0], v1_period[0]
-    try:
-        quota_us, period_us = int(quota), int(period)
-    except ValueError:  # "max": no limit
-        return None
-    if quota_us <= 0 or period_us <= 0:
-        return None
-    return max(1, -(-quota_us // period_us))
-
-
-def usable_cpu_cores() -> int:
-    """The cores this process may use: its affinity mask, bounded by its cgroup's CPU limit."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    limit = cgroup_cpu_limit()
-    return cores if limit is None else min(cores, limit)
-
-
 def set_cpu_threads(requested: int) -> int:
     """Sets torch's CPU threads: `requested`, or every core this process may use when 0.
 
@@ -104,7 +61,7 @@ def resolve_dtype(
 ) -> torch.dtype:
     """`auto` is bfloat16 on a GPU; on the CPU, float32 unless bfloat16 measures clearly faster.
 
-    The CPU rule is `handler.cpu_speed.choose_cpu_dtype`: float32 keeps greedy
+    The CPU rule is `handler.runtime.cpu_speed.choose_cpu_dtype`: float32 keeps greedy
     output token for token; bfloat16 is taken when float32 would not fit in
     memory, or when the weights are large and bfloat16 runs at least 1.25x
     faster on one decoder layer's shapes (CPUs with native bfloat16).
@@ -119,7 +76,7 @@ def resolve_dtype(
         return DTYPE_BY_NAME[name]
     if device.type == "cuda":
         return torch.bfloat16
-    from handler.cpu_speed import checkpoint_fp32_bytes, choose_cpu_dtype, first_layer_weight_shapes
+    from handler.runtime.cpu_speed import checkpoint_fp32_bytes, choose_cpu_dtype, first_layer_weight_shapes
 
     shapes = first_layer_weight_shapes(model_paths[0]) if model_paths else []
     return choose_cpu_dtype(checkpoint_fp32_bytes(list(model_paths)), shapes, max_width)
@@ -260,12 +217,12 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
         if config.draft_quantization == "int8":
             if device.type != "cpu":
                 raise ValueError("handler.draft_quantization: int8 runs on the CPU only; use none on a GPU")
-            from handler.cpu_speed import quantize_draft_int8
+            from handler.runtime.cpu_speed import quantize_draft_int8
 
             draft = quantize_draft_int8(draft)
         check_cache_support(draft)
     if device.type == "cpu" and config.cpu_packed_weights:
-        from handler.cpu_speed import pack_linear_layers, tied_head_copy_fits
+        from handler.runtime.cpu_speed import pack_linear_layers, tied_head_copy_fits
 
         # After quantization: an int8 draft's layers are not nn.Linear and stay as they are.
         num_target = pack_linear_layers(target, copy_tied_head=tied_head_copy_fits(target))
@@ -274,7 +231,7 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
     check_cache_support(target)
     draft_quantization = "int8" if config.draft_quantization == "int8" else "none"
     if draft is not None and config.draft_quantization == "auto" and device.type == "cpu":
-        from handler.cpu_speed import choose_draft_quantization
+        from handler.runtime.cpu_speed import choose_draft_quantization
 
         # Timed as it will serve: the float draft packed, against its int8 form.
         draft, draft_quantization = choose_draft_quantization(draft)

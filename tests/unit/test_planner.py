@@ -1,4 +1,5 @@
-"""plan_batch: every row's drafts, priced for the whole batch by an injected cost table."""
+"""The planner: plan_batch (every row's drafts, priced for the whole batch by an injected cost table),
+the expected-tokens formula, the confidence stop and the runners-up."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import itertools
 
 import pytest
 
-from handler.adaptive import Offer, expected_tokens, plan_batch
-from handler.cost_table import CostTable
+from handler.planning.cost_table import CostModel, CostTable
+from handler.planning.planner import Offer, expected_tokens, plan_batch
 
+# Draft costs 0.2 of a target pass; verifying extra tokens is free (the GPU-like case).
+CHEAP_DRAFT = CostModel(draft_step=0.2, target_step=1.0, target_per_extra_token=0.0)
 WIDTHS = (1, 2, 3, 4, 8, 9)
 
 
@@ -159,7 +162,7 @@ def test_the_bound_that_skips_planning_never_changes_the_plan(monkeypatch):
     (width, drafts) pair, over random batches where plain decoding wins and where it loses."""
     import random
 
-    from handler import adaptive
+    from handler.planning import planner
 
     rng = random.Random(7)
     cases = []
@@ -177,17 +180,111 @@ def test_the_bound_that_skips_planning_never_changes_the_plan(monkeypatch):
         cases.append((offers, step_seconds(costs, len(offers), tree_factor=rng.uniform(0.9, 1.5))))
 
     fired = []
-    original = adaptive._plain_if_bound
+    original = planner._plain_if_bound
 
     def counted(*args):
         plan = original(*args)
         fired.append(plan is not None)
         return plan
 
-    monkeypatch.setattr(adaptive, "_plain_if_bound", counted)
+    monkeypatch.setattr(planner, "_plain_if_bound", counted)
     bounded = [plan_batch(offers, seconds) for offers, seconds in cases]
-    monkeypatch.setattr(adaptive, "_plain_if_bound", lambda *args: None)
+    monkeypatch.setattr(planner, "_plain_if_bound", lambda *args: None)
     priced = [plan_batch(offers, seconds) for offers, seconds in cases]
     assert [(p.ks, p.uses_model, p.trees) for p in bounded] == [(p.ks, p.uses_model, p.trees) for p in priced]
     assert 20 <= sum(fired) <= len(fired) - 20, sum(fired)  # both kinds of batch occurred
     assert any(p.width for p in priced)
+
+
+def test_expected_tokens_matches_the_geometric_series():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8**5) / 0.2)
+
+
+def test_linear_cost_model_as_a_cost_table():
+    assert CHEAP_DRAFT.target_seconds(4, 5) == CHEAP_DRAFT.target_seconds(1, 1) == 1.0
+    assert CHEAP_DRAFT.draft_seconds(2) == 0.2
+    assert CostModel(0.1, 1.0, 0.25).target_seconds(1, 3) == pytest.approx(1.5)
+
+
+def linear_step_seconds(draft_step: float, per_column: float):
+    """n drafts -> seconds: a target pass of 1 + n columns and n draft passes."""
+    return lambda num_drafts: 1.0 + per_column * num_drafts + draft_step * num_drafts
+
+
+def test_confidence_stop_drafts_on_while_one_more_draft_pays():
+    from handler.planning.estimators import ConfidenceCalibration
+    from handler.planning.planner import ConfidenceStop
+
+    calibration = ConfidenceCalibration()  # acceptance = confidence (its prior)
+    step_seconds = linear_step_seconds(draft_step=0.1, per_column=0.0)
+    confident = ConfidenceStop([calibration], [0.8], 8, 0.0, step_seconds)
+    assert all(confident(n, [0.99]) for n in range(1, 8))
+    assert not confident(8, [0.99])  # never past max_drafts
+
+    # An unsure draft leaves little chance that a further one is reached: stop there.
+    unsure = ConfidenceStop([calibration], [0.8], 8, 0.0, step_seconds)
+    assert unsure(1, [0.95])
+    assert not unsure(2, [0.05])
+
+    # The same confident drafts stop sooner where each one costs more.
+    dear = ConfidenceStop([calibration], [0.8], 8, 0.0, linear_step_seconds(draft_step=0.4, per_column=0.2))
+    num_drafts = 1
+    while dear(num_drafts, [0.95]):
+        num_drafts += 1
+    assert 1 < num_drafts < 8
+
+
+def test_confidence_stop_weighs_the_whole_batch():
+    from handler.planning.estimators import ConfidenceCalibration
+    from handler.planning.planner import ConfidenceStop
+
+    calibration = ConfidenceCalibration()
+    step_seconds = linear_step_seconds(draft_step=0.1, per_column=0.0)
+    # One confident row keeps the batch drafting though the other row has given up.
+    mixed = ConfidenceStop([calibration, calibration], [0.8, 0.8], 8, 0.0, step_seconds)
+    assert mixed(1, [0.95, 0.05])
+    assert mixed(2, [0.95, 0.95])
+    # Many rows that gain nothing from drafting (look-ups, plain decoding) make a draft pass dear.
+    crowded = ConfidenceStop([calibration], [0.8], 8, 30.0, step_seconds)
+    assert not crowded(1, [0.95])
+
+
+def test_runners_up_join_best_first_while_a_wider_pass_pays():
+    from handler.planning.planner import choose_runners_up
+
+    # Row 0: a sure first draft, an unsure second; row 1: an unsure first draft.
+    acceptances = [[0.9, 0.3, 0.8], [0.2, 0.9]]
+    runner_up = [[0.5, 0.6, 0.5], [0.7, 0.5]]
+
+    def free(width):
+        return 1.0
+
+    # Free width: every runner-up with a gain joins, up to each row's node budget.
+    assert choose_runners_up(acceptances, runner_up, [6, 4], 3, 3.0, free) == [[0, 1, 2], [0, 1]]
+    # A budget of one more node: the best gain of the row. Row 0: 0.1 * 0.5 at 0, 0.9 * 0.7 * 0.6 at 1.
+    assert choose_runners_up(acceptances, runner_up, [4, 3], 3, 3.0, free) == [[1], [0]]
+    # A budget no larger than the chain: nothing joins.
+    assert choose_runners_up(acceptances, runner_up, [3, 2], 3, 3.0, free) == [[], []]
+
+    def linear(width):
+        return 1.0 + 0.1 * width
+
+    # A column costs 0.1: a runner-up that widens the pass must bring tokens/seconds x 0.1 (about 0.3).
+    # Gains: row 1 position 0 0.56 (within the width: free), row 0 position 1 0.378 (widens), row 0
+    # position 0 0.05 (would widen: left out), row 1 position 1 0.01 (within the new width: free).
+    chosen = choose_runners_up(acceptances, runner_up, [6, 4], 3, 3.0, linear)
+    assert chosen == [[1], [0, 1]]
+    # Rows narrower than the widest add no cost until they pass it.
+    assert choose_runners_up([[0.5]], [[0.01]], [2], 5, 3.0, linear) == [[0]]
+    assert choose_runners_up([[0.5]], [[0.01]], [2], 1, 3.0, linear) == [[]]
+
+
+def test_chain_expected_tokens_is_the_geometric_series_for_one_rate():
+    from handler.planning.planner import chain_expected_tokens
+
+    assert chain_expected_tokens([]) == 1.0
+    assert chain_expected_tokens([0.8] * 4) == pytest.approx(expected_tokens(0.8, 4))
+    assert chain_expected_tokens([0.5, 1.0, 0.0, 1.0]) == pytest.approx(1 + 0.5 + 0.5)

@@ -42,6 +42,8 @@ import time
 
 import torch
 
+from handler.runtime.host import host_available_memory
+
 logger = logging.getLogger(__name__)
 
 # bfloat16 must beat float32 by this factor for `dtype: auto` to give up float32's exactness.
@@ -147,8 +149,6 @@ def pack_linear_layers(model: torch.nn.Module, copy_tied_head: bool = False) -> 
 def tied_head_copy_fits(model: torch.nn.Module) -> bool:
     """Whether the model's output head is tied to its input embedding and a packed copy of it takes
     at most `TIED_HEAD_COPY_MEMORY_FRACTION` of the host memory available now (cgroup included)."""
-    from handler.memory_budget import host_available_memory
-
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if type(head) is not torch.nn.Linear or embedding is None or head.weight is not embedding.weight:
@@ -175,17 +175,6 @@ def unpack_linear_layers(model: torch.nn.Module) -> int:
                 setattr(parent, name, child.to_linear())
                 num_replaced += 1
     return num_replaced
-
-
-def _available_memory_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 @torch.inference_mode()
@@ -289,7 +278,7 @@ def choose_cpu_dtype(fp32_bytes: int, weight_shapes: list[tuple[int, int]], max_
     Returns:
         torch.float32 or torch.bfloat16.
     """
-    available = _available_memory_bytes()
+    available, _ = host_available_memory()
     if available is not None and fp32_bytes > FP32_MEMORY_FRACTION * available and onednn_supports(torch.bfloat16):
         logger.info(
             "dtype auto: bfloat16, float32 weights (%.1f GB) exceed %.0f%% of the available memory (%.1f GB)",
@@ -318,9 +307,9 @@ def choose_cpu_dtype(fp32_bytes: int, weight_shapes: list[tuple[int, int]], max_
 def decode_step_seconds(model: torch.nn.Module, context: int = 64, repeats: int = 5) -> float:
     """The median seconds of one decoding step: one row, one new token after `context` cached ones.
 
-    Timed through the engine's own cache (`handler.kv_cache`), on random token ids.
+    Timed through the engine's own cache (`handler.caches.kv_cache`), on random token ids.
     """
-    from handler.kv_cache import prefill
+    from handler.caches.kv_cache import prefill
 
     vocab_size = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)

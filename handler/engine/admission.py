@@ -1,0 +1,182 @@
+"""Admission: the batch's rows, who joins it (prefilled through the target's prefix cache) and who leaves.
+
+The prefix cache's budget is shared by both models in proportion to their KV bytes per token
+(`split_prefix_cache`). A joining row's prompt is looked up in the target's cache, the rest
+prefilled, and its KV joins the running batch's cache (`Batch.admit`); the drafters start
+following it. A leaving row's prompt and completion go into the prefix cache, its prompt's node
+is unlocked, and the drafters forget it (`Batch.drop`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Mapping
+
+import torch
+
+from handler import runners
+from handler.caches.kv_cache import kv_bytes_per_token
+from handler.caches.prefix_cache import PrefixCache, PrefixCacheStats, prefill_with_cache
+from handler.caches.rollback import target_lengths_after_verify
+from handler.drafters import HYBRID, MODEL, NGRAM, SUFFIX, Drafter
+from handler.engine.row import Row
+
+
+def split_prefix_cache(target, draft, max_bytes: int | None) -> tuple[PrefixCache | None, PrefixCache | None]:
+    """The target's and the draft's prefix caches within `max_bytes` together (None: no prefix cache)."""
+    if max_bytes is None:
+        return None, None
+    # Split in proportion to each model's KV bytes per token: both then hold about as many tokens.
+    target_share = kv_bytes_per_token(target)
+    draft_share = kv_bytes_per_token(draft) if draft is not None else 0
+    target_bytes = max_bytes * target_share // (target_share + draft_share)
+    return PrefixCache(target_bytes), None if draft is None else PrefixCache(max_bytes - target_bytes)
+
+
+class Batch:
+    """The rows in flight, in the target cache's row order, with the requests waiting to join."""
+
+    def __init__(
+        self, target, runner, prefix_cache: PrefixCache | None, pad_token_id: int, drafters: Mapping[str, Drafter]
+    ) -> None:
+        self.target = target
+        self.runner = runner
+        self.prefix_cache = prefix_cache
+        self.pad_token_id = pad_token_id
+        self.drafters = drafters
+        self.rows: list[Row] = []
+        self.waiting: list[Row] = []
+        self.aborted: set[Hashable] = set()
+        self.cache: runners.BatchCache | None = None  # the target's KV of the rows
+        # Prompt tokens admitted, and those of them whose target KV came from the prefix cache.
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+
+    def queue(self, row: Row) -> None:
+        if any(other.request_id == row.request_id for other in (*self.rows, *self.waiting)):
+            raise ValueError(f"request id {row.request_id!r} is already in flight")
+        self.aborted.discard(row.request_id)
+        self.waiting.append(row)
+
+    def drop_aborted(self) -> None:
+        self.drop([row for row in self.rows if row.request_id in self.aborted])
+        self.waiting = [row for row in self.waiting if row.request_id not in self.aborted]
+        self.aborted.clear()
+
+    def admit(self) -> tuple[list[Row], torch.Tensor | None]:
+        """Prefills the waiting rows and appends them to the batch.
+
+        A row whose k is 0 (plain) is prefilled over its whole prompt: the logits after its last
+        prompt token give its first token. A drafting row is prefilled up to the prompt's last
+        token, which its first step verifies with the drafts that follow it. The two kinds are
+        prefilled apart where both join at once.
+
+        Returns:
+            the plain rows admitted, and the logits after their prompts [rows, 1, vocab] (or None).
+        """
+        new_rows, self.waiting = self.waiting, []
+        plain = [row for row in new_rows if row.request.num_speculative_tokens == 0]
+        drafting = [row for row in new_rows if row.request.num_speculative_tokens > 0]
+        first_logits = None
+        for group, whole in ((plain, True), (drafting, False)):
+            if group:
+                logits = self._prefill(group, whole)
+                first_logits = first_logits if logits is None else logits
+                self.rows.extend(group)
+
+        # A row whose k is 0 never drafts: no drafter needs to read its prompt.
+        def prompts(*drafters: str) -> dict:
+            return {r.request_id: r.request.prompt_ids for r in drafting if r.drafter in drafters}
+
+        self.drafters[NGRAM].add(prompts(NGRAM, HYBRID))
+        private = [r.request_id for r in drafting if r.request.suffix_share_across_requests is False]
+        self.drafters[SUFFIX].add(prompts(SUFFIX, HYBRID), private=private)
+        if MODEL in self.drafters:
+            self.drafters[MODEL].add(prompts(MODEL, HYBRID))
+        return plain, first_logits
+
+    def rollback(self, ks: list[int], num_accepted: list[int], paths: list[list[int]]) -> None:
+        """Keeps each row's pending token and accepted drafts in the target cache (a tree's accepted
+        path first moves to the front of the chunk)."""
+        if any(path != list(range(len(path))) for path in paths):
+            self.cache.keep_chunk_paths(max(ks) + 1, paths)
+        kept_lengths = target_lengths_after_verify(self.cache.lengths.tolist(), ks, num_accepted)
+        self.cache.rollback(torch.tensor(kept_lengths, dtype=torch.long))
+
+    def drop(self, rows: list[Row], consistent: bool = True) -> None:
+        """Removes rows from the batch and from every drafter.
+
+        `consistent`: the caches hold what the rows committed (between steps), so their
+        prompts and completions go into the prefix caches; False after a failed step.
+        """
+        if not rows:
+            return
+        gone = {row.request_id for row in rows}
+        sequences = {row.request_id: (*row.request.prompt_ids, *row.token_ids) for row in rows} if consistent else None
+        self._release(rows, sequences)
+        keep = [slot for slot, row in enumerate(self.rows) if row.request_id not in gone]
+        self.rows = [self.rows[slot] for slot in keep]
+        if not self.rows:
+            self.cache = None  # an empty batch restarts from a fresh cache
+        elif len(keep) < self.cache.lengths.shape[0]:
+            self.cache.select_rows(keep)
+        for drafter in self.drafters.values():
+            drafter.remove(list(gone), sequences)
+
+    def _prefill(self, rows: list[Row], whole: bool) -> torch.Tensor | None:
+        """Prefills the rows' prompts (`whole`: all of each, else all but its last token) into the
+        batch's cache; with `whole`, returns the logits after each prompt [rows, 1, vocab]."""
+        filled = prefill_with_cache(
+            self.target,
+            self.prefix_cache,
+            [row.request.prompt_ids if whole else row.request.prompt_ids[:-1] for row in rows],
+            self.pad_token_id,
+            last_logits=whole,
+        )
+        for row, num_cached, handle in zip(rows, filled.num_cached, filled.handles):
+            row.cached_tokens, row.prefix_handle = num_cached, handle
+            self.num_prompt_tokens += len(row.request.prompt_ids)
+            self.num_cached_tokens += num_cached
+        if self.cache is None:
+            self.cache = self.runner.adopt(filled.cache)
+        else:
+            self.cache.extend(filled.cache)
+        return filled.logits[:, None] if whole else None
+
+    def _release(self, leaving: list[Row], sequences: dict | None) -> None:
+        """Caches what the batch's cache holds of the leaving rows' sequences (`sequences`, prompt and
+        completion by request id; None after a failed step), and unlocks their prompts."""
+        if self.prefix_cache is None:
+            return
+        cache = self.cache
+        slot_of = {row.request_id: slot for slot, row in enumerate(self.rows)}
+        for row in leaving:
+            slot = slot_of.get(row.request_id)
+            if sequences is not None and slot is not None:
+                # The target cache holds the sequence but for the pending last token (and, after an
+                # early stop, perhaps accepted drafts beyond it).
+                tokens = sequences[row.request_id]
+                num_cached = min(int(cache.lengths[slot]), len(tokens) - 1)
+                if num_cached > 0:
+                    self.prefix_cache.insert(
+                        tokens[:num_cached], lambda start, end, slot=slot: cache.row_kv(slot, start, end)
+                    )
+            if row.prefix_handle is not None:
+                self.prefix_cache.unlock(row.prefix_handle)
+                row.prefix_handle = None
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Since start-up: prompt tokens queried and found in the target's cache (vLLM's
+        prefix_cache_queries and prefix_cache_hits); bytes, tokens and evictions of both models' caches."""
+        if self.prefix_cache is None:
+            return None
+        draft_prefix_cache = self.drafters[MODEL].prefix_cache if MODEL in self.drafters else None
+        total = dataclasses.replace(
+            self.prefix_cache.stats, queries=self.num_prompt_tokens, hits=self.num_cached_tokens
+        )
+        if draft_prefix_cache is not None:
+            draft = draft_prefix_cache.stats
+            total.num_bytes += draft.num_bytes
+            total.evictions += draft.evictions
+            total.evicted_tokens += draft.evicted_tokens
+        return total

@@ -1,0 +1,429 @@
+"""The engine: requests in, one speculative step at a time, tokens out (`SpeculativeEngine`).
+
+A step runs admission (`handler.engine.admission`), proposing (`handler.engine.propose`),
+planning (`handler.engine.plan`), the draft model's drafts, verifying
+(`handler.engine.verify`), and each row's bookkeeping; the package's docstring has the order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable, Hashable, Sequence
+
+import torch
+
+from handler import runners
+from handler.caches.kv_cache import tree_attention_error
+from handler.caches.memory_budget import prefix_cache_budget
+from handler.caches.prefix_cache import PrefixCacheStats
+from handler.config import SPECULATIVE_TREE_MODES, HandlerConfig
+from handler.drafters import DRAFTERS, MODEL, MODEL_FREE, NGRAM, SUFFIX, TLI
+from handler.drafters.model import ModelDrafter
+from handler.drafters.ngram import NgramDrafter
+from handler.drafters.suffix import SuffixDrafter, SuffixOptions, SuffixTreeStats
+from handler.engine.admission import Batch, split_prefix_cache
+from handler.engine.estimates import SUFFIX_ESTIMATES, Estimates
+from handler.engine.plan import Planner, StepPlan
+from handler.engine.propose import Proposer, make_drafters
+from handler.engine.record import StepLog
+from handler.engine.row import Row
+from handler.engine.verify import StepUniforms, Verified, token_logprobs, verify
+from handler.planning.cost_table import RunningCostTable
+from handler.planning.estimators import OutcomeCheck
+from handler.types import GenerationRequest, GenerationResult, StepOutput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SUFFIX_OPTIONS = SuffixOptions()
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Knobs that only benchmarks and tests turn; a served engine takes the defaults."""
+
+    # Propose the tokens a constraint forces as drafts (off only to measure what they bring).
+    grammar_drafts: bool = True
+    # "tree": the planner takes a suffix look-up's tree probabilities as its acceptance per
+    # position; "tracker": the row's running acceptance, as for n-grams.
+    suffix_estimate: str = "tree"
+    # On a CPU, rescale the cost table by the passes the engine times
+    # (`handler.planning.cost_table.RunningCostTable`); False: the table stands as given.
+    running_costs: bool = True
+
+    def __post_init__(self) -> None:
+        assert self.suffix_estimate in SUFFIX_ESTIMATES, self.suffix_estimate
+
+
+class SpeculativeEngine:
+    """Lossless speculative decoding of a target Hugging Face causal LM, with pluggable drafters.
+
+    Args (the config keys of the same names are in the README):
+        target: the model whose output distribution is kept.
+        draft: the draft model, or None when only the look-up drafters are served.
+        default_drafter: the drafter of requests that name none; "model" with a draft, else "ngram".
+        cost_table: measured pass costs (`handler.planning.cost_table.CostTable`, or any object with
+            `target_seconds(batch_size, width)` and `draft_seconds(batch_size)`): each step's k is
+            planned for the batch; None: every row drafts its cap.
+        prompt_lookup_min, prompt_lookup_max, prompt_lookup_num_tokens: the n-gram drafter's suffix
+            lengths, and the most drafts one look-up proposes (0: the request's k).
+        prefix_cache_max_bytes: the prefix cache of both models together; None: none.
+        suffix: the suffix drafter's trees (`handler.drafters.suffix`).
+        speculative_tree: "auto": trees of candidates where the target's attention takes a 4D mask
+            with its cache (checked here); "off": chains only.
+        draft_confidence: with a cost table, the draft drafts until its calibrated confidence says
+            one more draft does not pay (`handler.planning.planner.ConfidenceStop`).
+        draft_guesses: a hybrid row's suffix trees guess the draft's next drafts, checked in one pass.
+        runner: "dynamic" or "static" (`handler.runners`); None: `handler.runners.DEFAULT_RUNNER`.
+        vocab_map, cross_vocab_greedy: a draft from another family (`handler.vocab_map`,
+            `handler.drafters.cross_vocab`).
+        options: benchmark and test knobs (`EngineOptions`).
+    """
+
+    def __init__(
+        self,
+        target,
+        draft,
+        tokenizer,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int = 0,
+        *,
+        default_drafter: str | None = None,
+        cost_table=None,
+        prompt_lookup_min: int = 1,
+        prompt_lookup_max: int = 4,
+        prompt_lookup_num_tokens: int = 0,
+        prefix_cache_max_bytes: int | None = None,
+        suffix: SuffixOptions = DEFAULT_SUFFIX_OPTIONS,
+        speculative_tree: str = "auto",
+        draft_confidence: bool = False,
+        draft_guesses: bool = False,
+        runner: str | None = None,
+        vocab_map=None,
+        cross_vocab_greedy: str = TLI,
+        options: EngineOptions = EngineOptions(),
+    ) -> None:
+        assert speculative_tree in SPECULATIVE_TREE_MODES, speculative_tree
+        self.target = target
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.device = next(target.parameters()).device
+        self.vocab_size = target.config.get_text_config().vocab_size
+        self.vocab_map = vocab_map
+        self.runner_kind = runner or runners.DEFAULT_RUNNER  # make_runner refuses any other kind
+        self.target_runner = runners.make_runner(self.runner_kind, target)
+        self.cost_table = cost_table
+        # Where the engine times its passes, it also checks the plan's choice to draft against plain
+        # decoding as the steps ran (`handler.planning.estimators.OutcomeCheck`).
+        self.outcome_check: OutcomeCheck | None = None
+        if cost_table is not None and options.running_costs and self.device.type == "cpu":
+            self.cost_table = RunningCostTable(cost_table)
+            self.outcome_check = OutcomeCheck()
+        target_prefix_cache, draft_prefix_cache = split_prefix_cache(target, draft, prefix_cache_max_bytes)
+        # Every drafter by name (`handler.drafters.Drafter`); the model's only with a draft model.
+        self.drafter_map = make_drafters(
+            draft,
+            NgramDrafter(prompt_lookup_min, prompt_lookup_max),
+            SuffixDrafter(suffix),
+            draft_runner=None if draft is None else runners.make_runner(self.runner_kind, draft),
+            vocab_size=self.vocab_size,
+            pad_token_id=pad_token_id,
+            prefix_cache=draft_prefix_cache,
+            vocab_map=vocab_map,
+            cross_vocab_greedy=cross_vocab_greedy,
+        )
+        self.batch = Batch(target, self.target_runner, target_prefix_cache, pad_token_id, self.drafter_map)
+        self.trees = False
+        if speculative_tree == "auto":
+            error = tree_attention_error(target)
+            if error is not None:
+                logger.warning("speculative_tree: verifying chains only: %s", error)
+            self.trees = error is None
+        self.estimates = Estimates(options.suffix_estimate)
+        self.planner = Planner(
+            self.cost_table,
+            self.estimates,
+            self.model_drafter,
+            draft_confidence=draft_confidence and draft is not None,
+            # Guesses are the target's tokens, fed to the draft as its own: only for a shared vocabulary.
+            draft_guesses=draft_guesses and draft is not None and vocab_map is None,
+            outcome_check=self.outcome_check,
+        )
+        self.proposer = Proposer(
+            self.drafter_map,
+            self.estimates,
+            self.planner,
+            trees=self.trees,
+            prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+            grammar_drafts=options.grammar_drafts,
+        )
+        self.drafters = DRAFTERS if draft is not None else MODEL_FREE  # the names a request may pick
+        self.default_drafter = default_drafter or (MODEL if draft is not None else NGRAM)
+        assert self.default_drafter in self.drafters, (self.default_drafter, self.drafters)
+        self.steps = StepLog(self.outcome_check)
+        self._verify_seconds = 0.0
+
+    @classmethod
+    def from_config(cls, models, config: HandlerConfig, cost_table=None, **overrides) -> SpeculativeEngine:
+        """The engine that a handler config describes, on models loaded by `handler.runtime.loading.load_models`
+        (`overrides`: further keyword arguments of the constructor, `config_arguments`)."""
+        arguments = config_arguments(models, config, overrides)
+        target, draft, tokenizer = models.target, models.draft, models.tokenizer
+        return cls(
+            target, draft, tokenizer, models.eos_token_ids, models.pad_token_id, cost_table=cost_table, **arguments
+        )
+
+    @property
+    def model_drafter(self) -> ModelDrafter | None:
+        return self.drafter_map.get(MODEL)
+
+    @property
+    def ngram_drafter(self) -> NgramDrafter:
+        return self.drafter_map[NGRAM]
+
+    @property
+    def suffix_drafter(self) -> SuffixDrafter:
+        return self.drafter_map[SUFFIX]
+
+    @property
+    def prefix_cache(self):
+        return self.batch.prefix_cache
+
+    @property
+    def rows(self) -> list[Row]:
+        """The rows in flight, in the target cache's row order."""
+        return self.batch.rows
+
+    @property
+    def target_cache(self) -> runners.BatchCache | None:
+        return self.batch.cache
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Since start-up: prompt tokens queried and found in the target's prefix cache; both caches' size."""
+        return self.batch.prefix_cache_stats()
+
+    @property
+    def suffix_tree_stats(self) -> SuffixTreeStats:
+        """The size of the suffix drafter's tree of recent outputs, shared across requests."""
+        return self.suffix_drafter.stats
+
+    @property
+    def cost_scales(self) -> tuple[float, float] | None:
+        """(target, draft): the passes timed while serving over the cost table's figures; None
+        where the table stands as given (no table, a GPU, or `running_costs` off)."""
+        if not isinstance(self.cost_table, RunningCostTable):
+            return None
+        return self.cost_table.target_scale, self.cost_table.draft_scale
+
+    def forget_suffix_history(self) -> None:
+        """Starts the suffix drafter's trees afresh, as at start-up (a benchmark's rows each start cold)."""
+        assert not self.has_unfinished_requests(), "only between requests"
+        self.drafter_map[SUFFIX] = SuffixDrafter(self.suffix_drafter.options)
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(self, request_id: Hashable, request: GenerationRequest) -> None:
+        """Queues a request; it is prefilled and joins the batch at the next `step`."""
+        drafter = request.drafter or self.default_drafter
+        if drafter not in self.drafters:
+            raise ValueError(f"drafter: {drafter!r} is not available here; choose one of {', '.join(self.drafters)}")
+        if request.suffix_share_across_requests and not self.suffix_drafter.options.share_across_requests:
+            raise ValueError(
+                "suffix_share_across_requests: this server keeps each request's text to itself "
+                "(suffix_share_across_requests: false in model-config.yaml); a request can only opt out"
+            )
+        assert request.prompt_ids, "a request needs at least one prompt token"
+        row = Row.start(request_id, request, drafter, self.tokenizer, self.eos_token_ids, self.vocab_size, self.device)
+        self.batch.queue(row)
+
+    def abort_request(self, request_id: Hashable) -> None:
+        """Frees the request's row at the next `step`; it produces no more output."""
+        self.batch.aborted.add(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.batch.rows or self.batch.waiting)
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self.batch.rows) + len(self.batch.waiting)
+
+    # --------------------------------------------------------------------- step
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """Runs one speculative step over every request in flight.
+
+        Returns:
+            one StepOutput per request that was in the step, in batch order.
+        """
+        self.batch.drop_aborted()
+        admitted = time.perf_counter()
+        first_outputs = self._admit()
+        if not self.rows:
+            return first_outputs
+        rows = self.rows
+        started = time.perf_counter()
+        self._verify_seconds = 0.0
+        mask_seconds_before = sum(row.stats.mask_seconds for row in rows)
+        plan = self.planner.plan(rows, self.proposer.options(rows), self.steps.num_steps)
+        uniforms = StepUniforms.draw(rows, plan.ks)
+        times = self.proposer.draft(rows, plan, uniforms.draft)
+        uniforms.refit(plan.width)
+        verified = self._verify(rows, plan, uniforms)
+
+        outputs, finished, committed = [], [], {}
+        for slot, row in enumerate(rows):
+            row_plan, accepted, path = plan.rows[slot], verified.num_accepted[slot], verified.paths[slot]
+            row.stats.record(row_plan.proposer, row_plan.k, accepted)
+            row.steps_without_drafts = 0 if row_plan.k else row.steps_without_drafts + 1
+            self.estimates.learn(row, row_plan, accepted, path)
+            output = self._emit(row, verified.emitted[slot][: accepted + 1], verified.logits[slot], path)
+            output.num_draft_tokens, output.num_accepted_tokens = row_plan.k, accepted
+            committed[row.request_id] = output.new_token_ids
+            outputs.append(output)
+            if row.finish_reason is not None:
+                finished.append(row)
+        self.batch.rollback(plan.ks, verified.num_accepted, verified.paths)
+        for drafter in self.drafter_map.values():
+            drafter.observe(committed)
+        self.batch.drop(finished)
+        self.steps.record(plan, times, self._verify_seconds, outputs, admitted, started)
+        self.steps.last_step_mask_seconds = sum(row.stats.mask_seconds for row in rows) - mask_seconds_before
+        return _joined(first_outputs, outputs)
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        on_tokens: Callable[[int, list[int], StepOutput], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Runs the requests to completion in one batch and returns their results in order.
+
+        Args:
+            requests: the batch; each has its own k, sampling settings, seed and drafter.
+            on_tokens: optional callback (request index, new token ids, step output) after
+                every step that emitted tokens for that request.
+        """
+        assert not self.has_unfinished_requests(), "generate() needs an idle engine"
+        keys = [object() for _ in requests]
+        index_of = {key: index for index, key in enumerate(keys)}
+        for key, request in zip(keys, requests):
+            self.add_request(key, request)
+        results: list[GenerationResult | None] = [None] * len(requests)
+        try:
+            while self.has_unfinished_requests():
+                for output in self.step():
+                    index = index_of[output.request_id]
+                    if on_tokens is not None and output.new_token_ids:
+                        on_tokens(index, output.new_token_ids, output)
+                    if output.result is not None:
+                        results[index] = output.result
+        except BaseException:
+            self.reset()
+            raise
+        return results
+
+    def reset(self) -> None:
+        """Drops every request in flight, e.g. after a failed step left the caches undefined."""
+        self.batch.waiting = []
+        self.batch.aborted.clear()
+        self.batch.drop(list(self.batch.rows), consistent=False)
+
+    # ---------------------------------------------------------------- internals
+
+    def _admit(self) -> list[StepOutput]:
+        """Admits the waiting requests (`Batch.admit`), and emits the first token of those that never
+        draft: a row whose k is 0 takes it from the logits after its prompt (a step with k = 0), so
+        plain decoding makes one target pass per token, as `generate` does. A row that finishes on
+        its first token leaves.
+
+        Returns:
+            one StepOutput per plain row admitted, its first token.
+        """
+        if not self.batch.waiting:
+            return []
+        plain, first_logits = self.batch.admit()
+        if not plain:
+            return []
+        plan = StepPlan.plain(len(plain))
+        verified = self._verify(plain, plan, StepUniforms.draw(plain, plan.ks), logits=first_logits)
+        outputs = []
+        for slot, row in enumerate(plain):
+            row.stats.record(row.drafter, 0, 0)  # the prefill was its first target pass
+            outputs.append(self._emit(row, verified.emitted[slot][:1], verified.logits[slot], verified.paths[slot]))
+        # No drafter follows a plain row: nothing to observe.
+        self.batch.drop([row for row in plain if row.finish_reason is not None])
+        return outputs
+
+    def _verify(
+        self, rows: list[Row], plan: StepPlan, uniforms: StepUniforms, logits: torch.Tensor | None = None
+    ) -> Verified:
+        return verify(
+            rows,
+            plan.rows,
+            uniforms,
+            self._target_pass,
+            vocab_size=self.vocab_size,
+            pad_token_id=self.pad_token_id,
+            device=self.device,
+            logits=logits,
+        )
+
+    def _target_pass(self, input_ids: torch.Tensor, chunk_mask: torch.Tensor, num_columns: int, tree) -> torch.Tensor:
+        """The target's verify pass over the batch's cache, timed for the running cost table."""
+        started = time.perf_counter()
+        logits = self.batch.cache.forward(input_ids, chunk_mask, logits_to_keep=num_columns, tree=tree)
+        self._verify_seconds = time.perf_counter() - started
+        if isinstance(self.cost_table, RunningCostTable):
+            self.cost_table.observe_target(len(input_ids), num_columns, self._verify_seconds, tree=tree is not None)
+        return logits
+
+    def _emit(self, row: Row, new_tokens: list[int], logits: torch.Tensor, path: list[int]) -> StepOutput:
+        """Appends a row's emitted tokens up to its first stop, and reports them (`logits`: the row's
+        raw logits at the step's columns, [columns, vocab]; `path`: the columns of the emitted tokens)."""
+        kept = row.extend(new_tokens)
+        row.commit(kept)
+        if row.logprobs is not None and kept:
+            row.logprobs.extend(token_logprobs(logits[path[: len(kept)]], kept, row.request.logprobs))
+        finished = row.finish_reason is not None
+        return StepOutput(row.request_id, kept, row.token_ids, row.finish_reason, row.result() if finished else None)
+
+
+def config_arguments(models, config: HandlerConfig, overrides: dict) -> dict:
+    """The constructor's keyword arguments from a handler config, then `overrides` (a benchmark's
+    `options`). The prefix cache's budget comes from the config (`handler.caches.memory_budget`) unless
+    they give `prefix_cache_max_bytes`; the runner is the config's (`auto` timed now,
+    `handler.runners.config_runner`) unless they give `runner`."""
+    arguments = {
+        "default_drafter": config.drafter,
+        "prompt_lookup_min": config.prompt_lookup_min,
+        "prompt_lookup_max": config.prompt_lookup_max,
+        "prompt_lookup_num_tokens": config.prompt_lookup_num_tokens,
+        "suffix": config.suffix_options,
+        "speculative_tree": config.speculative_tree,
+        "draft_confidence": config.draft_confidence,
+        "draft_guesses": config.draft_guesses,
+        "vocab_map": models.vocab_map,
+        "cross_vocab_greedy": config.cross_vocab_greedy,
+        **overrides,
+    }
+    if arguments.get("runner") is None:
+        arguments["runner"] = runners.config_runner(config, models)
+    if "prefix_cache_max_bytes" not in arguments:
+        budget = prefix_cache_budget(config, next(models.target.parameters()).device)
+        arguments["prefix_cache_max_bytes"] = None if budget is None else budget.num_bytes
+    return arguments
+
+
+def _joined(first: list[StepOutput], outputs: list[StepOutput]) -> list[StepOutput]:
+    """A step's outputs with the first tokens of the rows admitted at its start: one output per request."""
+    if not first:
+        return outputs
+    by_id = {output.request_id: output for output in first}
+    for output in outputs:
+        joined = by_id.pop(output.request_id, None)
+        if joined is not None:
+            output.new_token_ids = [*joined.new_token_ids, *output.new_token_ids]
+    return [*by_id.values(), *outputs]  # rows that finished on their first token, then the step's

@@ -1,0 +1,85 @@
+"""What each step ran, kept for the metrics and the benchmarks (`StepLog`)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from handler.engine.plan import StepPlan
+from handler.engine.propose import DraftTimes
+from handler.engine.row import PROPOSER_GRAMMAR
+from handler.planning.estimators import OutcomeCheck, batch_bucket
+from handler.types import StepOutput
+
+# Step records the engine keeps for its metrics (`StepLog.recent_steps`).
+RECENT_STEPS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What one step ran: the plan's outcome and where its time went (metrics, `scripts.bench_load`)."""
+
+    batch_size: int  # rows in the step
+    ks: tuple[int, ...]  # drafts each row verified (a tree's nodes), in batch order
+    draft_passes: int  # draft-model passes over the batch
+    seconds: float  # the whole step, joining requests' prefill included
+    prefill_seconds: float  # joining requests' prefill, and the draft model's of rows drafting first
+    draft_seconds: float  # the draft model's passes, with their warping and sampling
+    verify_seconds: float  # the target's verify pass (its forward only)
+
+    @property
+    def width(self) -> int:
+        """The verify pass's width: the widest row's drafts and its pending token."""
+        return max(self.ks, default=0) + 1
+
+
+class StepLog:
+    """The recent steps' records, the last one last, and the steps run since start-up.
+
+    Where the engine times its passes, each step also shows the outcome check how drafting
+    ran against plain decoding (`handler.planning.estimators.OutcomeCheck`).
+    """
+
+    def __init__(self, outcome_check: OutcomeCheck | None = None) -> None:
+        self.outcome_check = outcome_check
+        self.recent_steps: collections.deque[StepRecord] = collections.deque(maxlen=RECENT_STEPS)
+        self.num_steps = 0
+        # The last step's duration and the part of it spent on grammar masks (structured output).
+        self.last_step_seconds = 0.0
+        self.last_step_mask_seconds = 0.0
+
+    def record(
+        self,
+        plan: StepPlan,
+        times: DraftTimes,
+        verify_seconds: float,
+        outputs: list[StepOutput],
+        admitted: float,
+        started: float,
+    ) -> None:
+        """Keeps a step's record (`admitted`, `started`: when its admission and its own work began)."""
+        ended = time.perf_counter()
+        self.last_step_seconds = ended - started
+        ks = plan.ks
+        record = StepRecord(
+            len(ks),
+            tuple(ks),
+            times.num_passes,
+            ended - admitted,
+            started - admitted + times.fill_seconds,
+            times.draft_seconds,
+            verify_seconds,
+        )
+        drafted = max(ks) > 0
+        # A drafting step right after plain ones paid the draft's catch-up (`EXPLORE_BURST`): no sample.
+        # Nor is one that verified only the tokens a grammar forced: they are certain, not speculation.
+        previous = self.recent_steps[-1] if self.recent_steps else None
+        speculated = any(row.k and row.proposer != PROPOSER_GRAMMAR for row in plan.rows)
+        fair = not drafted or (speculated and previous is not None and previous.width > 1)
+        if self.outcome_check is not None and ended > started and fair:
+            tokens = sum(len(output.new_token_ids) for output in outputs)
+            rate = tokens / (ended - started) / len(ks)
+            self.outcome_check.observe(batch_bucket(len(ks)), drafted, rate)
+        self.recent_steps.append(record)
+        self.num_steps += 1

@@ -1,0 +1,230 @@
+"""Verifying: the target's pass over every row's drafts, and the decision on them.
+
+One target pass covers the batch: each row's pending token and its drafts, a tree's drafts
+seeing their own ancestors only (`handler.tree.chunk_attention`). Each row's rules then shape
+the target's logits, and the rows are decided by modified rejection sampling
+(`handler.sampler.rejection_sample`), by coupling for a seeded sampled row
+(`handler.sampler.coupled_verify`), or by walking a tree (`handler.tree.verify_tree`).
+Nothing here drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from handler.engine.plan import RowPlan
+from handler.engine.row import Row
+from handler.logits_processors import process_row_logits
+from handler.sampler import (
+    coupled_verify,
+    draw_step_uniforms,
+    position_uniforms,
+    rejection_sample,
+    warp_logits_to_probs,
+)
+from handler.tree import ROOT, chunk_attention, verify_tree
+from handler.types import TokenLogprob
+
+# (input ids [batch, 1 + k], chunk mask, k + 1 columns to keep, tree mask or None) -> logits [batch, k + 1, vocab']
+TargetPass = Callable[[torch.Tensor, torch.Tensor, int, object], torch.Tensor]
+
+
+@dataclasses.dataclass
+class StepUniforms:
+    """A step's uniforms: for the draft model's draws, and for the verify decisions.
+
+    An unseeded row draws for its own k only (`draw_step_uniforms`). A coupled row takes
+    each position's own uniform, for its draft there and for the target's token there.
+    """
+
+    draft: torch.Tensor  # [batch, k]
+    verify: torch.Tensor  # [batch, k + 1]
+    coupled: list[int]  # the slots of the coupled rows
+    position: torch.Tensor  # [coupled rows, k + 1]
+    k: int
+
+    @classmethod
+    def draw(cls, rows: list[Row], ks: list[int]) -> StepUniforms:
+        k = max(ks)
+        draft, verify = draw_step_uniforms([row.generator for row in rows], ks, k)
+        coupled = [slot for slot, row in enumerate(rows) if row.coupled]
+        position = torch.zeros(len(coupled), k + 1, dtype=torch.float64)
+        for index, slot in enumerate(coupled):
+            row = rows[slot]
+            position[index, : ks[slot] + 1] = position_uniforms(row.request.seed, len(row.token_ids), ks[slot] + 1)
+            draft[slot] = position[index, :k]
+        return cls(draft, verify, coupled, position, k)
+
+    def refit(self, new_k: int) -> None:
+        """Re-lays the verify uniforms for a new widest k (the draft stopped early, or runners-up widened
+        a tree). A row's uniforms stay its own, the last column (recovered or bonus token) included;
+        a coupled row's are per position."""
+        k = self.k
+        if new_k == k:
+            return
+        extra = torch.zeros(self.verify.shape[0], max(0, new_k - k), dtype=torch.float64)
+        self.verify = torch.cat([self.verify[:, : min(k, new_k)], extra, self.verify[:, k:]], dim=1)
+        self.position = torch.cat([self.position[:, : min(k, new_k) + 1], extra[: len(self.coupled)]], dim=1)
+        self.k = new_k
+
+
+@dataclasses.dataclass
+class Verified:
+    """A step's decisions, per row in batch order."""
+
+    num_accepted: list[int]
+    emitted: list[list[int]]  # [k + 1] each, -1 padded
+    logits: torch.Tensor  # the target's raw logits [batch, k + 1, vocab] at the verified chunk columns
+    paths: list[list[int]]  # the chunk columns of the pending token and accepted drafts (0, 1, ... for a chain)
+
+
+def verify(
+    rows: list[Row],
+    plans: list[RowPlan],
+    uniforms: StepUniforms,
+    target_pass: TargetPass | None,
+    *,
+    vocab_size: int,
+    pad_token_id: int,
+    device: torch.device,
+    logits: torch.Tensor | None = None,
+) -> Verified:
+    """Verifies one step's drafts, `plans` as proposed (a model row's drafts in its `sample`).
+
+    Where a row's proposal is a tree, the pass gives every draft its own ancestors only, and the row
+    is verified by walking the tree. `logits`: for a step without drafts, the target's logits after
+    each row's pending token, already computed ([batch, 1, vocab], a prefill's): no target pass then.
+    """
+    batch_size, k = len(rows), max(plan.k for plan in plans)
+    assert uniforms.k == k, (uniforms.k, k)
+    ks = [plan.k for plan in plans]
+    tree_slots = [slot for slot, plan in enumerate(plans) if plan.proposal.is_tree]
+    draft_token_ids, draft_probs = _draft_batch(plans, k, pad_token_id, vocab_size, device)
+    draft_lists = draft_token_ids.tolist()
+    draft_token_ids = draft_token_ids.to(device)
+
+    if logits is None:
+        pending = torch.tensor([[row.token_ids[-1] if row.token_ids else row.request.prompt_ids[-1]] for row in rows])
+        input_ids = torch.cat([pending.to(device), draft_token_ids], dim=1)  # [batch, 1 + k]
+        chunk_mask = torch.ones((batch_size, 1 + k), dtype=torch.long)
+        tree = None
+        if tree_slots:
+            parents = [
+                plans[slot].proposal.parents if slot in tree_slots else list(range(ROOT, ks[slot] - 1))
+                for slot in range(batch_size)
+            ]
+            tree = chunk_attention(parents, k)
+        logits = target_pass(input_ids, chunk_mask, k + 1, tree)  # [batch, k + 1, vocab']
+    else:
+        assert k == 0 and logits.shape[:2] == (batch_size, 1), (k, logits.shape)
+    logits = logits[..., :vocab_size]
+    shaped = _shape_target_logits(rows, logits, draft_lists, ks, device)
+    sampling = [row.request.sampling for row in rows]
+    target_probs = warp_logits_to_probs(
+        shaped,
+        torch.tensor([s.temperature for s in sampling], device=device),
+        torch.tensor([s.top_k for s in sampling], device=device),
+        torch.tensor([s.top_p for s in sampling], device=device),
+        torch.tensor([s.min_p for s in sampling], device=device),
+    )
+
+    num_draft_tokens = torch.tensor(ks, device=device)
+    num_accepted, output_token_ids = rejection_sample(
+        target_probs, draft_probs, draft_token_ids, num_draft_tokens, uniforms.verify.to(device)
+    )
+    if uniforms.coupled:
+        index = torch.tensor(uniforms.coupled, device=device)
+        num_accepted[index], output_token_ids[index] = coupled_verify(
+            target_probs[index], draft_token_ids[index], num_draft_tokens[index], uniforms.position.to(device)
+        )
+    # The step's one synchronisation point: the bookkeeping after it is plain Python.
+    num_accepted, output_token_ids = num_accepted.tolist(), output_token_ids.tolist()
+    paths = [list(range(accepted + 1)) for accepted in num_accepted]
+    for slot in tree_slots:
+        proposal = plans[slot].proposal
+        paths[slot], emitted = verify_tree(
+            target_probs[slot], proposal.token_ids, proposal.parents, _tree_uniforms(rows[slot], k)
+        )
+        num_accepted[slot] = len(emitted) - 1
+        output_token_ids[slot] = emitted + [-1] * (k + 1 - len(emitted))
+    return Verified(num_accepted, output_token_ids, logits, paths)
+
+
+def _draft_batch(
+    plans: list[RowPlan], k: int, pad_token_id: int, vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' drafts [batch, k] (on the CPU, padded) and their draft distributions [batch, k, vocab]."""
+    batch_size = len(plans)
+    draft_token_ids = torch.full((batch_size, k), pad_token_id, dtype=torch.long)  # [batch, k]
+    draft_probs = torch.zeros((batch_size, k, vocab_size), device=device)  # [batch, k, vocab]
+    for slot, plan in enumerate(plans):
+        if plan.sample is not None:
+            token_ids, probs = plan.sample
+            draft_token_ids[slot, : len(token_ids)] = token_ids.cpu()
+            draft_probs[slot, : len(token_ids)] = probs
+            if plan.proposal.is_tree:  # the chain is in place; its runners-up follow it (verified by the walk)
+                draft_token_ids[slot, : plan.k] = torch.tensor(plan.proposal.token_ids, dtype=torch.long)
+        elif not plan.uses_model and plan.k > 0:
+            # A look-up is deterministic: its draft distribution is one-hot.
+            proposal = torch.tensor(plan.proposal.token_ids[: plan.k], dtype=torch.long)
+            draft_token_ids[slot, : len(proposal)] = proposal
+            draft_probs[slot, torch.arange(len(proposal)), proposal.to(device)] = 1.0
+    return draft_token_ids, draft_probs
+
+
+def _tree_uniforms(row: Row, k: int) -> list[float]:
+    """A tree row's uniform per depth 0..k: zeros (greedy), its seed's per position, or fresh draws."""
+    if row.coupled:
+        return position_uniforms(row.request.seed, len(row.token_ids), k + 1).tolist()
+    if row.generator is not None:
+        return torch.rand(k + 1, generator=row.generator, dtype=torch.float64).tolist()
+    return [0.0] * (k + 1)
+
+
+def _shape_target_logits(
+    rows: list[Row],
+    logits: torch.Tensor,  # [batch, k + 1, vocab]
+    draft_lists: list[list[int]],
+    ks: list[int],
+    device: torch.device,
+) -> torch.Tensor:  # [batch, k + 1, vocab]
+    """The logits the rows' rules leave, at each row's verify positions.
+
+    Position j of a row follows its committed tokens and drafts 0..j-1: its logit
+    bias and penalties count those drafts as generated (`process_row_logits`), and
+    its grammar masks what may follow them. The raw logits stay untouched
+    (log-probabilities are reported from them).
+    """
+    shaping = [slot for slot, row in enumerate(rows) if row.shapes_logits]
+    if not shaping:
+        return logits
+    shaped = logits.float()  # a copy for bf16 logits; float32 keeps small penalties exact
+    if shaped is logits:
+        shaped = logits.clone()
+    for slot in shaping:
+        row, num = rows[slot], ks[slot]
+        if row.request.sampling.processes_logits:
+            shaped[slot, : num + 1] = process_row_logits(
+                shaped[slot, : num + 1], row.request.sampling, row.output_counts, row.seen, draft_lists[slot][:num]
+            )
+        if row.grammar is not None:
+            masks = row.grammar_call("masks", draft_lists[slot][:num])  # [num + 1, vocab]
+            shaped[slot, : num + 1].masked_fill_(~masks.to(device), float("-inf"))
+    return shaped
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:  # [n, vocab]
+    """The emitted tokens' log-probabilities under the target's raw logits, and the top `num_top`."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
+    chosen = logprobs.gather(-1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
+    if num_top == 0:
+        return [TokenLogprob(t, lp) for t, lp in zip(token_ids, chosen)]
+    top = logprobs.topk(num_top, dim=-1)
+    top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    return [
+        TokenLogprob(t, lp, tuple(zip(ids, values)))
+        for t, lp, ids, values in zip(token_ids, chosen, top_ids, top_values)
+    ]

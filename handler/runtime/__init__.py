@@ -1,0 +1,2 @@
+"""The host and the models on it: facts read from /proc and the cgroup files (`host`), loading the
+pair with its checks (`loading`), and the CPU's kernels and the draft's int8 weights (`cpu_speed`)."""
