@@ -49,24 +49,37 @@ import statistics
 import sys
 import time
 
-import torch
-import yaml
-
-from handler.config import HandlerConfig, SamplingParams, handler_config_from_yaml_config
 from handler.drafters import HYBRID, MODEL, NGRAM
-from handler.engine import GenerationRequest, SpeculativeEngine
-from handler.planning.cost_table import CostTable
 from handler.runtime.loading import load_models
-from handler.types import SpeculativeStats
 from scripts import torchserve
-from scripts.bench_common import fmt, machine_info, start_up_cost_table
+from scripts.bench_common import (
+    DEFAULT_CONFIG,
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    PROMPT_SETS,
+    REPO_ROOT,
+    describe_cost_table,
+    first_difference,
+    fmt,
+    load_prompt_sets,
+    machine_info,
+    shown,
+    start_up_cost_table,
+    write_report,
+)
+from scripts.bench_runner import (
+    Method,
+    Run,
+    Runner,
+    acceptance,
+    bench_config,
+    constant_schedule,
+    engine_method,
+    hf_assisted,
+    hf_prompt_lookup,
+    hf_target_only,
+)
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-DEFAULT_TARGET = REPO_ROOT / "models" / "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT = REPO_ROOT / "models" / "qwen2.5-coder-0.5b-instruct"
-DEFAULT_CONFIG = REPO_ROOT / "model-config" / "qwen-coder.yaml"
-PROMPT_SETS = ("open", "grounded")
-GREEDY = SamplingParams()
 # Hugging Face's two adaptive schedules, tried beside the constant ones of the sweep:
 # the default of transformers 5 (20 tokens, stop below 0.4 confidence) and the older heuristic.
 HF_DYNAMIC_SCHEDULES = (
@@ -78,190 +91,6 @@ logger = logging.getLogger("bench")
 
 
 # --------------------------------------------------------------------------- methods
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-    """One way to generate: a Hugging Face `generate` call or this engine with given settings."""
-
-    key: str
-    label: str
-    k: int | None = None  # the engine's k (its cap when the cost table plans)
-    assistant: dict | None = None  # HF assisted generation's schedule
-    prompt_lookup: int | None = None  # HF prompt_lookup_num_tokens
-    drafter: str | None = None  # set for the engine's rows
-    planned: bool = False  # the engine plans each step's k from the cost table
-    tree: bool = True  # False: the request says speculative_tree off (look-ups verify chains only)
-    confidence: bool = True  # False: the draft model drafts the planned k, without its confidence stop
-
-    @property
-    def is_engine(self) -> bool:
-        return self.drafter is not None
-
-
-def hf_target_only() -> Method:
-    return Method("hf_target_only", "HF `generate`, target only")
-
-
-def hf_assisted(schedule: dict, draft_note: str) -> Method:
-    threshold = schedule["confidence_threshold"]
-    label = f"HF assisted, same {draft_note} draft, {schedule['schedule']} {schedule['num_assistant_tokens']}"
-    if threshold:
-        label += f", threshold {threshold}"
-    return Method("hf_assisted", label, assistant=schedule)
-
-
-def hf_prompt_lookup(num_tokens: int) -> Method:
-    return Method(f"hf_prompt_lookup_{num_tokens}", f"HF prompt lookup, {num_tokens} tokens", prompt_lookup=num_tokens)
-
-
-def constant_schedule(k: int) -> dict:
-    """HF assisted generation drafting exactly k tokens each step, like this engine's fixed k."""
-    return {"num_assistant_tokens": k, "schedule": "constant", "confidence_threshold": 0.0}
-
-
-def engine_method(key: str, drafter: str, k: int, planned: bool, lookup: int = 0) -> Method:
-    """One of this engine's rows; `lookup` is the config's prompt_lookup_num_tokens (0: look-ups draft k)."""
-    if k == 0:
-        label = "this engine, k=0 (plain decoding)"
-    else:
-        mode = f"cost-table k<={k}" if planned else f"fixed k={k}"
-        if drafter == NGRAM and lookup:
-            mode = f"cost-table, look-ups<={lookup}" if planned else f"look-ups of {lookup}"
-        elif drafter == HYBRID and lookup:
-            mode += f", look-ups<={lookup}"
-        label = f"this engine, {drafter} drafter, {mode}"
-    return Method(key, label, k=k, drafter=drafter, planned=planned)
-
-
-@dataclasses.dataclass
-class Run:
-    """One method over a list of prompts, once."""
-
-    num_tokens: int = 0
-    seconds: float = 0.0
-    outputs: list[list[int]] = dataclasses.field(default_factory=list)
-    stats: list[SpeculativeStats] = dataclasses.field(default_factory=list)  # the engine's, per request
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.num_tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def totals(self) -> SpeculativeStats:
-        """The requests' counters added up (none for a Hugging Face row)."""
-        return SpeculativeStats.merge(self.stats) if self.stats else SpeculativeStats(0)
-
-    @property
-    def draft_tokens(self) -> int:
-        return self.totals.draft_tokens
-
-    @property
-    def accepted_tokens(self) -> int:
-        return self.totals.accepted_tokens
-
-    @property
-    def target_passes(self) -> int:
-        return self.totals.target_forward_passes
-
-
-class Runner:
-    """Runs methods on the loaded pair: Hugging Face `generate` and this engine share the same models."""
-
-    def __init__(self, models, config: HandlerConfig, cost_table) -> None:
-        self.models = models
-        self.config = config
-        self.cost_table = cost_table
-        self.engines: dict[tuple[bool, bool], SpeculativeEngine] = {}
-
-    def engine(self, planned: bool, confidence: bool = True) -> SpeculativeEngine:
-        key = planned, confidence and self.config.draft_confidence
-        if key not in self.engines:
-            # No prefix cache: each prompt runs several times, and later runs would skip the prefill
-            # that the Hugging Face baselines pay for.
-            config = dataclasses.replace(self.config, draft_confidence=key[1])
-            self.engines[key] = SpeculativeEngine.from_config(
-                self.models, config, self.cost_table if planned else None, prefix_cache_max_bytes=None
-            )
-        return self.engines[key]
-
-    def encode(self, prompt: dict) -> tuple[int, ...]:
-        tokenizer = self.models.tokenizer
-        text = tokenizer.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
-        return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def run(self, method: Method, prompts_ids: list[tuple[int, ...]], max_new_tokens: int) -> Run:
-        """Generates greedily for each prompt in turn; seconds count each whole call, prefill included.
-
-        An engine row's suffix trees start empty: the engine is shared between rows, and trees
-        that had learned the other rows' answers to the same prompts would propose them.
-        """
-        run = Run()
-        if method.is_engine:
-            engine = self.engine(method.planned, method.confidence)
-            engine.forget_suffix_history()
-        for prompt_ids in prompts_ids:
-            start = time.perf_counter()
-            if method.is_engine:
-                request = GenerationRequest(
-                    prompt_ids,
-                    max_new_tokens,
-                    GREEDY,
-                    num_speculative_tokens=method.k,
-                    drafter=method.drafter,
-                    speculative_tree=None if method.tree else False,
-                )
-                result = engine.generate([request])[0]
-                tokens = result.token_ids
-                run.stats.append(result.stats)
-            else:
-                tokens = self._hf_generate(method, prompt_ids, max_new_tokens)
-            run.seconds += time.perf_counter() - start
-            run.num_tokens += len(tokens)
-            run.outputs.append(tokens)
-        return run
-
-    def _hf_generate(self, method: Method, prompt_ids: tuple[int, ...], max_new_tokens: int) -> list[int]:
-        models = self.models
-        input_ids = torch.tensor([prompt_ids], device=models.device)  # [1, prompt]
-        kwargs = dict(
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens,
-            eos_token_id=list(models.eos_token_ids),
-            pad_token_id=models.pad_token_id,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-        )
-        if method.prompt_lookup is not None:
-            kwargs["prompt_lookup_num_tokens"] = method.prompt_lookup
-        if method.assistant is not None:
-            # The draft object the engine uses, int8 layers included: HF runs it as it is.
-            draft = models.draft
-            kwargs["assistant_model"] = draft
-            # transformers reads the schedule from the assistant's own generation config.
-            generation_config = draft.generation_config
-            generation_config.num_assistant_tokens = method.assistant["num_assistant_tokens"]
-            generation_config.num_assistant_tokens_schedule = method.assistant["schedule"]
-            generation_config.assistant_confidence_threshold = method.assistant["confidence_threshold"]
-            if models.vocab_map is not None:
-                # A draft from another family: universal assisted generation, with both tokenizers.
-                kwargs.update(tokenizer=models.tokenizer, assistant_tokenizer=models.vocab_map.draft_tokenizer)
-            elif draft.config.vocab_size != models.target.config.vocab_size:
-                # transformers then insists on universal assisted decoding, which needs both tokenizers.
-                kwargs.update(tokenizer=models.tokenizer, assistant_tokenizer=models.tokenizer)
-        with torch.inference_mode():
-            output = models.target.generate(input_ids, **kwargs)  # [1, prompt + new]
-        return trim_at_eos(output[0, len(prompt_ids) :].tolist(), models.eos_token_ids)
-
-
-def trim_at_eos(tokens: list[int], eos_token_ids) -> list[int]:
-    """The tokens up to and including the first EOS, as the engine returns them."""
-    for i, token in enumerate(tokens):
-        if token in eos_token_ids:
-            return tokens[: i + 1]
-    return tokens
 
 
 # --------------------------------------------------------------------------- sweep
@@ -330,14 +159,6 @@ def geometric_mean(values) -> float:
     return math.exp(sum(math.log(max(v, 1e-9)) for v in values) / len(values))
 
 
-def acceptance(run: Run) -> dict:
-    return {
-        "acceptance_rate": run.accepted_tokens / run.draft_tokens if run.draft_tokens else None,
-        "tokens_per_pass": run.num_tokens / run.target_passes if run.target_passes else None,
-        "drafts_per_pass": run.draft_tokens / run.target_passes if run.target_passes else None,
-    }
-
-
 # --------------------------------------------------------------------------- main table
 
 
@@ -395,14 +216,6 @@ def measure_table(runner: Runner, sets: dict, methods: dict[str, list[Method]], 
     return runs
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first index where two outputs differ, or None when they are equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def summarize_set(methods: list[Method], runs: dict[str, list[Run]]) -> list[dict]:
     """Median tokens/s, ratios to the baselines, acceptance and output checks for each row."""
     medians = {m.key: statistics.median(r.tokens_per_second for r in runs[m.key]) for m in methods}
@@ -445,16 +258,6 @@ def summarize_set(methods: list[Method], runs: dict[str, list[Run]]) -> list[dic
 # --------------------------------------------------------------------------- machine, cost table
 
 
-def describe_cost_table(table: CostTable) -> dict:
-    """The measured grid in milliseconds: target by batch size and width, draft step by batch size."""
-    return {
-        "widths": list(table.widths),
-        "batch_sizes": list(table.batch_sizes),
-        "target_ms": [[1e3 * seconds for seconds in row] for row in table.target],
-        "draft_ms": None if table.draft is None else [1e3 * seconds for seconds in table.draft],
-    }
-
-
 def cost_table_markdown(cost: dict) -> list[str]:
     draft_ms = cost["draft_ms"] or [None] * len(cost["batch_sizes"])
     lines = [
@@ -485,14 +288,6 @@ def _same_output(row: dict, num_prompts: int) -> str:
     return " / ".join(parts)
 
 
-def _shown(path: str) -> str:
-    """A model path as the report shows it: relative to the repository when inside it."""
-    try:
-        return str(pathlib.Path(path).resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        return path
-
-
 def _budgets(per_set: dict[str, int]) -> str:
     return ", ".join(f"{tokens} ({name})" for name, tokens in per_set.items())
 
@@ -503,7 +298,7 @@ def markdown(report: dict) -> str:
         f"Date: {report['date']}. Machine: {report['machine']['description']}.",
         f"Load average (1 min) at start {report['load_average']['start']:.2f}, at end "
         f"{report['load_average']['end']:.2f}; wall time {report['wall_seconds'] / 60:.1f} min.",
-        f"Target {_shown(settings['target'])}, draft {_shown(settings['draft'])}; dtype {settings['dtype']}, draft "
+        f"Target {shown(settings['target'])}, draft {shown(settings['draft'])}; dtype {settings['dtype']}, draft "
         f"{settings['draft_note']}; every row runs the same target object (linear layers packed for oneDNN: "
         f"{'yes' if settings['cpu_packed_weights'] else 'no'}) and the same draft object. This engine's n-gram "
         f"look-up matches suffixes of {settings['prompt_lookup_min']} to {settings['prompt_lookup_max']} tokens; "
@@ -674,20 +469,6 @@ def rest_summary(rest: dict) -> str:
 # --------------------------------------------------------------------------- entry point
 
 
-def load_prompt_sets(path: pathlib.Path, num_prompts: int, sweep_prompts: int) -> dict:
-    """The prompt sets, each cut to its first `sweep_prompts` tuning and `num_prompts` held-out prompts."""
-    raw = json.loads(path.read_text(encoding="utf-8"))
-    sets = {}
-    for name in PROMPT_SETS:
-        if name not in raw:
-            raise ValueError(f"{path}: no prompt set {name!r}")
-        tuning, held_out = raw[name]["tuning"][:sweep_prompts], raw[name]["held_out"][:num_prompts]
-        if not tuning or not held_out:
-            raise ValueError(f"{path}: the {name!r} set needs tuning and held_out prompts")
-        sets[name] = {"description": raw[name].get("description", name), "tuning": tuning, "held_out": held_out}
-    return sets
-
-
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=str(DEFAULT_TARGET))
@@ -762,20 +543,6 @@ def _per_set(value: str) -> dict[str, int]:
     return {name: per_set[name] for name in PROMPT_SETS}
 
 
-def bench_config(args) -> HandlerConfig:
-    """The handler config the bench loads with: the model-config file, the paths and overrides from the CLI."""
-    with open(args.config, encoding="utf-8") as f:
-        config = handler_config_from_yaml_config(yaml.safe_load(f))
-    overrides = {"target_model": str(pathlib.Path(args.target).resolve())}
-    overrides["draft_model"] = str(pathlib.Path(args.draft).resolve())
-    overrides["drafter"] = MODEL if config.drafter == NGRAM else config.drafter
-    if args.dtype:
-        overrides["dtype"] = args.dtype
-    if args.draft_quantization:
-        overrides["draft_quantization"] = args.draft_quantization
-    return dataclasses.replace(config, **overrides)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -845,17 +612,6 @@ def main(argv=None) -> int:
     report["wall_seconds"] = time.perf_counter() - started
     write_report(pathlib.Path(args.out_dir), "bench", report, markdown, plot)
     return 0
-
-
-def write_report(out: pathlib.Path, stem: str, report: dict, to_markdown, to_plot, indent: int = 2) -> None:
-    """Writes `stem`.json, .md and .png into `out` and prints the table."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=indent))
-    table = to_markdown(report)
-    (out / f"{stem}.md").write_text(table)
-    to_plot(report, out / f"{stem}.png")
-    print(table)
-    print(f"wrote {out / f'{stem}.json'}, {out / f'{stem}.md'}, {out / f'{stem}.png'}")
 
 
 def rest_only(args, sets: dict) -> int:

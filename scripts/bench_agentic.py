@@ -98,10 +98,10 @@ import yaml
 
 from handler.config import handler_config_from_yaml_config
 from handler.drafters import HYBRID, MODEL, NGRAM, SUFFIX
-from handler.engine import EngineOptions, GenerationRequest, SpeculativeEngine
+from handler.engine import EngineOptions, GenerationRequest, SpeculativeEngine, SpeculativeStats
 from handler.planning.cost_table import CostTable
 from handler.runtime.loading import load_models
-from scripts import bench
+from scripts import bench_common, bench_runner
 from scripts.bench_common import fmt, machine_info, start_up_cost_table
 from scripts.bench_prefix import ChatRoute
 
@@ -586,22 +586,22 @@ def warm_suffix_trees(engine: SpeculativeEngine, warm: Trace) -> None:
 # --------------------------------------------------------------------------- rows
 
 
-def row_methods(keys: list[str], config) -> list[bench.Method]:
+def row_methods(keys: list[str], config) -> list[bench_runner.Method]:
     """The selected rows, in ROWS order; engine rows take k, look-ups and planning from the config."""
     k, planned, lookup = config.num_speculative_tokens, config.adaptive_k, config.prompt_lookup_num_tokens
     methods = []
     for key in (key for key in ROWS if key in keys):
         if key == BASELINE:
-            method = bench.hf_target_only()
+            method = bench_runner.hf_target_only()
         elif key in HF_ROWS:
-            method = dataclasses.replace(bench.hf_prompt_lookup(HF_PROMPT_LOOKUP_TOKENS), key=key)
+            method = dataclasses.replace(bench_runner.hf_prompt_lookup(HF_PROMPT_LOOKUP_TOKENS), key=key)
         else:
             if key in SHIPPED_ROWS:
                 drafter = config.drafter
             else:
                 drafter = MODEL if key == MODEL_CACHED else key.removesuffix(CHAIN_SUFFIX)
             # bench labels look-ups for the n-gram drafter; the suffix drafter's are drafted alike.
-            method = bench.engine_method(key, NGRAM if drafter == SUFFIX else drafter, k, planned, lookup)
+            method = bench_runner.engine_method(key, NGRAM if drafter == SUFFIX else drafter, k, planned, lookup)
             label = method.label.replace(f"{NGRAM} drafter", f"{drafter} drafter")
             if key in SHIPPED_ROWS:
                 label = label.replace("this engine,", "this engine as shipped,")
@@ -625,21 +625,19 @@ def skew_draft(table: CostTable, factor: float) -> CostTable:
     return dataclasses.replace(table, draft=tuple(seconds * factor for seconds in table.draft))
 
 
-def run_engine(engine: SpeculativeEngine, method: bench.Method, requests: list[GenerationRequest]) -> dict:
+def run_engine(engine: SpeculativeEngine, method: bench_runner.Method, requests: list[GenerationRequest]) -> dict:
     """The trace through one fresh engine, one request at a time; the shipped rows keep each request's own
     drafter."""
-    run = bench.Run()
-    for request in requests:
+
+    def generate(request: GenerationRequest) -> tuple[list[int], SpeculativeStats]:
         if method.key not in SHIPPED_ROWS:
             request = dataclasses.replace(request, drafter=method.drafter)
         if method.key in CHAIN_ROWS:
             request = dataclasses.replace(request, speculative_tree=False)
-        started = time.perf_counter()
         [result] = engine.generate([request])
-        run.seconds += time.perf_counter() - started
-        run.num_tokens += len(result.token_ids)
-        run.outputs.append(result.token_ids)
-        run.stats.append(result.stats)
+        return result.token_ids, result.stats
+
+    run = bench_runner.timed_run(generate, requests)
     totals = run.totals.as_dict()
     by_drafter, trees = totals["by_drafter"], totals["tree"]
     stats = engine.prefix_cache_stats
@@ -654,7 +652,9 @@ def run_engine(engine: SpeculativeEngine, method: bench.Method, requests: list[G
     }
 
 
-def measure(methods: list[bench.Method], trace: Trace, runner: bench.Runner, new_engine, args) -> dict[str, list]:
+def measure(
+    methods: list[bench_runner.Method], trace: Trace, runner: bench_runner.Runner, new_engine, args
+) -> dict[str, list]:
     """Every row over the whole trace, --runs times; run i starts at row i mod the number of rows."""
     runs: dict[str, list[dict]] = {method.key: [] for method in methods}
     prompts_ids = [request.prompt_ids for request in trace.requests]
@@ -673,7 +673,7 @@ def measure(methods: list[bench.Method], trace: Trace, runner: bench.Runner, new
     return runs
 
 
-def summarize(methods: list[bench.Method], runs: dict[str, list[dict]], reference: list[list[int]]) -> dict:
+def summarize(methods: list[bench_runner.Method], runs: dict[str, list[dict]], reference: list[list[int]]) -> dict:
     """Per row: medians over the runs, the ratio to target-only, acceptance, and outputs against the baseline."""
     medians = {key: statistics.median(r["run"].tokens_per_second for r in records) for key, records in runs.items()}
     baseline = runs[BASELINE][0]["run"].outputs if BASELINE in runs else reference
@@ -684,14 +684,14 @@ def summarize(methods: list[bench.Method], runs: dict[str, list[dict]], referenc
         differences = [
             {"request": i, "first_differing_token": d}
             for i, (a, b) in enumerate(zip(baseline, first.outputs))
-            if (d := bench.first_difference(a, b)) is not None
+            if (d := bench_common.first_difference(a, b)) is not None
         ]
         rows[method.key] = {
             "label": method.label,
             "drafter": method.drafter,
             "tokens_per_second": medians[method.key],
             "vs_target_only": medians[method.key] / medians[BASELINE] if BASELINE in medians else None,
-            **bench.acceptance(first),
+            **bench_runner.acceptance(first),
             "same_output": len(baseline) - len(differences),
             "differences": differences,
             "same_as_reference": sum(a == b for a, b in zip(reference, first.outputs)),
@@ -804,9 +804,11 @@ def markdown(report: dict) -> str:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=str(bench.DEFAULT_TARGET))
-    parser.add_argument("--draft", default=str(bench.DEFAULT_DRAFT))
-    parser.add_argument("--config", default=str(bench.DEFAULT_CONFIG), help="model-config.yaml (default: the demo's)")
+    parser.add_argument("--target", default=str(bench_common.DEFAULT_TARGET))
+    parser.add_argument("--draft", default=str(bench_common.DEFAULT_DRAFT))
+    parser.add_argument(
+        "--config", default=str(bench_common.DEFAULT_CONFIG), help="model-config.yaml (default: the demo's)"
+    )
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="overrides the config")
     parser.add_argument("--draft-quantization", choices=["none", "int8", "auto"], help="overrides the config")
     parser.add_argument("--seed", type=int, default=7, help="the trace's templates, names and order")
@@ -870,7 +872,7 @@ def main(argv=None) -> int:
     with open(args.config, encoding="utf-8") as f:
         shipped = handler_config_from_yaml_config(yaml.safe_load(f))
     # bench_config loads the draft model whatever the config's drafter: the model and hybrid rows need it.
-    config = dataclasses.replace(bench.bench_config(args), drafter=shipped.drafter)
+    config = dataclasses.replace(bench_runner.bench_config(args), drafter=shipped.drafter)
     models = load_models(config, None)
     machine = machine_info()
     logger.info("machine: %s", machine["description"])
@@ -908,15 +910,15 @@ def main(argv=None) -> int:
             warm_suffix_trees(engine, warm)
         return engine
 
-    runs = measure(methods, trace, bench.Runner(models, config, cost_table), warmed_engine, args)
+    runs = measure(methods, trace, bench_runner.Runner(models, config, cost_table), warmed_engine, args)
     rows = summarize(methods, runs, trace.reference)
     report = {
         "date": datetime.date.today().isoformat(),
         "machine": machine,
         "settings": {
-            "target": bench._shown(args.target),
-            "draft": bench._shown(args.draft),
-            "config": bench._shown(args.config),
+            "target": bench_common.shown(args.target),
+            "draft": bench_common.shown(args.draft),
+            "config": bench_common.shown(args.config),
             "dtype": str(models.dtype).replace("torch.", ""),
             "draft_quantization": models.draft_quantization,
             "seed": args.seed,
@@ -936,7 +938,7 @@ def main(argv=None) -> int:
             "speculative_tree": config.speculative_tree,
             "trees_verified": reference_engine.trees,
         },
-        "cost_table": None if cost_table is None else bench.describe_cost_table(cost_table),
+        "cost_table": None if cost_table is None else bench_common.describe_cost_table(cost_table),
         "trace": trace.describe(),
         "warm_up": None if warm is None else {k: v for k, v in warm.describe().items() if k != "requests"},
         "rows": rows,

@@ -1,11 +1,20 @@
-"""What the benchmarks share: the machine's description, the start-up cost table, number formats and
-percentiles. Imports torch only where a function needs it, so that the HTTP load test can use it."""
+"""What the benchmarks share: the demo pair's paths, the prompt sets, the machine's description, the
+start-up cost table, number formats, percentiles and the report writer. Imports torch only where a
+function needs it, so that the HTTP load test can use it. The in-process runner that the engine
+benchmarks share is `scripts.bench_runner`."""
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import platform
 
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_TARGET = REPO_ROOT / "models" / "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = REPO_ROOT / "models" / "qwen2.5-coder-0.5b-instruct"
+DEFAULT_CONFIG = REPO_ROOT / "model-config" / "qwen-coder.yaml"
+PROMPT_SETS = ("open", "grounded")
 # The CPU features that decide which kernels a forward pass can use.
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
@@ -71,3 +80,54 @@ def percentile(values: list[float], q: float) -> float | None:
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two outputs differ, or None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def describe_cost_table(table) -> dict:
+    """The measured grid in milliseconds: target by batch size and width, draft step by batch size."""
+    return {
+        "widths": list(table.widths),
+        "batch_sizes": list(table.batch_sizes),
+        "target_ms": [[1e3 * seconds for seconds in row] for row in table.target],
+        "draft_ms": None if table.draft is None else [1e3 * seconds for seconds in table.draft],
+    }
+
+
+def shown(path: str) -> str:
+    """A model path as the report shows it: relative to the repository when inside it."""
+    try:
+        return str(pathlib.Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return path
+
+
+def load_prompt_sets(path: pathlib.Path, num_prompts: int, sweep_prompts: int) -> dict:
+    """The prompt sets, each cut to its first `sweep_prompts` tuning and `num_prompts` held-out prompts."""
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    sets = {}
+    for name in PROMPT_SETS:
+        if name not in raw:
+            raise ValueError(f"{path}: no prompt set {name!r}")
+        tuning, held_out = raw[name]["tuning"][:sweep_prompts], raw[name]["held_out"][:num_prompts]
+        if not tuning or not held_out:
+            raise ValueError(f"{path}: the {name!r} set needs tuning and held_out prompts")
+        sets[name] = {"description": raw[name].get("description", name), "tuning": tuning, "held_out": held_out}
+    return sets
+
+
+def write_report(out: pathlib.Path, stem: str, report: dict, to_markdown, to_plot, indent: int = 2) -> None:
+    """Writes `stem`.json, .md and .png into `out` and prints the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=indent))
+    table = to_markdown(report)
+    (out / f"{stem}.md").write_text(table)
+    to_plot(report, out / f"{stem}.png")
+    print(table)
+    print(f"wrote {out / f'{stem}.json'}, {out / f'{stem}.md'}, {out / f'{stem}.png'}")

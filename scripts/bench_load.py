@@ -70,7 +70,7 @@ from handler.engine import GenerationRequest, SpeculativeEngine, StepRecord
 from handler.planning.cost_table import CostTable
 from handler.runners import config_runner
 from handler.runtime.loading import load_models
-from scripts import bench
+from scripts import bench_common, bench_runner
 from scripts.bench_common import fmt, machine_info, percentile, start_up_cost_table
 from scripts.bench_prefix import Traffic, drive, poisson_arrivals
 
@@ -387,9 +387,9 @@ def plot(report: dict, path: pathlib.Path) -> None:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=str(bench.DEFAULT_TARGET))
-    parser.add_argument("--draft", default=str(bench.DEFAULT_DRAFT))
-    parser.add_argument("--config", default=str(bench.DEFAULT_CONFIG))
+    parser.add_argument("--target", default=str(bench_common.DEFAULT_TARGET))
+    parser.add_argument("--draft", default=str(bench_common.DEFAULT_DRAFT))
+    parser.add_argument("--config", default=str(bench_common.DEFAULT_CONFIG))
     parser.add_argument("--dtype", default=None, help="override the config's dtype")
     parser.add_argument("--draft-quantization", default=None, help="override the config's draft_quantization")
     parser.add_argument("--drafter", default=None, help="override the config's drafter (the shipped row's)")
@@ -431,7 +431,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     started, load_at_start = time.perf_counter(), os.getloadavg()[0]
-    config = bench.bench_config(args)
+    config = bench_runner.bench_config(args)
     if args.drafter:
         config = dataclasses.replace(config, drafter=args.drafter)
     models = load_models(config, None, args.gpu_id)
@@ -462,9 +462,9 @@ def main(argv=None) -> int:
         "machine": machine,
         "load_average": {"start": load_at_start, "end": os.getloadavg()[0]},
         "settings": {
-            "target": bench._shown(args.target),
-            "draft": bench._shown(args.draft),
-            "config": bench._shown(args.config),
+            "target": bench_common.shown(args.target),
+            "draft": bench_common.shown(args.draft),
+            "config": bench_common.shown(args.config),
             "dtype": str(models.dtype).replace("torch.", ""),
             "draft_note": draft_note,
             "max_new_tokens": args.max_new_tokens,
@@ -476,7 +476,7 @@ def main(argv=None) -> int:
             "warm_tokens": args.warm_tokens,
             "rates": rates,
         },
-        "cost_table": bench.describe_cost_table(cost_table),
+        "cost_table": bench_common.describe_cost_table(cost_table),
         "rows": [dataclasses.asdict(row) for row in rows],
         "loads": summarize(rows, results, cost_table),
         "raw": {
@@ -485,7 +485,7 @@ def main(argv=None) -> int:
         },
     }
     report["wall_seconds"] = time.perf_counter() - started
-    bench.write_report(pathlib.Path(args.out_dir), "load", report, markdown, plot, indent=1)
+    bench_common.write_report(pathlib.Path(args.out_dir), "load", report, markdown, plot, indent=1)
     return 0
 
 

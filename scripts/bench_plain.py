@@ -26,7 +26,8 @@ import sys
 import time
 
 from handler.drafters import NGRAM
-from scripts import bench
+from handler.runtime.loading import load_models
+from scripts import bench_common, bench_runner
 from scripts.bench_common import machine_info
 
 logger = logging.getLogger(__name__)
@@ -34,17 +35,17 @@ logger = logging.getLogger(__name__)
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=bench.DEFAULT_TARGET)
-    parser.add_argument("--config", default=bench.DEFAULT_CONFIG)
+    parser.add_argument("--target", default=bench_common.DEFAULT_TARGET)
+    parser.add_argument("--config", default=bench_common.DEFAULT_CONFIG)
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--prompts", default=str(bench.REPO_ROOT / "scripts" / "bench_prompts.json"))
+    parser.add_argument("--prompts", default=str(bench_common.REPO_ROOT / "scripts" / "bench_prompts.json"))
     parser.add_argument("--num-prompts", type=int, default=3, help="held-out prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--pairs", type=int, default=6, help="timed pairs per prompt, after one warm-up pair")
     args = parser.parse_args(argv)
     if args.pairs < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
         parser.error("--pairs, --num-prompts and --max-new-tokens must be at least 1")
-    args.draft, args.draft_quantization = bench.DEFAULT_DRAFT, None  # for bench_config; no draft is loaded
+    args.draft, args.draft_quantization = bench_common.DEFAULT_DRAFT, None  # for bench_config; no draft is loaded
     return args
 
 
@@ -52,13 +53,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     # Plain decoding needs no draft: neither loaded nor timed for its quantization.
-    config = dataclasses.replace(bench.bench_config(args), draft_model=None, drafter=NGRAM)
-    models = bench.load_models(config, None)
+    config = dataclasses.replace(bench_runner.bench_config(args), draft_model=None, drafter=NGRAM)
+    models = load_models(config, None)
     machine = machine_info()
-    runner = bench.Runner(models, config, cost_table=None)
-    sets = bench.load_prompt_sets(pathlib.Path(args.prompts), args.num_prompts, 1)
+    runner = bench_runner.Runner(models, config, cost_table=None)
+    sets = bench_common.load_prompt_sets(pathlib.Path(args.prompts), args.num_prompts, 1)
     prompts = [runner.encode(prompt) for prompt_set in sets.values() for prompt in prompt_set["held_out"]]
-    methods = {"engine": bench.engine_method("engine_k0", NGRAM, 0, False), "hf": bench.hf_target_only()}
+    methods = {"engine": bench_runner.engine_method("engine_k0", NGRAM, 0, False), "hf": bench_runner.hf_target_only()}
     rates = {name: [] for name in methods}
     ratios, same, started = [], 0, time.perf_counter()
     for index, prompt_ids in enumerate(prompts):
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
             logger.info("prompt %d pair %d: engine %.2f, HF %.2f tokens/s", index, pair, rate["engine"], rate["hf"])
     print(f"\nMachine: {machine['description']}")
     dtype = str(models.dtype).replace("torch.", "")
-    print(f"Target {bench._shown(args.target)}, {dtype}; {len(prompts)} prompts (open and grounded")
+    print(f"Target {bench_common.shown(args.target)}, {dtype}; {len(prompts)} prompts (open and grounded")
     print(f"held-out sets), {args.max_new_tokens} new tokens, greedy; {args.pairs} timed pairs per prompt, order")
     print(f"alternating; wall time {(time.perf_counter() - started) / 60:.1f} min.\n")
     print("| row | tokens/s, median (min-max) |\n|---|---|")

@@ -52,8 +52,16 @@ from handler.config import HandlerConfig, handler_config_from_yaml_config
 from handler.engine import GenerationRequest, GenerationResult, SpeculativeEngine, StepRecord
 from handler.planning.measure import measure_for_config
 from handler.runtime.loading import LoadedModels, load_models
-from scripts.bench import DEFAULT_CONFIG, DEFAULT_DRAFT, DEFAULT_TARGET, _shown, first_difference
-from scripts.bench_common import fmt, machine_info, percentile
+from scripts.bench_common import (
+    DEFAULT_CONFIG,
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    first_difference,
+    fmt,
+    machine_info,
+    percentile,
+    shown,
+)
 
 logger = logging.getLogger("bench_prefix")
 
@@ -578,9 +586,9 @@ def main(argv=None) -> int:
         "machine": machine,
         "settings": {
             **{key: value for key, value in vars(args).items() if key not in ("target", "draft", "out")},
-            "target": _shown(args.target),
-            "draft": _shown(args.draft),
-            "config": _shown(args.config),
+            "target": shown(args.target),
+            "draft": shown(args.draft),
+            "config": shown(args.config),
             "dtype": str(models.dtype).replace("torch.", ""),
             "drafter": config.drafter,
             "k": config.num_speculative_tokens,

@@ -32,7 +32,7 @@ import torch
 from handler.caches.kv_cache import left_pad
 from handler.caches.prefix_cache import PrefixCache
 from handler.drafters import CROSS_VOCAB_GREEDY, SLEM, TLI
-from handler.drafters.model import DraftSample, ModelDrafter, draft_confidences
+from handler.drafters.model import DraftSample, ModelDrafter, agree_on_drafts, draft_confidences, sampling_tensors
 from handler.sampler import sample_from_probs, warp_logits_to_probs
 from handler.vocab_map import CONTEXT_TOKENS, VocabMap
 
@@ -100,7 +100,7 @@ class CrossVocabDrafter(ModelDrafter):
         assert with_confidence or keep_drafting is None
         k = max(len(setting[3]) for setting in sampling.values())
         num_rows = len(self.order)
-        temperature, top_k, top_p, uniforms = self._sampling_tensors(sampling, k)
+        temperature, top_k, top_p, uniforms = sampling_tensors(self.order, sampling, k, self.device)
         shaped = {slot: shapers[r] for slot, r in enumerate(self.order) if shapers and r in shapers}
         asking = [slot for slot, request_id in enumerate(self.order) if request_id in sampling]
         texts: dict[int, _TextDrafts] = {}
@@ -162,8 +162,8 @@ class CrossVocabDrafter(ModelDrafter):
                     confidences[slot].append(confidence[slot][0])
                     runners_up[slot].append((other_ids[slot][0], other_probs[slot][0]))
             out_of_passes = num_passes >= max_passes or all(slot in stalled for slot in asking)
-            num_drafts, stop = self._agree(
-                asking, drafts, confidences, counts, num_drafts, k, keep_drafting, stop=out_of_passes
+            num_drafts, stop = agree_on_drafts(
+                self.order, asking, drafts, confidences, counts, num_drafts, k, keep_drafting, stop=out_of_passes
             )
             if stop:
                 break

@@ -228,7 +228,7 @@ class ModelDrafter:
         num_rows = len(self.order)
         # A row that runs ahead of the others on its guesses draws beyond k before it is cut back to
         # the step's drafts: each pass gives every row one draft at least, and there are at most k passes.
-        temperature, top_k, top_p, uniforms = self._sampling_tensors(sampling, 2 * k + 1)
+        temperature, top_k, top_p, uniforms = sampling_tensors(self.order, sampling, 2 * k + 1, self.device)
         shaped = {slot: shapers[r] for slot, r in enumerate(self.order) if shapers and r in shapers}
         asking = [slot for slot, request_id in enumerate(self.order) if request_id in sampling]
         guess_of = {
@@ -289,7 +289,9 @@ class ModelDrafter:
                 feeds[slot] = drafts[slot][-1:]
             if any(tried):
                 self.cache.rollback(lengths)
-            num_drafts, stop = self._agree(asking, drafts, confidences, counts, num_drafts, k, keep_drafting)
+            num_drafts, stop = agree_on_drafts(
+                self.order, asking, drafts, confidences, counts, num_drafts, k, keep_drafting
+            )
             if stop:
                 break
         self.last_draft_counts = {self.order[slot]: counts[slot] for slot in asking}
@@ -313,50 +315,6 @@ class ModelDrafter:
             for slot, request_id in enumerate(self.order)
             if request_id in sampling
         }
-
-    def _agree(
-        self,
-        asking: list[int],
-        drafts: list[list[int]],
-        confidences: list[list[float]],
-        counts: dict[int, list[int]],
-        num_drafts: int,
-        k: int,
-        keep_drafting: Callable[[int, dict[Hashable, float]], bool] | None,
-        stop: bool = False,
-    ) -> tuple[int, bool]:
-        """After a pass: records each asking row's drafts so far (`counts`), and moves the drafts the batch
-        agrees on up while every asking row has one more and `keep_drafting` says one more pays.
-
-        Returns:
-            the agreed number of drafts, and whether to stop drafting (k reached, or the rule said so).
-        """
-        for slot in asking:
-            counts[slot].append(len(drafts[slot]))
-        while not stop and all(len(drafts[slot]) > num_drafts for slot in asking):
-            num_drafts += 1
-            stop = num_drafts >= k or (
-                keep_drafting is not None
-                and not keep_drafting(
-                    num_drafts, {self.order[slot]: confidences[slot][num_drafts - 1] for slot in asking}
-                )
-            )
-        return num_drafts, stop
-
-    def _sampling_tensors(
-        self, sampling: Mapping[Hashable, tuple[float, int, float, torch.Tensor]], width: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per cache row: temperature, top-k, top-p and its uniforms [rows, width] float64 (zeros past
-        its own); a row not in `sampling` drafts greedily."""
-        settings = [sampling.get(request_id, (0.0, 0, 1.0, None)) for request_id in self.order]
-        temperature = torch.tensor([s[0] for s in settings], device=self.device)
-        top_k = torch.tensor([s[1] for s in settings], device=self.device)
-        top_p = torch.tensor([s[2] for s in settings], device=self.device)
-        uniforms = torch.zeros((len(settings), width), dtype=torch.float64)  # [rows, width]
-        for slot, setting in enumerate(settings):
-            if setting[3] is not None:
-                uniforms[slot, : len(setting[3])] = setting[3]
-        return temperature, top_k, top_p, uniforms
 
     def passes_needed(self, request_id: Hashable, num_drafts: int) -> int:
         """The passes of the last proposal after which the row had its first `num_drafts` drafts."""
@@ -408,3 +366,51 @@ class ModelDrafter:
         if isinstance(token_ids, torch.Tensor):
             return token_ids.masked_fill(token_ids >= self.draft_vocab_size, self.pad_token_id)
         return [t if t < self.draft_vocab_size else self.pad_token_id for t in token_ids]
+
+
+def agree_on_drafts(
+    order: list[Hashable],
+    asking: list[int],
+    drafts: list[list[int]],
+    confidences: list[list[float]],
+    counts: dict[int, list[int]],
+    num_drafts: int,
+    k: int,
+    keep_drafting: Callable[[int, dict[Hashable, float]], bool] | None,
+    stop: bool = False,
+) -> tuple[int, bool]:
+    """After a pass: records each asking row's drafts so far (`counts`), and moves the drafts the batch
+    agrees on up while every asking row has one more and `keep_drafting` says one more pays
+    (`order`: the request ids by cache row).
+
+    Returns:
+        the agreed number of drafts, and whether to stop drafting (k reached, or the rule said so).
+    """
+    for slot in asking:
+        counts[slot].append(len(drafts[slot]))
+    while not stop and all(len(drafts[slot]) > num_drafts for slot in asking):
+        num_drafts += 1
+        stop = num_drafts >= k or (
+            keep_drafting is not None
+            and not keep_drafting(num_drafts, {order[slot]: confidences[slot][num_drafts - 1] for slot in asking})
+        )
+    return num_drafts, stop
+
+
+def sampling_tensors(
+    order: list[Hashable],
+    sampling: Mapping[Hashable, tuple[float, int, float, torch.Tensor]],
+    width: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per cache row: temperature, top-k, top-p and its uniforms [rows, width] float64 (zeros past
+    its own); a row not in `sampling` drafts greedily."""
+    settings = [sampling.get(request_id, (0.0, 0, 1.0, None)) for request_id in order]
+    temperature = torch.tensor([s[0] for s in settings], device=device)
+    top_k = torch.tensor([s[1] for s in settings], device=device)
+    top_p = torch.tensor([s[2] for s in settings], device=device)
+    uniforms = torch.zeros((len(settings), width), dtype=torch.float64)  # [rows, width]
+    for slot, setting in enumerate(settings):
+        if setting[3] is not None:
+            uniforms[slot, : len(setting[3])] = setting[3]
+    return temperature, top_k, top_p, uniforms

@@ -274,3 +274,19 @@ def test_where_drafting_never_pays_no_row_probes(tiny_pair):
     # The first steps draft (the pool knows nothing yet), one token each; then never again.
     assert result.stats.num_drafts == MIN_STEPS_BEFORE_FALLBACK
     assert result.stats.draft_tokens == result.stats.num_drafts
+
+
+def test_forgetting_the_suffix_history_starts_the_trees_afresh(tiny_pair):
+    target, draft, tokenizer = tiny_pair
+    engine = make_engine(target, draft, tokenizer)
+    prompt_ids = encode(tokenizer, PROMPTS[0])
+    engine.generate([GenerationRequest(prompt_ids, 12, GREEDY, 2, drafter="suffix")])
+    options = engine.suffix_drafter.options
+    assert engine.suffix_drafter.stats.num_requests == 1  # the finished request's text stays, shared
+    engine.forget_suffix_history()
+    assert engine.suffix_drafter.stats.num_requests == 0 and engine.suffix_drafter.options is options
+    result = engine.generate([GenerationRequest(prompt_ids, 12, GREEDY, 2, drafter="suffix")])[0]
+    assert result.token_ids == reference_greedy(target, prompt_ids, 12)
+    engine.add_request("in flight", GenerationRequest(prompt_ids, 12, GREEDY, 2))
+    with pytest.raises(AssertionError, match="between requests"):
+        engine.forget_suffix_history()

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from scripts import bench
+from scripts import bench, bench_common, bench_runner
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.models  # loads and runs the tiny pair: not in the fast tier
@@ -38,7 +38,7 @@ def test_bench_writes_json_markdown_and_plot(tiny_models_dir, tmp_path):
     )
     out = tmp_path / "bench"
     # the real prompt file parses and has enough held-out prompts for the default run
-    sets = bench.load_prompt_sets(REPO_ROOT / "scripts" / "bench_prompts.json", 6, 1)
+    sets = bench_common.load_prompt_sets(REPO_ROOT / "scripts" / "bench_prompts.json", 6, 1)
     assert all(len(s["held_out"]) == 6 for s in sets.values())
     bench.main(
         [
@@ -86,24 +86,22 @@ def test_bench_writes_json_markdown_and_plot(tiny_models_dir, tmp_path):
 
 def test_sets_selects_the_prompt_sets_and_refuses_unknown_ones():
     assert bench.parse_args(["--sets", "grounded"]).sets == ["grounded"]
-    assert bench.parse_args([]).sets == list(bench.PROMPT_SETS)
+    assert bench.parse_args([]).sets == list(bench_common.PROMPT_SETS)
     with pytest.raises(SystemExit):
         bench.parse_args(["--sets", "open,closed"])
 
 
-def test_an_engine_row_starts_with_empty_suffix_trees(monkeypatch):
-    """Rows share an engine: trees that learned another row's answers to the same prompts would propose them."""
+def test_an_engine_row_starts_with_empty_suffix_trees():
+    """Rows share an engine: trees that learned another row's answers to the same prompts would propose
+    them, so each engine row first has the engine forget them (`SpeculativeEngine.forget_suffix_history`)."""
     from types import SimpleNamespace
 
-    from handler.drafters.suffix import SuffixDrafter
-
-    engine = SimpleNamespace(suffix_drafter=SuffixDrafter())
-    engine.suffix_drafter.add({"earlier": [1]})
-    engine.suffix_drafter.observe({"earlier": [2, 3, 4]})
-    runner = bench.Runner(models=None, config=SimpleNamespace(draft_confidence=True), cost_table=None)
+    forgotten = []
+    engine = SimpleNamespace(forget_suffix_history=lambda: forgotten.append(True))
+    runner = bench_runner.Runner(models=None, config=SimpleNamespace(draft_confidence=True), cost_table=None)
     runner.engines[True, True] = engine
-    runner.run(bench.engine_method("engine_hybrid", "hybrid", 4, planned=True), [], 8)
-    assert engine.suffix_drafter.stats.num_requests == 0
+    runner.run(bench_runner.engine_method("engine_hybrid", "hybrid", 4, planned=True), [], 8)
+    assert forgotten == [True]
 
 
 def test_the_machine_line_counts_the_cores_a_container_may_use(monkeypatch):
