@@ -436,12 +436,7 @@ class ContinuousBatcher:
 
     def _drop_everything(self) -> None:
         """After a failed step the caches are undefined: the engine drops every request."""
-        reset = getattr(self.engine, "reset", None)
-        if reset is not None:
-            reset()
-            return
-        for request_id, tracked in self.running.items():
-            self._abort_rows(request_id, tracked.unfinished_rows)
+        self.engine.reset()
 
     def _chunk_reply(self, tracked: _Tracked, chunks: list[str]) -> Reply:
         """A request still waiting or running: its new streamed chunks, or an empty chunk."""
