@@ -944,13 +944,7 @@ def main(argv=None) -> int:
         "rows": rows,
         "shipped_vs_best": shipped_against_best(rows),
     }
-    out = pathlib.Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "agentic.json").write_text(json.dumps(report, indent=2))
-    table = markdown(report)
-    (out / "agentic.md").write_text(table)
-    print(table)
-    print(f"wrote {out / 'agentic.json'}, {out / 'agentic.md'}")
+    bench_common.write_report(pathlib.Path(args.out_dir), "agentic", report, markdown)
     return 0
 
 

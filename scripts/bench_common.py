@@ -122,12 +122,15 @@ def load_prompt_sets(path: pathlib.Path, num_prompts: int, sweep_prompts: int) -
     return sets
 
 
-def write_report(out: pathlib.Path, stem: str, report: dict, to_markdown, to_plot, indent: int = 2) -> None:
-    """Writes `stem`.json, .md and .png into `out` and prints the table."""
+def write_report(out: pathlib.Path, stem: str, report: dict, to_markdown, to_plot=None, indent: int = 2) -> None:
+    """Writes `stem`.json, .md and (with `to_plot`) .png into `out`, and prints the table."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=indent))
+    written = [out / f"{stem}.json", out / f"{stem}.md"]
+    written[0].write_text(json.dumps(report, indent=indent))
     table = to_markdown(report)
-    (out / f"{stem}.md").write_text(table)
-    to_plot(report, out / f"{stem}.png")
+    written[1].write_text(table)
+    if to_plot is not None:
+        written.append(out / f"{stem}.png")
+        to_plot(report, written[-1])
     print(table)
-    print(f"wrote {out / f'{stem}.json'}, {out / f'{stem}.md'}, {out / f'{stem}.png'}")
+    print(f"wrote {', '.join(str(path) for path in written)}")
