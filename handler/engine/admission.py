@@ -58,6 +58,16 @@ class Batch:
         self.aborted.discard(row.request_id)
         self.waiting.append(row)
 
+    def abort(self, request_id: Hashable) -> None:
+        """The request's row leaves at the next step (`drop_aborted`)."""
+        self.aborted.add(request_id)
+
+    def clear(self) -> None:
+        """Drops every row and waiting request; the caches' contents are not kept (after a failed step)."""
+        self.waiting = []
+        self.aborted.clear()
+        self.drop(list(self.rows), consistent=False)
+
     def drop_aborted(self) -> None:
         self.drop([row for row in self.rows if row.request_id in self.aborted])
         self.waiting = [row for row in self.waiting if row.request_id not in self.aborted]

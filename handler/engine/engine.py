@@ -241,7 +241,7 @@ class SpeculativeEngine:
 
     def abort_request(self, request_id: Hashable) -> None:
         """Frees the request's row at the next `step`; it produces no more output."""
-        self.batch.aborted.add(request_id)
+        self.batch.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.batch.rows or self.batch.waiting)
@@ -327,9 +327,7 @@ class SpeculativeEngine:
 
     def reset(self) -> None:
         """Drops every request in flight, e.g. after a failed step left the caches undefined."""
-        self.batch.waiting = []
-        self.batch.aborted.clear()
-        self.batch.drop(list(self.batch.rows), consistent=False)
+        self.batch.clear()
 
     # ---------------------------------------------------------------- internals
 
