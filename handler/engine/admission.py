@@ -52,9 +52,12 @@ class Batch:
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
 
+    def holds(self, request_id: Hashable) -> bool:
+        """Whether the request is in flight or waiting to join."""
+        return any(row.request_id == request_id for row in (*self.rows, *self.waiting))
+
     def queue(self, row: Row) -> None:
-        if any(other.request_id == row.request_id for other in (*self.rows, *self.waiting)):
-            raise ValueError(f"request id {row.request_id!r} is already in flight")
+        """Adds a new request's row to the waiting ones (the caller checked it is not `holds`)."""
         self.aborted.discard(row.request_id)
         self.waiting.append(row)
 

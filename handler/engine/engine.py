@@ -153,7 +153,6 @@ class SpeculativeEngine:
         )
         self.proposer = Proposer(
             self.drafter_map,
-            self.estimates,
             self.planner,
             trees=self.trees,
             prompt_lookup_num_tokens=prompt_lookup_num_tokens,
@@ -227,6 +226,8 @@ class SpeculativeEngine:
 
     def add_request(self, request_id: Hashable, request: GenerationRequest) -> None:
         """Queues a request; it is prefilled and joins the batch at the next `step`."""
+        if self.batch.holds(request_id):
+            raise ValueError(f"request id {request_id!r} is already in flight")
         drafter = request.drafter or self.default_drafter
         if drafter not in self.drafters:
             raise ValueError(f"drafter: {drafter!r} is not available here; choose one of {', '.join(self.drafters)}")
@@ -290,8 +291,8 @@ class SpeculativeEngine:
         for drafter in self.drafter_map.values():
             drafter.observe(committed)
         self.batch.drop(finished)
-        self.steps.record(plan, times, self._verify_seconds, outputs, admitted, started)
-        self.steps.last_step_mask_seconds = sum(row.stats.mask_seconds for row in rows) - mask_seconds_before
+        mask_seconds = sum(row.stats.mask_seconds for row in rows) - mask_seconds_before
+        self.steps.record(plan, times, self._verify_seconds, mask_seconds, outputs, admitted, started)
         return _joined(first_outputs, outputs)
 
     def generate(

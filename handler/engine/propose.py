@@ -17,7 +17,7 @@ from handler.drafters import HYBRID, MODEL, NGRAM, NO_DRAFTS, SUFFIX, TLI, Draft
 from handler.drafters.cross_vocab import CrossVocabDrafter
 from handler.drafters.hybrid import Candidate, choose
 from handler.drafters.model import DraftSample, ModelDrafter
-from handler.engine.estimates import DraftConfidences, Estimates, first_choice_chain
+from handler.engine.estimates import DraftConfidences, first_choice_chain
 from handler.engine.plan import Planner, RowOptions, StepPlan, expected_tokens
 from handler.engine.row import PROPOSER_GRAMMAR, Row
 from handler.planning.cost_table import RunningCostTable
@@ -67,7 +67,6 @@ class Proposer:
     def __init__(
         self,
         drafters: Mapping[str, Drafter],
-        estimates: Estimates,
         planner: Planner,
         *,
         trees: bool,
@@ -75,8 +74,8 @@ class Proposer:
         grammar_drafts: bool = True,
     ) -> None:
         self.drafters = drafters
-        self.estimates = estimates
         self.planner = planner
+        self.estimates = planner.estimates
         self.trees = trees
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.grammar_drafts = grammar_drafts

@@ -54,13 +54,16 @@ class StepLog:
         plan: StepPlan,
         times: DraftTimes,
         verify_seconds: float,
+        mask_seconds: float,
         outputs: list[StepOutput],
         admitted: float,
         started: float,
     ) -> None:
-        """Keeps a step's record (`admitted`, `started`: when its admission and its own work began)."""
+        """Keeps a step's record (`mask_seconds`: its grammar masks' part; `admitted`, `started`: when
+        its admission and its own work began)."""
         ended = time.perf_counter()
         self.last_step_seconds = ended - started
+        self.last_step_mask_seconds = mask_seconds
         ks = plan.ks
         record = StepRecord(
             len(ks),

@@ -102,13 +102,8 @@ def cgroup_cpu_limit(root: str | Path = CGROUP_ROOT) -> int | None:
     """
 
     def read(*names: str) -> list[str] | None:
-        for name in names:
-            try:
-                with open(os.path.join(root, name), encoding="ascii") as f:
-                    return f.read().split()
-            except OSError:
-                continue
-        return None
+        texts = (_read(Path(root) / name) for name in names)
+        return next((text.split() for text in texts if text is not None), None)
 
     v2 = read("cpu.max")
     if v2 is not None and len(v2) == 2:
