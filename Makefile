@@ -62,10 +62,10 @@ $(INSTALL_STAMP): requirements.txt requirements-dev.txt scripts/install.sh $(TOR
 
 # The engine's exactness and distribution tests run twice: on the dynamic runner (with every other
 # test), then on the static one. `make test-static` runs the whole model and statistical tiers on it.
-STATIC_RUNNER_TESTS ?= tests/models/test_engine.py tests/models/test_tree.py tests/models/test_step_api.py \
-	tests/models/test_prefix_cache.py tests/models/test_draft_guesses.py tests/models/test_constrained.py \
-	tests/statistical/test_engine_distribution.py tests/statistical/test_tree_distribution.py \
-	tests/statistical/test_lookup_distribution.py
+STATIC_RUNNER_TESTS ?= tests/models/test_engine.py tests/models/test_tree.py tests/models/test_admission.py \
+	tests/models/test_prefix_cache.py tests/models/test_propose.py tests/models/test_constraints.py \
+	tests/statistical/test_engine.py tests/statistical/test_tree.py \
+	tests/statistical/test_drafters.py
 
 test: install ## Run the whole test suite (every tier; the engine's under both runners)
 	$(PY) -m pytest tests -q -ra $(PYTEST_ARGS)

@@ -34,6 +34,6 @@ def cuda_pair(tiny_models_dir):
 def graph_sized_batches(monkeypatch):
     """The chi-square checks in batches the static runner captures as graphs (`MAX_GRAPH_BATCH`)."""
     from handler.runners.static import MAX_GRAPH_BATCH
-    from tests.statistical import test_engine_distribution
+    from tests.statistical import test_engine as statistical_engine
 
-    monkeypatch.setattr(test_engine_distribution, "BATCH", MAX_GRAPH_BATCH - 4)
+    monkeypatch.setattr(statistical_engine, "BATCH", MAX_GRAPH_BATCH - 4)

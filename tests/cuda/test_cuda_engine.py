@@ -15,8 +15,8 @@ import torch
 from handler.config import SamplingParams
 from handler.engine import GenerationRequest
 from tests.models.conftest import make_engine
-from tests.statistical.test_distribution import BUG_P_VALUE, PASS_P_VALUE
-from tests.statistical.test_engine_distribution import SETTINGS, p_values, sample_two_tokens
+from tests.statistical.test_engine import SETTINGS, p_values, sample_two_tokens
+from tests.statistical.test_sampler import BUG_P_VALUE, PASS_P_VALUE
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu)")
 

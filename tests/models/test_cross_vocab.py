@@ -214,7 +214,7 @@ def test_the_handler_serves_a_draft_from_another_family_on_every_route(cross_pai
 
     import handler.spec_handler as spec_handler_module
     from handler.spec_handler import SpeculativeHandler
-    from tests.models.test_handler import HANDLER_SECTION, RecordingMetrics
+    from tests.models.test_spec_handler import HANDLER_SECTION, RecordingMetrics
 
     target, draft, tokenizer, vocab_map = cross_pair
     target.save_pretrained(tmp_path / "target")

@@ -17,7 +17,7 @@ from handler.runtime.loading import collect_eos_token_ids
 from handler.caches.prefix_cache import prefill_with_cache
 
 from .test_engine import GREEDY
-from .test_step_api import SAMPLED, run_staggered
+from .test_admission import SAMPLED, run_staggered
 
 DRAFTERS = ["model", "ngram", "suffix", "hybrid"]
 MIB = 2**20

@@ -13,7 +13,7 @@ import pytest
 from ts.context import Context, RequestProcessor
 
 from handler.spec_handler import SpeculativeHandler
-from tests.models.test_handler import HANDLER_SECTION
+from tests.models.test_spec_handler import HANDLER_SECTION
 
 
 def make_context(model_dir, continuous: bool) -> Context:

@@ -15,7 +15,7 @@ import torch
 from handler.api.openai.answers import TokenTexts
 from handler.api.openai.requests import choice_seed
 
-from .test_openai_handler import CHAT, COMPLETIONS, call, native_answer, sse_events
+from .test_openai_routes import CHAT, COMPLETIONS, call, native_answer, sse_events
 
 ATOL = 1e-4  # float32; batched and cached versus one plain forward
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
@@ -25,7 +25,7 @@ MESSAGES = [{"role": "user", "content": "Tell me a story."}]
 def handler(tiny_models_dir):
     from handler.spec_handler import SpeculativeHandler
 
-    from .test_openai_handler import make_context
+    from .test_openai_routes import make_context
 
     handler = SpeculativeHandler()
     handler.initialize(make_context(tiny_models_dir, []))

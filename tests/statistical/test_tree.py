@@ -25,7 +25,7 @@ from handler.sampler import sample_from_probs, warp_logits_to_probs
 from handler.tree import ROOT
 
 from .conftest import lookup_only_engine
-from .test_distribution import BUG_P_VALUE, PASS_P_VALUE, chi_square_p_value
+from .test_sampler import BUG_P_VALUE, PASS_P_VALUE, chi_square_p_value
 
 VOCAB = 8
 NUM_WALKS = 20_000

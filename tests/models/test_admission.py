@@ -170,7 +170,7 @@ def test_look_ups_propose_up_to_their_own_cap_and_stay_exact(tiny_pair, drafter,
         return Proposal(list(expected[done : done + cap]))
 
     # The suffix drafter is the oracle where it is the row's drafter; under hybrid it finds nothing.
-    lookup = engine.suffix_drafter if drafter == "suffix" else engine.ngram_drafter
+    lookup = engine.suffix_drafter if drafter == "suffix" else engine.drafter_map["ngram"]
     propose, add, index = engine.model_drafter.propose, engine.model_drafter.add, lookup.add
     indexed_rows = []
     monkeypatch.setattr(lookup, "lookup", oracle)
@@ -257,7 +257,7 @@ def test_a_row_that_fell_back_probes_every_interval_where_a_typical_row_would_dr
         done = len(planned.rows[0].token_ids)
         return Proposal([(expected[done] + 1) % tokenizer.vocab_size] if cap and done < len(expected) else [])
 
-    monkeypatch.setattr(planned.ngram_drafter, "lookup", wrong)
+    monkeypatch.setattr(planned.drafter_map["ngram"], "lookup", wrong)
     result = planned.generate([GenerationRequest(prompt_ids, 120, GREEDY, 1, drafter="ngram")])[0]
     assert result.token_ids == expected
     assert result.stats.fell_back and result.stats.accepted_tokens == 0

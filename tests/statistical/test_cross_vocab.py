@@ -14,8 +14,8 @@ import torch
 from handler.sampler import sample_from_probs
 from tests.models.conftest import cross_vocab_pair, make_engine
 
-from .test_distribution import BUG_P_VALUE, PASS_P_VALUE
-from .test_engine_distribution import SETTINGS, p_values, sample_two_tokens
+from .test_engine import SETTINGS, p_values, sample_two_tokens
+from .test_sampler import BUG_P_VALUE, PASS_P_VALUE
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from handler.engine import GenerationRequest
 from handler.runtime.loading import collect_eos_token_ids
 from handler.sampler import warp_logits_to_probs
 
-from .test_distribution import BUG_P_VALUE, PASS_P_VALUE, chi_square_p_value
+from .test_sampler import BUG_P_VALUE, PASS_P_VALUE, chi_square_p_value
 
 REGEX = "[the]{0,3}"
 PROMPT = "the theme of the"

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from tests.models.test_handler_continuous import Frontend, handlers  # noqa: F401 (a fixture)
-from tests.models.test_openai_handler import (
+from tests.models.test_serving import Frontend, handlers  # noqa: F401 (a fixture)
+from tests.models.test_openai_routes import (
     CHAT,
     COMPLETIONS,
     MODEL,

@@ -15,8 +15,8 @@ from handler.config import SamplingParams
 from handler.logits_processors import process_row_logits, token_counts, token_mask
 from handler.sampler import warp_logits_to_probs
 
-from .test_distribution import BUG_P_VALUE, PASS_P_VALUE, chi_square_p_value
-from .test_engine_distribution import PROMPT, pair, sample_two_tokens  # noqa: F401 (pair is a fixture)
+from .test_engine import PROMPT, pair, sample_two_tokens  # noqa: F401 (pair is a fixture)
+from .test_sampler import BUG_P_VALUE, PASS_P_VALUE, chi_square_p_value
 
 SAMPLING = SamplingParams(
     temperature=1.0,

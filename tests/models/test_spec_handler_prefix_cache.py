@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 from handler.spec_handler import SpeculativeHandler
-from tests.models.test_handler import RecordingMetrics
-from tests.models.test_handler_continuous import Frontend
-from tests.models.test_handler_continuous import make_context as continuous_context
-from tests.models.test_openai_handler import CHAT, NATIVE, call
-from tests.models.test_openai_handler import make_context as static_context
+from tests.models.test_spec_handler import RecordingMetrics
+from tests.models.test_serving import Frontend
+from tests.models.test_serving import make_context as continuous_context
+from tests.models.test_openai_routes import CHAT, NATIVE, call
+from tests.models.test_openai_routes import make_context as static_context
 
 # Long enough that its prefill is most of the work, short enough for the tiny pair's context.
 LONG_PROMPT = (

@@ -15,7 +15,7 @@ import handler.spec_handler as spec_handler_module
 from handler.api.openai.requests import choice_seed
 from handler.spec_handler import SpeculativeHandler
 from tests.models.conftest import fail_batches_holding
-from tests.models.test_handler import HANDLER_SECTION
+from tests.models.test_spec_handler import HANDLER_SECTION
 MODEL = "tiny"
 COMPLETIONS, CHAT, MODELS, NATIVE = "v1/completions", "v1/chat/completions", "v1/models", ""
 

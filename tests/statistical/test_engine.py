@@ -18,7 +18,7 @@ from handler.config import SamplingParams
 from handler.engine import GenerationRequest
 from handler.sampler import warp_logits_to_probs
 
-from .test_distribution import BUG_P_VALUE, PASS_P_VALUE, chi_square_p_value
+from .test_sampler import BUG_P_VALUE, PASS_P_VALUE, chi_square_p_value
 
 NUM_SAMPLES = 3000
 BATCH = 150
