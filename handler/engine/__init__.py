@@ -15,7 +15,7 @@ engine serves a changing batch of requests:
   3. the draft model drafts for the rows the plan gives it (`propose.Proposer.draft`);
   4. the target verifies all drafts in one forward pass over the new tokens only, and the
      rejection sampler (for a seeded request, the coupling; for a tree, its walk) decides
-     (`verify.verify`);
+     (`verify.Verifier`);
   5. each row emits its tokens, the estimates learn from the outcome (`estimates`), and both
      caches roll back to the committed length. A finished row leaves at once.
 - After its prefill a row always has exactly one pending target token: the last committed

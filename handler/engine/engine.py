@@ -29,7 +29,7 @@ from handler.engine.plan import Planner, StepPlan
 from handler.engine.propose import Proposer, make_drafters
 from handler.engine.record import StepLog
 from handler.engine.row import Row
-from handler.engine.verify import StepUniforms, Verified, token_logprobs, verify
+from handler.engine.verify import StepUniforms, Verifier
 from handler.planning.cost_table import RunningCostTable
 from handler.planning.estimators import OutcomeCheck
 from handler.types import GenerationRequest, GenerationResult, StepOutput
@@ -161,8 +161,10 @@ class SpeculativeEngine:
         self.drafters = DRAFTERS if draft is not None else MODEL_FREE  # the names a request may pick
         self.default_drafter = default_drafter or (MODEL if draft is not None else NGRAM)
         assert self.default_drafter in self.drafters, (self.default_drafter, self.drafters)
+        self.verifier = Verifier(
+            self.batch, self.cost_table, vocab_size=self.vocab_size, pad_token_id=pad_token_id, device=self.device
+        )
         self.steps = StepLog(self.outcome_check)
-        self._verify_seconds = 0.0
 
     @classmethod
     def from_config(cls, models, config: HandlerConfig, cost_table=None, **overrides) -> SpeculativeEngine:
@@ -177,10 +179,6 @@ class SpeculativeEngine:
     @property
     def model_drafter(self) -> ModelDrafter | None:
         return self.drafter_map.get(MODEL)
-
-    @property
-    def ngram_drafter(self) -> NgramDrafter:
-        return self.drafter_map[NGRAM]
 
     @property
     def suffix_drafter(self) -> SuffixDrafter:
@@ -267,13 +265,12 @@ class SpeculativeEngine:
             return first_outputs
         rows = self.rows
         started = time.perf_counter()
-        self._verify_seconds = 0.0
         mask_seconds_before = sum(row.stats.mask_seconds for row in rows)
         plan = self.planner.plan(rows, self.proposer.options(rows), self.steps.num_steps)
         uniforms = StepUniforms.draw(rows, plan.ks)
         times = self.proposer.draft(rows, plan, uniforms.draft)
         uniforms.refit(plan.width)
-        verified = self._verify(rows, plan, uniforms)
+        verified = self.verifier(rows, plan.rows, uniforms)
 
         outputs, finished, committed = [], [], {}
         for slot, row in enumerate(rows):
@@ -281,7 +278,7 @@ class SpeculativeEngine:
             row.stats.record(row_plan.proposer, row_plan.k, accepted)
             row.steps_without_drafts = 0 if row_plan.k else row.steps_without_drafts + 1
             self.estimates.learn(row, row_plan, accepted, path)
-            output = self._emit(row, verified.emitted[slot][: accepted + 1], verified.logits[slot], path)
+            output = row.emit(verified.emitted[slot][: accepted + 1], verified.logits[slot], path)
             output.num_draft_tokens, output.num_accepted_tokens = row_plan.k, accepted
             committed[row.request_id] = output.new_token_ids
             outputs.append(output)
@@ -292,7 +289,7 @@ class SpeculativeEngine:
             drafter.observe(committed)
         self.batch.drop(finished)
         mask_seconds = sum(row.stats.mask_seconds for row in rows) - mask_seconds_before
-        self.steps.record(plan, times, self._verify_seconds, mask_seconds, outputs, admitted, started)
+        self.steps.record(plan, times, self.verifier.seconds, mask_seconds, outputs, admitted, started)
         return _joined(first_outputs, outputs)
 
     def generate(
@@ -347,47 +344,14 @@ class SpeculativeEngine:
         if not plain:
             return []
         plan = StepPlan.plain(len(plain))
-        verified = self._verify(plain, plan, StepUniforms.draw(plain, plan.ks), logits=first_logits)
+        verified = self.verifier(plain, plan.rows, StepUniforms.draw(plain, plan.ks), logits=first_logits)
         outputs = []
         for slot, row in enumerate(plain):
             row.stats.record(row.drafter, 0, 0)  # the prefill was its first target pass
-            outputs.append(self._emit(row, verified.emitted[slot][:1], verified.logits[slot], verified.paths[slot]))
+            outputs.append(row.emit(verified.emitted[slot][:1], verified.logits[slot], verified.paths[slot]))
         # No drafter follows a plain row: nothing to observe.
         self.batch.drop([row for row in plain if row.finish_reason is not None])
         return outputs
-
-    def _verify(
-        self, rows: list[Row], plan: StepPlan, uniforms: StepUniforms, logits: torch.Tensor | None = None
-    ) -> Verified:
-        return verify(
-            rows,
-            plan.rows,
-            uniforms,
-            self._target_pass,
-            vocab_size=self.vocab_size,
-            pad_token_id=self.pad_token_id,
-            device=self.device,
-            logits=logits,
-        )
-
-    def _target_pass(self, input_ids: torch.Tensor, chunk_mask: torch.Tensor, num_columns: int, tree) -> torch.Tensor:
-        """The target's verify pass over the batch's cache, timed for the running cost table."""
-        started = time.perf_counter()
-        logits = self.batch.cache.forward(input_ids, chunk_mask, logits_to_keep=num_columns, tree=tree)
-        self._verify_seconds = time.perf_counter() - started
-        if isinstance(self.cost_table, RunningCostTable):
-            self.cost_table.observe_target(len(input_ids), num_columns, self._verify_seconds, tree=tree is not None)
-        return logits
-
-    def _emit(self, row: Row, new_tokens: list[int], logits: torch.Tensor, path: list[int]) -> StepOutput:
-        """Appends a row's emitted tokens up to its first stop, and reports them (`logits`: the row's
-        raw logits at the step's columns, [columns, vocab]; `path`: the columns of the emitted tokens)."""
-        kept = row.extend(new_tokens)
-        row.commit(kept)
-        if row.logprobs is not None and kept:
-            row.logprobs.extend(token_logprobs(logits[path[: len(kept)]], kept, row.request.logprobs))
-        finished = row.finish_reason is not None
-        return StepOutput(row.request_id, kept, row.token_ids, row.finish_reason, row.result() if finished else None)
 
 
 def config_arguments(models, config: HandlerConfig, overrides: dict) -> dict:

@@ -17,7 +17,7 @@ from handler.logits_processors import process_row_logits, token_counts, token_ma
 from handler.planning.estimators import AcceptanceTracker, GuessRate
 from handler.schema import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from handler.stopping import StopChecker
-from handler.types import GenerationRequest, GenerationResult, SpeculativeStats, TokenLogprob
+from handler.types import GenerationRequest, GenerationResult, SpeculativeStats, StepOutput, TokenLogprob
 
 # Not a drafter a request picks: the tokens a constraint's grammar forces, proposed as drafts.
 PROPOSER_GRAMMAR = "grammar"
@@ -159,6 +159,17 @@ class Row:
         if self.seen is not None:
             self.seen |= token_mask(kept, self.seen.shape[0], self.seen.device)
 
+    def emit(self, new_tokens: list[int], logits: torch.Tensor, path: list[int]) -> StepOutput:
+        """Appends the step's tokens up to the first stop, moves the rules past them, and reports them
+        (`logits`: the row's raw target logits at the step's columns, [columns, vocab]; `path`: the
+        columns of the emitted tokens)."""
+        kept = self.extend(new_tokens)
+        self.commit(kept)
+        if self.logprobs is not None and kept:
+            self.logprobs.extend(token_logprobs(logits[path[: len(kept)]], kept, self.request.logprobs))
+        result = self.result() if self.finish_reason is not None else None
+        return StepOutput(self.request_id, kept, self.token_ids, self.finish_reason, result)
+
     def grammar_call(self, method: str, *args):
         """Calls the row's grammar, counting the time in its masks."""
         started = time.perf_counter()
@@ -187,3 +198,17 @@ class Row:
             logprobs=self.logprobs,
             cached_tokens=self.cached_tokens,
         )
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:  # [n, vocab]
+    """The emitted tokens' log-probabilities under the target's raw logits, and the top `num_top`."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
+    chosen = logprobs.gather(-1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
+    if num_top == 0:
+        return [TokenLogprob(t, lp) for t, lp in zip(token_ids, chosen)]
+    top = logprobs.topk(num_top, dim=-1)
+    top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    return [
+        TokenLogprob(t, lp, tuple(zip(ids, values)))
+        for t, lp, ids, values in zip(token_ids, chosen, top_ids, top_values)
+    ]

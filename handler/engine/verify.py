@@ -11,13 +11,14 @@ Nothing here drafts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import time
 
 import torch
 
 from handler.engine.plan import RowPlan
 from handler.engine.row import Row
 from handler.logits_processors import process_row_logits
+from handler.planning.cost_table import RunningCostTable
 from handler.sampler import (
     coupled_verify,
     draw_step_uniforms,
@@ -26,10 +27,6 @@ from handler.sampler import (
     warp_logits_to_probs,
 )
 from handler.tree import ROOT, chunk_attention, verify_tree
-from handler.types import TokenLogprob
-
-# (input ids [batch, 1 + k], chunk mask, k + 1 columns to keep, tree mask or None) -> logits [batch, k + 1, vocab']
-TargetPass = Callable[[torch.Tensor, torch.Tensor, int, object], torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -81,76 +78,92 @@ class Verified:
     paths: list[list[int]]  # the chunk columns of the pending token and accepted drafts (0, 1, ... for a chain)
 
 
-def verify(
-    rows: list[Row],
-    plans: list[RowPlan],
-    uniforms: StepUniforms,
-    target_pass: TargetPass | None,
-    *,
-    vocab_size: int,
-    pad_token_id: int,
-    device: torch.device,
-    logits: torch.Tensor | None = None,
-) -> Verified:
-    """Verifies one step's drafts, `plans` as proposed (a model row's drafts in its `sample`).
+class Verifier:
+    """The target's verify pass over the batch's cache (`handler.engine.admission.Batch`), and the
+    decisions on it. It times each pass, for the running cost table where the engine keeps one
+    (`handler.planning.cost_table.RunningCostTable`) and for the step's record (`seconds`)."""
 
-    Where a row's proposal is a tree, the pass gives every draft its own ancestors only, and the row
-    is verified by walking the tree. `logits`: for a step without drafts, the target's logits after
-    each row's pending token, already computed ([batch, 1, vocab], a prefill's): no target pass then.
-    """
-    batch_size, k = len(rows), max(plan.k for plan in plans)
-    assert uniforms.k == k, (uniforms.k, k)
-    ks = [plan.k for plan in plans]
-    tree_slots = [slot for slot, plan in enumerate(plans) if plan.proposal.is_tree]
-    draft_token_ids, draft_probs = _draft_batch(plans, k, pad_token_id, vocab_size, device)
-    draft_lists = draft_token_ids.tolist()
-    draft_token_ids = draft_token_ids.to(device)
+    def __init__(self, batch, cost_table, *, vocab_size: int, pad_token_id: int, device: torch.device) -> None:
+        self.batch = batch
+        self.running_costs = cost_table if isinstance(cost_table, RunningCostTable) else None
+        self.vocab_size = vocab_size
+        self.pad_token_id = pad_token_id
+        self.device = device
+        self.seconds = 0.0  # the last call's target pass; 0 where it made none
 
-    if logits is None:
-        pending = torch.tensor([[row.token_ids[-1] if row.token_ids else row.request.prompt_ids[-1]] for row in rows])
-        input_ids = torch.cat([pending.to(device), draft_token_ids], dim=1)  # [batch, 1 + k]
-        chunk_mask = torch.ones((batch_size, 1 + k), dtype=torch.long)
-        tree = None
-        if tree_slots:
-            parents = [
-                plans[slot].proposal.parents if slot in tree_slots else list(range(ROOT, ks[slot] - 1))
-                for slot in range(batch_size)
-            ]
-            tree = chunk_attention(parents, k)
-        logits = target_pass(input_ids, chunk_mask, k + 1, tree)  # [batch, k + 1, vocab']
-    else:
-        assert k == 0 and logits.shape[:2] == (batch_size, 1), (k, logits.shape)
-    logits = logits[..., :vocab_size]
-    shaped = _shape_target_logits(rows, logits, draft_lists, ks, device)
-    sampling = [row.request.sampling for row in rows]
-    target_probs = warp_logits_to_probs(
-        shaped,
-        torch.tensor([s.temperature for s in sampling], device=device),
-        torch.tensor([s.top_k for s in sampling], device=device),
-        torch.tensor([s.top_p for s in sampling], device=device),
-        torch.tensor([s.min_p for s in sampling], device=device),
-    )
+    def __call__(
+        self, rows: list[Row], plans: list[RowPlan], uniforms: StepUniforms, logits: torch.Tensor | None = None
+    ) -> Verified:
+        """Verifies one step's drafts, `plans` as proposed (a model row's drafts in its `sample`).
 
-    num_draft_tokens = torch.tensor(ks, device=device)
-    num_accepted, output_token_ids = rejection_sample(
-        target_probs, draft_probs, draft_token_ids, num_draft_tokens, uniforms.verify.to(device)
-    )
-    if uniforms.coupled:
-        index = torch.tensor(uniforms.coupled, device=device)
-        num_accepted[index], output_token_ids[index] = coupled_verify(
-            target_probs[index], draft_token_ids[index], num_draft_tokens[index], uniforms.position.to(device)
+        Where a row's proposal is a tree, the pass gives every draft its own ancestors only, and the row
+        is verified by walking the tree. `logits`: for a step without drafts, the target's logits after
+        each row's pending token, already computed ([batch, 1, vocab], a prefill's): no target pass then.
+        """
+        self.seconds = 0.0
+        batch_size, k = len(rows), max(plan.k for plan in plans)
+        assert uniforms.k == k, (uniforms.k, k)
+        ks = [plan.k for plan in plans]
+        tree_slots = [slot for slot, plan in enumerate(plans) if plan.proposal.is_tree]
+        draft_token_ids, draft_probs = _draft_batch(plans, k, self.pad_token_id, self.vocab_size, self.device)
+        draft_lists = draft_token_ids.tolist()
+        draft_token_ids = draft_token_ids.to(self.device)
+
+        if logits is None:
+            pending = torch.tensor([[(row.token_ids or row.request.prompt_ids)[-1]] for row in rows])
+            input_ids = torch.cat([pending.to(self.device), draft_token_ids], dim=1)  # [batch, 1 + k]
+            chunk_mask = torch.ones((batch_size, 1 + k), dtype=torch.long)
+            tree = None
+            if tree_slots:
+                parents = [
+                    plans[slot].proposal.parents if slot in tree_slots else list(range(ROOT, ks[slot] - 1))
+                    for slot in range(batch_size)
+                ]
+                tree = chunk_attention(parents, k)
+            logits = self._target_pass(input_ids, chunk_mask, k + 1, tree)  # [batch, k + 1, vocab']
+        else:
+            assert k == 0 and logits.shape[:2] == (batch_size, 1), (k, logits.shape)
+        logits = logits[..., : self.vocab_size]
+        shaped = _shape_target_logits(rows, logits, draft_lists, ks, self.device)
+        sampling = [row.request.sampling for row in rows]
+        target_probs = warp_logits_to_probs(
+            shaped,
+            torch.tensor([s.temperature for s in sampling], device=self.device),
+            torch.tensor([s.top_k for s in sampling], device=self.device),
+            torch.tensor([s.top_p for s in sampling], device=self.device),
+            torch.tensor([s.min_p for s in sampling], device=self.device),
         )
-    # The step's one synchronisation point: the bookkeeping after it is plain Python.
-    num_accepted, output_token_ids = num_accepted.tolist(), output_token_ids.tolist()
-    paths = [list(range(accepted + 1)) for accepted in num_accepted]
-    for slot in tree_slots:
-        proposal = plans[slot].proposal
-        paths[slot], emitted = verify_tree(
-            target_probs[slot], proposal.token_ids, proposal.parents, _tree_uniforms(rows[slot], k)
+
+        num_draft_tokens = torch.tensor(ks, device=self.device)
+        num_accepted, output_token_ids = rejection_sample(
+            target_probs, draft_probs, draft_token_ids, num_draft_tokens, uniforms.verify.to(self.device)
         )
-        num_accepted[slot] = len(emitted) - 1
-        output_token_ids[slot] = emitted + [-1] * (k + 1 - len(emitted))
-    return Verified(num_accepted, output_token_ids, logits, paths)
+        if uniforms.coupled:
+            index = torch.tensor(uniforms.coupled, device=self.device)
+            num_accepted[index], output_token_ids[index] = coupled_verify(
+                target_probs[index], draft_token_ids[index], num_draft_tokens[index], uniforms.position.to(self.device)
+            )
+        # The step's one synchronisation point: the bookkeeping after it is plain Python.
+        num_accepted, output_token_ids = num_accepted.tolist(), output_token_ids.tolist()
+        paths = [list(range(accepted + 1)) for accepted in num_accepted]
+        for slot in tree_slots:
+            proposal = plans[slot].proposal
+            paths[slot], emitted = verify_tree(
+                target_probs[slot], proposal.token_ids, proposal.parents, _tree_uniforms(rows[slot], k)
+            )
+            num_accepted[slot] = len(emitted) - 1
+            output_token_ids[slot] = emitted + [-1] * (k + 1 - len(emitted))
+        return Verified(num_accepted, output_token_ids, logits, paths)
+
+    def _target_pass(self, input_ids: torch.Tensor, chunk_mask: torch.Tensor, num_columns: int, tree) -> torch.Tensor:
+        """Input ids [batch, 1 + k], chunk mask, k + 1 columns to keep, tree mask or None -> logits
+        [batch, k + 1, vocab']."""
+        started = time.perf_counter()
+        logits = self.batch.cache.forward(input_ids, chunk_mask, logits_to_keep=num_columns, tree=tree)
+        self.seconds = time.perf_counter() - started
+        if self.running_costs is not None:
+            self.running_costs.observe_target(len(input_ids), num_columns, self.seconds, tree=tree is not None)
+        return logits
 
 
 def _draft_batch(
@@ -214,17 +227,3 @@ def _shape_target_logits(
             masks = row.grammar_call("masks", draft_lists[slot][:num])  # [num + 1, vocab]
             shaped[slot, : num + 1].masked_fill_(~masks.to(device), float("-inf"))
     return shaped
-
-
-def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:  # [n, vocab]
-    """The emitted tokens' log-probabilities under the target's raw logits, and the top `num_top`."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
-    chosen = logprobs.gather(-1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
-    if num_top == 0:
-        return [TokenLogprob(t, lp) for t, lp in zip(token_ids, chosen)]
-    top = logprobs.topk(num_top, dim=-1)
-    top_ids, top_values = top.indices.tolist(), top.values.tolist()
-    return [
-        TokenLogprob(t, lp, tuple(zip(ids, values)))
-        for t, lp, ids, values in zip(token_ids, chosen, top_ids, top_values)
-    ]
