@@ -1,10 +1,14 @@
 """No import cycle among the handler's modules, counting the imports inside functions too: a module
-that imports another lazily still depends on it, and a lazy cycle hides a seam that is not there."""
+that imports another lazily still depends on it, and a lazy cycle hides a seam that is not there.
+And every module imports alone: a cycle that breaks at import time, or a module that leans on
+another having been imported first, fails there."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 HANDLER = pathlib.Path(__file__).resolve().parents[2] / "handler"
 
@@ -51,3 +55,32 @@ def test_the_handler_has_no_import_cycle():
         if name not in state:
             visit(name, [name])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
+
+
+# Imports each handler module with no other handler module loaded, in one fresh interpreter: the
+# third-party packages stay loaded between imports (a torch import per module would cost minutes).
+_IMPORT_EACH_ALONE = """
+import importlib, sys, traceback
+failed = []
+for name in sys.argv[1:]:
+    for loaded in [key for key in sys.modules if key == "handler" or key.startswith("handler.")]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except Exception:
+        failed.append(name + ": " + traceback.format_exc(limit=-3))
+print("\\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_every_handler_module_imports_alone():
+    names = sorted(module_name(path) for path in HANDLER.rglob("*.py"))
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EACH_ALONE, *names],
+        cwd=HANDLER.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"modules that fail to import alone:\n{done.stdout}{done.stderr}"
