@@ -32,7 +32,7 @@ the tiny test pair's 1,024 tokens; the same seed draws the same requests
 either way.
 
 Every request is made by the OpenAI chat route's own parsing (chat template,
-tools, defaults; `scripts.bench_prefix.ChatRoute`), greedy, up to
+tools, defaults; `scripts.bench_runner.ChatRoute`), greedy, up to
 --max-new-tokens. Conversations include earlier answers, so the trace is built
 once before timing: a reference pass runs every request in order with this
 engine at k=0 (plain decoding) and its answers become the assistant messages
@@ -103,7 +103,7 @@ from handler.planning.cost_table import CostTable
 from handler.runtime.loading import load_models
 from scripts import bench_common, bench_runner
 from scripts.bench_common import fmt, machine_info, start_up_cost_table
-from scripts.bench_prefix import ChatRoute
+from scripts.bench_runner import ChatRoute
 
 logger = logging.getLogger("bench_agentic")
 

@@ -124,9 +124,7 @@ def load_prompt_sets(path: pathlib.Path, num_prompts: int, sweep_prompts: int) -
 
 def write_report(out: pathlib.Path, stem: str, report: dict, to_markdown, to_plot=None, indent: int = 2) -> None:
     """Writes `stem`.json, .md and (with `to_plot`) .png into `out`, and prints the table."""
-    out.mkdir(parents=True, exist_ok=True)
-    written = [out / f"{stem}.json", out / f"{stem}.md"]
-    written[0].write_text(json.dumps(report, indent=indent))
+    written = [write_json(out / f"{stem}.json", report, indent), out / f"{stem}.md"]
     table = to_markdown(report)
     written[1].write_text(table)
     if to_plot is not None:
@@ -134,3 +132,10 @@ def write_report(out: pathlib.Path, stem: str, report: dict, to_markdown, to_plo
         to_plot(report, written[-1])
     print(table)
     print(f"wrote {', '.join(str(path) for path in written)}")
+
+
+def write_json(path: pathlib.Path, report: dict, indent: int = 2) -> pathlib.Path:
+    """Writes the report as JSON at `path`, its folder made as needed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=indent))
+    return path

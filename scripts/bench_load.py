@@ -72,7 +72,7 @@ from handler.runners import config_runner
 from handler.runtime.loading import load_models
 from scripts import bench_common, bench_runner
 from scripts.bench_common import fmt, machine_info, percentile, start_up_cost_table
-from scripts.bench_prefix import Traffic, drive, poisson_arrivals
+from scripts.bench_runner import Traffic, drive, poisson_arrivals
 
 logger = logging.getLogger("bench_load")
 

@@ -36,22 +36,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import logging
 import pathlib
-import random
 import statistics
 import time
 
 import yaml
 
-from handler.api.openai.requests import parse_openai_request
-from handler.api.openai.routes import ROUTE_CHAT
 from handler.caches.memory_budget import prefix_cache_budget
-from handler.config import HandlerConfig, handler_config_from_yaml_config
-from handler.engine import GenerationRequest, GenerationResult, SpeculativeEngine, StepRecord
+from handler.config import handler_config_from_yaml_config
+from handler.engine import GenerationRequest, GenerationResult, SpeculativeEngine
 from handler.planning.measure import measure_for_config
-from handler.runtime.loading import LoadedModels, load_models
+from handler.runtime.loading import load_models
 from scripts.bench_common import (
     DEFAULT_CONFIG,
     DEFAULT_DRAFT,
@@ -61,11 +57,12 @@ from scripts.bench_common import (
     machine_info,
     percentile,
     shown,
+    write_json,
 )
+from scripts.bench_runner import ChatRoute, drive, poisson_arrivals
 
 logger = logging.getLogger("bench_prefix")
 
-MODEL_NAME = "bench"  # the served name the parsed requests address
 MODES = ("off", "on")  # cache off (the baseline), cache on
 GIB = 2**30
 LOAD_KEYS = ("tokens_per_s", "ttft_p50_s", "ttft_p90_s", "decode_tokens_per_s")  # the load table's medians
@@ -198,34 +195,14 @@ QUESTIONS = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class ChatRoute:
-    """Engine rows as the OpenAI chat route makes them (`parse_openai_request`): template, tools, defaults."""
-
-    config: HandlerConfig
-    models: LoadedModels
-
-    def request(self, messages: list[dict], tools: list[dict], max_new_tokens: int) -> GenerationRequest:
-        body: dict = {"messages": messages, "max_tokens": max_new_tokens, "temperature": 0}
-        if tools:
-            body["tools"] = tools
-        tokenizer, max_context = self.models.tokenizer, self.models.max_context
-        parsed = parse_openai_request(ROUTE_CHAT, body, self.config, tokenizer, max_context, MODEL_NAME)
-        [generation] = parsed.generations
-        return generation
-
-    def num_tokens(self, system: str, tools: list[dict]) -> int:
-        """Tokens of the system turn with its tools, as rendered for the model."""
-        return len(self.request([{"role": "system", "content": system}], tools, 1).prompt_ids)
-
-    def system_prompt(self, num_tokens: int, tools: list[dict]) -> str:
-        """The header and the sections it takes for the system turn, tools included, to reach num_tokens."""
-        text = SYSTEM_HEADER
-        for section in SYSTEM_SECTIONS:
-            if self.num_tokens(text, tools) >= num_tokens:
-                break
-            text += "\n\n" + section
-        return text
+def system_prompt(route: ChatRoute, num_tokens: int, tools: list[dict]) -> str:
+    """The header and the sections it takes for the system turn, tools included, to reach num_tokens."""
+    text = SYSTEM_HEADER
+    for section in SYSTEM_SECTIONS:
+        if route.num_tokens(text, tools) >= num_tokens:
+            break
+        text += "\n\n" + section
+    return text
 
 
 def run_alone(engine: SpeculativeEngine, request: GenerationRequest) -> tuple[GenerationResult, float, float | None]:
@@ -267,65 +244,6 @@ def multi_turn(engine: SpeculativeEngine, route: ChatRoute, system: str, tools: 
             }
         )
     return turns
-
-
-def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
-    """Arrival times in seconds from the start: the first at 0, then exponential gaps of mean 1 / rate."""
-    rng, arrivals, now = random.Random(seed), [], 0.0
-    for _ in range(num_requests):
-        arrivals.append(now)
-        now += rng.expovariate(rate)
-    return arrivals
-
-
-@dataclasses.dataclass
-class Traffic:
-    """What `drive` saw: per request, in seconds from the start, when it was sent, when the first
-    step that emitted a token for it ended (and how many that step emitted), when it finished and
-    its result; and the engine's record of every step."""
-
-    sent: list[float]
-    first_at: list[float]
-    first_tokens: list[int]
-    done_at: list[float]
-    results: list[GenerationResult]
-    steps: list[StepRecord]
-
-
-def drive(engine: SpeculativeEngine, requests: list, arrivals: list[float] | None, max_in_flight: int) -> Traffic:
-    """Runs `requests` through the engine's step API, as the handler's continuous batching does.
-
-    With `arrivals` (seconds from the start), each request joins at the first step boundary after
-    it arrives (wall clock); without, a closed loop: each joins as soon as fewer than
-    `max_in_flight` are in flight. At most `max_in_flight` run at once either way.
-    """
-    num = len(requests)
-    sent, first_at, first_tokens, done_at = [0.0] * num, [0.0] * num, [0] * num, [0.0] * num
-    results, steps = [None] * num, []
-    next_index, started = 0, time.perf_counter()
-    while next_index < num or engine.has_unfinished_requests():
-        now = time.perf_counter() - started
-        while next_index < num and engine.num_active_requests < max_in_flight:
-            if arrivals is not None and arrivals[next_index] > now:
-                break
-            sent[next_index] = now if arrivals is None else arrivals[next_index]
-            engine.add_request(next_index, requests[next_index])
-            next_index += 1
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, arrivals[next_index] - now))
-            continue
-        num_steps = engine.steps.num_steps
-        outputs = engine.step()
-        now = time.perf_counter() - started
-        if engine.steps.num_steps > num_steps:  # a step that only admitted requests keeps no record
-            steps.append(engine.steps.recent_steps[-1])
-        for output in outputs:
-            index = output.request_id
-            if not first_tokens[index] and output.new_token_ids:
-                first_at[index], first_tokens[index] = now, len(output.new_token_ids)
-            if output.result is not None:
-                done_at[index], results[index] = now, output.result
-    return Traffic(sent, first_at, first_tokens, done_at, results, steps)
 
 
 def run_load(engine: SpeculativeEngine, requests: list, arrivals: list[float], max_in_flight: int) -> dict:
@@ -550,7 +468,7 @@ def main(argv=None) -> int:
         return SpeculativeEngine.from_config(models, config, cost_table, prefix_cache_max_bytes=budget)
 
     route, tools = ChatRoute(config, models), TOOLS[: args.num_tools]
-    system, shared = route.system_prompt(args.system_tokens, tools), route.system_prompt(args.shared_tokens, [])
+    system, shared = system_prompt(route, args.system_tokens, tools), system_prompt(route, args.shared_tokens, [])
     shared_turn = {"role": "system", "content": shared}
     load_requests = [
         route.request([shared_turn, {"role": "user", "content": question}], [], args.load_tokens)
@@ -604,10 +522,7 @@ def main(argv=None) -> int:
         "differences": output_differences(pairs),
     }
     print(markdown(report))
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {write_json(pathlib.Path(args.out), report)}")
     return 0
 
 

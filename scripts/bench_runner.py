@@ -1,20 +1,27 @@
 """The in-process runner the engine benchmarks share: the ways to generate (`Method`: Hugging Face
-`generate`, plain or assisted, and this engine's rows), one timed pass over the prompts (`Run`), and
-the `Runner` that holds the loaded pair for all of them, with the config the benchmarks load it with."""
+`generate`, plain or assisted, and this engine's rows), one timed pass over the prompts (`timed_run`,
+`Run`), and the `Runner` that holds the loaded pair for all of them, with the config the benchmarks
+load it with. For serving-shaped runs: requests as the OpenAI chat route makes them (`ChatRoute`),
+and the load driver (`drive`) that feeds the engine's step API as the handler's continuous batching
+does, closed loop or at Poisson arrivals (`poisson_arrivals`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+import random
 import time
 from typing import Any, Callable, Sequence
 
 import torch
 import yaml
 
+from handler.api.openai.requests import parse_openai_request
+from handler.api.openai.routes import ROUTE_CHAT
 from handler.config import HandlerConfig, SamplingParams, handler_config_from_yaml_config
 from handler.drafters import HYBRID, MODEL, NGRAM
-from handler.engine import GenerationRequest, SpeculativeEngine
+from handler.engine import GenerationRequest, GenerationResult, SpeculativeEngine, StepRecord
+from handler.runtime.loading import LoadedModels
 from handler.types import SpeculativeStats
 
 GREEDY = SamplingParams()
@@ -232,3 +239,88 @@ def bench_config(args) -> HandlerConfig:
     if args.draft_quantization:
         overrides["draft_quantization"] = args.draft_quantization
     return dataclasses.replace(config, **overrides)
+
+
+# --------------------------------------------------------------------------- serving-shaped runs
+
+MODEL_NAME = "bench"  # the served name the parsed requests address
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRoute:
+    """Engine rows as the OpenAI chat route makes them (`parse_openai_request`): template, tools, defaults."""
+
+    config: HandlerConfig
+    models: LoadedModels
+
+    def request(self, messages: list[dict], tools: list[dict], max_new_tokens: int) -> GenerationRequest:
+        body: dict = {"messages": messages, "max_tokens": max_new_tokens, "temperature": 0}
+        if tools:
+            body["tools"] = tools
+        tokenizer, max_context = self.models.tokenizer, self.models.max_context
+        parsed = parse_openai_request(ROUTE_CHAT, body, self.config, tokenizer, max_context, MODEL_NAME)
+        [generation] = parsed.generations
+        return generation
+
+    def num_tokens(self, system: str, tools: list[dict]) -> int:
+        """Tokens of the system turn with its tools, as rendered for the model."""
+        return len(self.request([{"role": "system", "content": system}], tools, 1).prompt_ids)
+
+
+def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
+    """Arrival times in seconds from the start: the first at 0, then exponential gaps of mean 1 / rate."""
+    rng, arrivals, now = random.Random(seed), [], 0.0
+    for _ in range(num_requests):
+        arrivals.append(now)
+        now += rng.expovariate(rate)
+    return arrivals
+
+
+@dataclasses.dataclass
+class Traffic:
+    """What `drive` saw: per request, in seconds from the start, when it was sent, when the first
+    step that emitted a token for it ended (and how many that step emitted), when it finished and
+    its result; and the engine's record of every step."""
+
+    sent: list[float]
+    first_at: list[float]
+    first_tokens: list[int]
+    done_at: list[float]
+    results: list[GenerationResult]
+    steps: list[StepRecord]
+
+
+def drive(engine: SpeculativeEngine, requests: list, arrivals: list[float] | None, max_in_flight: int) -> Traffic:
+    """Runs `requests` through the engine's step API, as the handler's continuous batching does.
+
+    With `arrivals` (seconds from the start), each request joins at the first step boundary after
+    it arrives (wall clock); without, a closed loop: each joins as soon as fewer than
+    `max_in_flight` are in flight. At most `max_in_flight` run at once either way.
+    """
+    num = len(requests)
+    sent, first_at, first_tokens, done_at = [0.0] * num, [0.0] * num, [0] * num, [0.0] * num
+    results, steps = [None] * num, []
+    next_index, started = 0, time.perf_counter()
+    while next_index < num or engine.has_unfinished_requests():
+        now = time.perf_counter() - started
+        while next_index < num and engine.num_active_requests < max_in_flight:
+            if arrivals is not None and arrivals[next_index] > now:
+                break
+            sent[next_index] = now if arrivals is None else arrivals[next_index]
+            engine.add_request(next_index, requests[next_index])
+            next_index += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, arrivals[next_index] - now))
+            continue
+        num_steps = engine.steps.num_steps
+        outputs = engine.step()
+        now = time.perf_counter() - started
+        if engine.steps.num_steps > num_steps:  # a step that only admitted requests keeps no record
+            steps.append(engine.steps.recent_steps[-1])
+        for output in outputs:
+            index = output.request_id
+            if not first_tokens[index] and output.new_token_ids:
+                first_at[index], first_tokens[index] = now, len(output.new_token_ids)
+            if output.result is not None:
+                done_at[index], results[index] = now, output.result
+    return Traffic(sent, first_at, first_tokens, done_at, results, steps)

@@ -44,6 +44,9 @@ from handler.constraints import Constraint, compiler_for
 from handler.engine import PROPOSER_GRAMMAR, EngineOptions, GenerationRequest, SpeculativeEngine
 from handler.planning.measure import measure_for_config
 from handler.runtime.loading import load_models
+from handler.types import SpeculativeStats
+from scripts.bench_common import write_json
+from scripts.bench_runner import timed_run
 
 logger = logging.getLogger("bench_structured")
 
@@ -202,24 +205,27 @@ def output_json(text: str):
 
 
 def run_method(engine: SpeculativeEngine, cases: list[Case], k: int, max_new_tokens: int) -> dict:
-    """One pass over the cases, one request at a time: tokens, seconds, passes, forced drafts, mask time."""
-    totals = {"tokens": 0, "seconds": 0.0, "passes": 0, "forced": 0, "forced_accepted": 0, "mask_seconds": 0.0}
-    outputs = []
-    for case in cases:
+    """One pass over the cases, one request at a time (`timed_run`): tokens, seconds, passes, forced
+    drafts, mask time."""
+
+    def generate(case: Case):
         request = GenerationRequest(
             case.prompt_ids, max_new_tokens, num_speculative_tokens=k, constraint=case.constraint
         )
-        started = time.perf_counter()
         [result] = engine.generate([request])
-        totals["seconds"] += time.perf_counter() - started
-        totals["tokens"] += len(result.token_ids)
-        totals["passes"] += result.stats.target_forward_passes
-        totals["forced"] += result.stats.draft_tokens_by_drafter.get(PROPOSER_GRAMMAR, 0)
-        totals["forced_accepted"] += result.stats.accepted_tokens_by_drafter.get(PROPOSER_GRAMMAR, 0)
-        totals["mask_seconds"] += result.stats.mask_seconds
-        outputs.append(result.token_ids)
-    totals["outputs"] = outputs
-    return totals
+        return result.token_ids, result.stats
+
+    run = timed_run(generate, cases)
+    stats = SpeculativeStats.merge(run.stats)
+    return {
+        "tokens": run.num_tokens,
+        "seconds": run.seconds,
+        "passes": stats.target_forward_passes,
+        "forced": stats.draft_tokens_by_drafter.get(PROPOSER_GRAMMAR, 0),
+        "forced_accepted": stats.accepted_tokens_by_drafter.get(PROPOSER_GRAMMAR, 0),
+        "mask_seconds": stats.mask_seconds,
+        "outputs": run.outputs,
+    }
 
 
 def mask_share_at_batch(engine: SpeculativeEngine, cases: list[Case], batch_size: int, max_new_tokens: int, k: int):
@@ -339,9 +345,7 @@ def main(argv=None) -> int:
     }
     report["validation"] = validate(shipped, cases, args.validate_requests, args.max_new_tokens, k)
     print(markdown(report))
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {write_json(pathlib.Path(args.out), report)}")
     return 0
 
 
