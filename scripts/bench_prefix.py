@@ -39,7 +39,6 @@ import datetime
 import logging
 import pathlib
 import statistics
-import time
 
 import yaml
 
@@ -206,21 +205,20 @@ def system_prompt(route: ChatRoute, num_tokens: int, tools: list[dict]) -> str:
 
 
 def run_alone(engine: SpeculativeEngine, request: GenerationRequest) -> tuple[GenerationResult, float, float | None]:
-    """Runs one request alone in the engine.
+    """Runs one request alone in the engine (`drive`, one in flight).
 
     Returns:
         its result, its time to first token in seconds, and its tokens/s after the first step
         that emitted (None when that step emitted them all).
     """
-    ttft, result, num_first = None, None, 0
-    started = time.perf_counter()
-    engine.add_request(0, request)
-    while result is None:
-        for output in engine.step():
-            if ttft is None and output.new_token_ids:
-                ttft, num_first = time.perf_counter() - started, len(output.new_token_ids)
-            result = output.result or result
-    decode_seconds = time.perf_counter() - started - ttft
+    traffic = drive(engine, [request], None, max_in_flight=1)
+    [result], [first_at], [num_first], [done_at] = (
+        traffic.results,
+        traffic.first_at,
+        traffic.first_tokens,
+        traffic.done_at,
+    )
+    ttft, decode_seconds = first_at - traffic.sent[0], done_at - first_at
     num_decoded = len(result.token_ids) - num_first
     return result, ttft, num_decoded / decode_seconds if num_decoded and decode_seconds > 0 else None
 
