@@ -148,7 +148,7 @@ def figures(traffic: Traffic) -> dict:
     sent, first, done, results, steps = traffic.sent, traffic.first_at, traffic.done_at, traffic.results, traffic.steps
     num = len(results)
     tokens = [len(result.token_ids) for result in results]
-    ttft = [first_at - sent_at for first_at, sent_at in zip(first, sent)]
+    ttft = traffic.ttft()
     tpot = [(d - f) / (n - 1) for d, f, n in zip(done, first, tokens) if n > 1]
     rows_drafting = sum(sum(k > 0 for k in step.ks) for step in steps)
     row_steps = sum(step.batch_size for step in steps)

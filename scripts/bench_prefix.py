@@ -212,15 +212,7 @@ def run_alone(engine: SpeculativeEngine, request: GenerationRequest) -> tuple[Ge
         that emitted (None when that step emitted them all).
     """
     traffic = drive(engine, [request], None, max_in_flight=1)
-    [result], [first_at], [num_first], [done_at] = (
-        traffic.results,
-        traffic.first_at,
-        traffic.first_tokens,
-        traffic.done_at,
-    )
-    ttft, decode_seconds = first_at - traffic.sent[0], done_at - first_at
-    num_decoded = len(result.token_ids) - num_first
-    return result, ttft, num_decoded / decode_seconds if num_decoded and decode_seconds > 0 else None
+    return traffic.results[0], traffic.ttft()[0], traffic.decode_rates()[0]
 
 
 def multi_turn(engine: SpeculativeEngine, route: ChatRoute, system: str, tools: list[dict], args) -> list[dict]:
@@ -247,15 +239,10 @@ def multi_turn(engine: SpeculativeEngine, route: ChatRoute, system: str, tools: 
 def run_load(engine: SpeculativeEngine, requests: list, arrivals: list[float], max_in_flight: int) -> dict:
     """Adds each request at the first step boundary after its arrival (wall clock), at most max_in_flight at once."""
     traffic = drive(engine, requests, arrivals, max_in_flight)
-    first_at, first_tokens, done_at, results = traffic.first_at, traffic.first_tokens, traffic.done_at, traffic.results
+    done_at, results = traffic.done_at, traffic.results
     completion = [len(result.token_ids) for result in results]
-    ttft = [first - arrival for first, arrival in zip(first_at, arrivals)]
-    # Decode speed after the first token: what a streaming client sees once the answer starts.
-    decode = [
-        (n - first_n) / (done - first)
-        for n, first_n, done, first in zip(completion, first_tokens, done_at, first_at)
-        if n > first_n and done > first
-    ]
+    ttft = traffic.ttft()  # sent at its arrival
+    decode = [rate for rate in traffic.decode_rates() if rate is not None]
     return {
         "tokens_per_s": sum(completion) / (max(done_at) - arrivals[0]),
         "ttft_p50_s": percentile(ttft, 50),

@@ -289,6 +289,20 @@ class Traffic:
     results: list[GenerationResult]
     steps: list[StepRecord]
 
+    def ttft(self) -> list[float]:
+        """Each request's time to its first token, from when it was sent."""
+        return [first - sent for first, sent in zip(self.first_at, self.sent)]
+
+    def decode_rates(self) -> list[float | None]:
+        """Each request's tokens/s after the first step that emitted for it: what a streaming client
+        sees once the answer starts (None where that step emitted them all)."""
+        return [
+            (len(result.token_ids) - first_n) / (done - first)
+            if len(result.token_ids) > first_n and done > first
+            else None
+            for result, first_n, done, first in zip(self.results, self.first_tokens, self.done_at, self.first_at)
+        ]
+
 
 def drive(engine: SpeculativeEngine, requests: list, arrivals: list[float] | None, max_in_flight: int) -> Traffic:
     """Runs `requests` through the engine's step API, as the handler's continuous batching does.
