@@ -8,8 +8,9 @@
   worker (new pid, READY again); the requests in flight fail fast with a 5xx
   or a broken connection, never hang; requests after the restart succeed.
 - kill -9 of a static-batching worker while it decodes a plain request whose
-  answer has not started: that request gets HTTP 507 `Worker died.` (the
-  status docs/operations.md and deploy/README.md give).
+  answer has not started: that request gets HTTP 507 `Worker died.`, or 500
+  where TorchServe had not yet seen the process's exit status (the statuses
+  docs/operations.md and deploy/README.md give).
 
 Every request has a timeout, so a hang fails the test instead of stalling it.
 What the clients saw is printed (pytest -s shows it).
@@ -286,13 +287,14 @@ def static_model(server, tiny_models_dir, tmp_path_factory):
         torchserve.unregister(server.management_url, STATIC_MODEL_NAME, {})
 
 
-def test_worker_killed_mid_batch_answers_507(server, static_model):
+def test_worker_killed_mid_batch_answers_507_or_500(server, static_model):
     """The status a client sees when the worker dies under a request whose answer has not started.
 
     A stream and a plain request share one static batch; once the stream's first chunk is out, the
-    plain request is being decoded and its answer is not started. TorchServe answers it when the
-    worker process dies: 507 when the process was killed (exit status 137: kill -9, or the kernel's
-    out-of-memory killer), 500 for other deaths.
+    plain request is being decoded and its answer is not started. TorchServe 0.12 answers it when
+    it loses the worker (WorkerThread): 507 where the process has already exited with status 137
+    (SIGKILL: kill -9, or the kernel's out-of-memory killer), else 500. Which one a kill -9 gives
+    is a race between TorchServe's socket read and its reaping of the process; 507 is the usual.
     """
     [worker] = torchserve.model_workers(server.management_url, static_model)
     assert worker["status"] == "READY", worker
@@ -329,7 +331,8 @@ def test_worker_killed_mid_batch_answers_507(server, static_model):
     plain_answer = seen["plain"]
     assert isinstance(plain_answer, requests.Response), f"the plain request saw no answer: {plain_answer!r}"
     print(f"\nplain request in the killed batch: HTTP {plain_answer.status_code} {plain_answer.text.strip()}")
-    assert plain_answer.status_code == 507, plain_answer.text
-    assert plain_answer.json() == {"code": 507, "type": "InternalServerException", "message": "Worker died."}
+    assert plain_answer.status_code in (507, 500), plain_answer.text
+    expected = {"code": plain_answer.status_code, "type": "InternalServerException", "message": "Worker died."}
+    assert plain_answer.json() == expected
     new_pid, _ = wait_for_new_worker_of(server, static_model, worker["pid"], time.monotonic() + RESTART_TIMEOUT_S)
     assert new_pid is not None, f"no new worker for {static_model}\n{server.log_tail()}"
