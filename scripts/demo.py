@@ -400,8 +400,8 @@ TorchServe is still running, with {MODEL_NAME} registered. From this folder:
 
 The keys in key_file.json expire 60 minutes after the server started
 (token_expiration_min in config.properties); after that, requests with them get
-HTTP 400. scripts.client says how to get fresh ones, or run make stop, then
-make demo again. Logs are in {LOG_DIR}/.
+HTTP 400. scripts.client says how to get fresh ones, or run make demo again
+(it restarts this server). Logs are in {LOG_DIR}/.
 Stop the server with: make stop""")
 
 
