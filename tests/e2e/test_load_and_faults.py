@@ -294,7 +294,7 @@ def test_worker_killed_mid_batch_answers_507_or_500(server, static_model):
     plain request is being decoded and its answer is not started. TorchServe 0.12 answers it when
     it loses the worker (WorkerThread): 507 where the process has already exited with status 137
     (SIGKILL: kill -9, or the kernel's out-of-memory killer), else 500. Which one a kill -9 gives
-    is a race between TorchServe's socket read and its reaping of the process; 507 is the usual.
+    is a race between TorchServe's socket read and its reaping of the process: both occur.
     """
     [worker] = torchserve.model_workers(server.management_url, static_model)
     assert worker["status"] == "READY", worker
