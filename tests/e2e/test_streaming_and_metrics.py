@@ -130,3 +130,36 @@ def test_prometheus_counters_agree_with_the_responses(server):
         deltas = [buckets_after.get((name, le), 0.0) - buckets_before.get((name, le), 0.0) for le in ordered]
         assert deltas[-1] == delta(f"{histogram}_count") == 3, dict(zip(ordered, deltas))
         assert deltas == sorted(deltas), f"{name}: buckets not cumulative: {dict(zip(ordered, deltas))}"
+
+
+# Series the Grafana dashboard (deploy/grafana/) reads that any answered request makes TorchServe
+# export. The others come with their events: errors, evictions, the planner (adaptive_k is off in
+# this server's config), stored responses, prefix-cache hits, TorchServe's system metrics.
+EVERYDAY_DASHBOARD_SERIES = {
+    "SpecRequests",
+    "SpecGeneratedTokens",
+    "SpecBatchOccupancy",
+    "SpecAcceptedTokens",
+    "SpecDraftTokens",
+    "SpecTargetForwardPasses",
+    "SpecDrafterAcceptedTokens",
+    "SpecDrafterDraftTokens",
+    "prefix_cache_queries",
+    "SpecRequestLatencySecondsBucket",
+    "SpecTimeToFirstTokenSecondsBucket",
+    "SpecTimePerOutputTokenSeconds_bucket",
+    "ts_queue_latency_microseconds",
+    "ts_inference_requests_total",
+}
+
+
+def test_the_dashboard_reads_series_under_the_names_torchserve_exports(server):
+    """tests/deploy holds the dashboard to the declared names; this holds the declared names to what a real
+    TorchServe puts on /metrics (no suffix added to a counter, the le label kept)."""
+    from tests.deploy.test_grafana_dashboard import queries, series_in
+
+    used = {series for _, expr in queries() for series in series_in(expr)}
+    assert EVERYDAY_DASHBOARD_SERIES <= used, EVERYDAY_DASHBOARD_SERIES - used
+    server.predict_ok({"prompt": "def add(a, b):", "max_new_tokens": 8})
+    exported = {name for name, _, _ in metric_samples(server)}
+    assert not EVERYDAY_DASHBOARD_SERIES - exported, f"not on /metrics: {EVERYDAY_DASHBOARD_SERIES - exported}"
