@@ -43,6 +43,14 @@ MAX_PROMPT_LOOKUP = 16
 MAX_K = 32
 # Deepest suffix tree: a proposal never outgrows the tree's depth.
 MAX_SUFFIX_DEPTH = 64
+# The buckets, in seconds, of the latency histograms that the handler counts itself
+# (handler.metrics.BUCKET_COUNTERS): TorchServe's exporter stops at 10 s, a CPU request takes
+# 10 to 60 s and a queued one minutes. handler.metrics_latency_buckets_s replaces them.
+# From 0.1 s to 10 minutes, the first seven as Prometheus' own.
+_SUB_MINUTE_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0)
+DEFAULT_LATENCY_BUCKETS_S = _SUB_MINUTE_BUCKETS_S + (60.0, 90.0, 120.0, 180.0, 300.0, 600.0)
+# Each bucket is one counter series, and an observation one worker-log line per bucket at or above it.
+MAX_LATENCY_BUCKETS = 32
 # The units of a byte count written as a string: SI (powers of 1000) and IEC (powers of 1024).
 BYTE_UNITS = {
     "B": 1,
@@ -112,6 +120,18 @@ def _bytes(key: str, value: Any) -> int:
         f"model-config.yaml: {key} must be a byte count, 0 for automatic: an integer >= 0 or a number "
         f"with a unit ({', '.join(BYTE_UNITS)}) such as 512MiB, 4GiB or 2GB; got {value!r}"
     )
+
+
+def _latency_buckets(key: str, value: Any) -> tuple[float, ...]:
+    """Bucket upper bounds: 1 to MAX_LATENCY_BUCKETS finite numbers > 0, increasing (+Inf is always added)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"model-config.yaml: {key} must be a list of seconds, e.g. [1, 10, 60, 300], got {value!r}")
+    bounds = tuple(_float(key, bound) for bound in value)
+    if not 1 <= len(bounds) <= MAX_LATENCY_BUCKETS:
+        raise ValueError(f"model-config.yaml: {key} must hold 1 to {MAX_LATENCY_BUCKETS} bounds, got {len(bounds)}")
+    if bounds[0] <= 0 or any(later <= earlier for earlier, later in zip(bounds, bounds[1:])):
+        raise ValueError(f"model-config.yaml: {key} must be increasing seconds > 0, got {list(bounds)}")
+    return bounds
 
 
 def sampling_params_from_dict(raw: Any, section: str = "handler.sampling.") -> SamplingParams:
@@ -197,6 +217,8 @@ class HandlerConfig:
     # The chat template's tool-call format: auto (recognised from the template) or one of vLLM's
     # parser names (handler.api.openai.tool_formats.FORMATS), for a template that renders tools its own way.
     tool_call_parser: str = "auto"
+    # The upper bounds, in seconds, of the latency histograms' buckets on /metrics (handler.metrics).
+    metrics_latency_buckets_s: tuple[float, ...] = DEFAULT_LATENCY_BUCKETS_S
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
     @property
@@ -342,6 +364,9 @@ class HandlerConfig:
             if value not in choices:
                 raise ValueError(f"model-config.yaml: handler.{key} must be one of {', '.join(choices)}, got {value!r}")
             values[key] = value
+        values["metrics_latency_buckets_s"] = _latency_buckets(
+            "handler.metrics_latency_buckets_s", raw.get("metrics_latency_buckets_s", default.metrics_latency_buckets_s)
+        )
         values["sampling"] = sampling_params_from_dict(raw.get("sampling", {}))
         return cls(**values)
 

@@ -6,6 +6,13 @@ per-response `speculative` stats, so dashboards can derive the acceptance rate
 (accepted / draft tokens) and the mean accepted length (generated tokens /
 target passes). Latencies are histograms in seconds.
 
+TorchServe 0.12's Prometheus exporter gives every histogram the client library's default
+buckets, 5 ms to 10 s, and metrics.yaml cannot change them; a request on a CPU takes 10 to 60 s.
+So the latencies that reach minutes are also counted into buckets of the config's choosing
+(`metrics_latency_buckets_s`): one counter per histogram, labelled `le`, cumulative, with
+`+Inf` (`BUCKET_COUNTERS`), which PromQL's `histogram_quantile` reads as it reads a histogram's
+`_bucket` series.
+
 The `spec_decode_*` and `prefix_cache_*` counters carry vLLM's names and meanings, so that vLLM
 dashboards work unchanged: a draft is one proposal of k > 0 tokens for one
 request at one step, and `spec_decode_num_accepted_tokens_per_pos` counts the
@@ -17,10 +24,13 @@ batch, `prefix_cache_hits` those of them whose KV the prefix cache held.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Sequence
 
 from ts.metrics.dimension import Dimension
 from ts.metrics.metric_type_enum import MetricTypes
+
+from handler.config import DEFAULT_LATENCY_BUCKETS_S
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +59,9 @@ COUNTERS = {
     "SpecTreeAcceptedDepth": "draft tokens those trees' accepted paths held",
     "SpecTreeOtherBranch": "tree steps whose accepted path left the first-choice branch",
     "SpecResponsesEvicted": "stored responses evicted from the Responses store (least recently used first)",
+    "SpecRequestLatencySecondsBucket": "SpecRequestLatencySeconds in metrics_latency_buckets_s (label le)",
+    "SpecTimeToFirstTokenSecondsBucket": "SpecTimeToFirstTokenSeconds in metrics_latency_buckets_s (label le)",
+    "SpecQueueWaitSecondsBucket": "SpecQueueWaitSeconds in metrics_latency_buckets_s (label le)",
 }
 GAUGES = {
     "SpecBatchOccupancy": "rows in the engine's running batch at the last step (a request, or an OpenAI choice)",
@@ -71,6 +84,13 @@ HISTOGRAMS = {
     "SpecPlannedDraftsPerRow": "drafts per row the planner gave a step (label batch_size: rows in the step); "
     "one step in PLAN_SAMPLE_EVERY",
 }
+# The histograms also counted into the config's buckets, and the counter that holds each one's.
+BUCKET_COUNTERS = {
+    "SpecRequestLatencySeconds": "SpecRequestLatencySecondsBucket",
+    "SpecTimeToFirstTokenSeconds": "SpecTimeToFirstTokenSecondsBucket",
+    "SpecQueueWaitSeconds": "SpecQueueWaitSecondsBucket",
+}
+LE_DIMENSION = "le"
 POSITION_DIMENSION = "position"
 BATCH_SIZE_DIMENSION = "batch_size"
 DRAFTER_DIMENSION = "drafter"
@@ -80,6 +100,7 @@ LABELLED_METRICS = {
     "SpecDrafterDraftTokens": DRAFTER_DIMENSION,
     "SpecDrafterAcceptedTokens": DRAFTER_DIMENSION,
     "SpecPlannedDraftsPerRow": BATCH_SIZE_DIMENSION,
+    **{bucket_counter: LE_DIMENSION for bucket_counter in BUCKET_COUNTERS.values()},
 }
 COUNT_UNIT = "Count"
 SECONDS_UNIT = "Seconds"
@@ -96,8 +117,10 @@ DRAFTING_PERCENT_STEP = 5.0
 class MetricsRecorder:
     """Adds one request's figures to TorchServe's metrics cache; never fails a request."""
 
-    def __init__(self, metrics_cache) -> None:
+    def __init__(self, metrics_cache, latency_buckets_s: Sequence[float] = DEFAULT_LATENCY_BUCKETS_S) -> None:
+        """Args: latency_buckets_s: the increasing upper bounds of `BUCKET_COUNTERS`' buckets; +Inf is added."""
         self.metrics = metrics_cache
+        self.latency_buckets = [(bound, f"{bound:g}") for bound in latency_buckets_s] + [(math.inf, "+Inf")]
 
     def _add(self, name: str, value: float, unit: str, metric_type: MetricTypes, dimensions: Sequence = ()) -> None:
         if self.metrics is None:
@@ -107,6 +130,14 @@ class MetricsRecorder:
             self.metrics.add_metric(name, value, unit, dimensions=list(dimensions), metric_type=metric_type)
         except Exception:  # metrics must never cost a request its answer
             logger.exception("could not record metric %s", name)
+
+    def _observe(self, name: str, seconds: float) -> None:
+        """One latency: into TorchServe's histogram, and into every bucket of `BUCKET_COUNTERS` it falls in."""
+        self._add(name, seconds, SECONDS_UNIT, MetricTypes.HISTOGRAM)
+        for bound, label in self.latency_buckets:
+            if seconds <= bound:
+                # Cumulative, as Prometheus' buckets are: le="60" counts every latency up to 60 s.
+                self._add(BUCKET_COUNTERS[name], 1, COUNT_UNIT, MetricTypes.COUNTER, [Dimension(LE_DIMENSION, label)])
 
     def record_result(self, stats, latency_seconds: float) -> None:
         """One finished row's figures (a request, or one choice of an OpenAI request)."""
@@ -132,7 +163,7 @@ class MetricsRecorder:
                 ("SpecTreeOtherBranch", stats.tree_other_branch),
             ):
                 self._add(name, value, COUNT_UNIT, counter)
-        self._add("SpecRequestLatencySeconds", latency_seconds, SECONDS_UNIT, histogram)
+        self._observe("SpecRequestLatencySeconds", latency_seconds)
         if stats.completion_tokens:
             self._add(
                 "SpecTimePerOutputTokenSeconds", latency_seconds / stats.completion_tokens, SECONDS_UNIT, histogram
@@ -146,7 +177,7 @@ class MetricsRecorder:
 
     def record_time_to_first_token(self, seconds: float) -> None:
         """Once per request, all its choices together: arrival to the first step that emitted a token."""
-        self._add("SpecTimeToFirstTokenSeconds", seconds, SECONDS_UNIT, MetricTypes.HISTOGRAM)
+        self._observe("SpecTimeToFirstTokenSeconds", seconds)
 
     def record_rejected(self) -> None:
         self._add("SpecRejectedRequests", 1, COUNT_UNIT, MetricTypes.COUNTER)
@@ -205,7 +236,7 @@ class MetricsRecorder:
         self._add("SpecBatchOccupancy", num_requests, COUNT_UNIT, MetricTypes.GAUGE)
 
     def record_queue_wait(self, seconds: float) -> None:
-        self._add("SpecQueueWaitSeconds", seconds, SECONDS_UNIT, MetricTypes.HISTOGRAM)
+        self._observe("SpecQueueWaitSeconds", seconds)
 
     def record_drafts(
         self,

@@ -34,7 +34,7 @@ from handler.metrics import (
     ResponseStoreTally,
     SuffixTreeTally,
 )
-from handler.planning.measure import measure_for_config
+from handler.planning.measure import cost_table_cache_dir, measure_for_config
 from handler.runners import config_runner
 from handler.runtime.loading import load_models
 from handler.schema import RequestError
@@ -60,12 +60,12 @@ class SpeculativeHandler(BaseHandler):
         runner = config_runner(self.config, self.models)
         cost_table = None
         if self.config.adaptive_k:
-            # Measured here, on the device and dtype that serve, and cached in the model dir.
+            # Measured here, on the device and dtype that serve, and cached in the model dir or $SPEC_COST_TABLE_DIR.
             cost_table = measure_for_config(
                 self.models,
                 self.config,
                 int((context.model_yaml_config or {}).get("batchSize", 1)),
-                cache_dir=properties.get("model_dir"),
+                cache_dir=cost_table_cache_dir(properties.get("model_dir")),
                 model_identity=f"{context.model_name}/{(self.manifest or {}).get('model', {}).get('modelVersion', '')}",
                 runner=runner,
             )
@@ -109,7 +109,7 @@ class SpeculativeHandler(BaseHandler):
 
     def handle(self, data, context):
         self.context = context
-        metrics = MetricsRecorder(getattr(context, "metrics", None))
+        metrics = MetricsRecorder(getattr(context, "metrics", None), self.config.metrics_latency_buckets_s)
         if self.continuous:
             request_ids = [self._request_id(index) for index in range(len(data))]
             new_requests = {

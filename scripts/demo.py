@@ -398,8 +398,10 @@ TorchServe is still running, with {MODEL_NAME} registered. From this folder:
 
   .venv/bin/python -m scripts.loadtest --url {inference_url} --requests 8 --concurrency 4
 
-The keys in key_file.json expire after token_expiration_min (config.properties);
-scripts.client says how to get a fresh one. Logs are in {LOG_DIR}/.
+The keys in key_file.json expire 60 minutes after the server started
+(token_expiration_min in config.properties); after that, requests with them get
+HTTP 400. scripts.client says how to get fresh ones, or run make demo again
+(it restarts this server). Logs are in {LOG_DIR}/.
 Stop the server with: make stop""")
 
 

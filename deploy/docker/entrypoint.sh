@@ -23,6 +23,10 @@
 #                       long before the drain ends (default: 2).
 #   DRAIN_MARKER        the file whose presence makes `healthcheck.py --ready`
 #                       report "draining" (default: /tmp/torchserve-draining).
+#   SPEC_COST_TABLE_DIR where the workers cache the cost table they measure at
+#                       start-up (default: /home/model-server/cost-tables).
+#                       Mount a volume there to keep it across containers; the
+#                       archive's own folder is unpacked anew at every start.
 #
 # Any arguments are passed on to torchserve, e.g. --log-config FILE.
 #
@@ -42,6 +46,7 @@ DISABLE_TOKEN_AUTH="${DISABLE_TOKEN_AUTH:-false}"
 DRAIN_TIMEOUT_S="${DRAIN_TIMEOUT_S:-270}"
 DRAIN_QUIET_S="${DRAIN_QUIET_S:-2}"
 DRAIN_MARKER="${DRAIN_MARKER:-/tmp/torchserve-draining}"
+export SPEC_COST_TABLE_DIR="${SPEC_COST_TABLE_DIR:-/home/model-server/cost-tables}"
 DRAIN_POLL_S=0.5
 
 fail() {

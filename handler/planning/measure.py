@@ -29,6 +29,11 @@ CONTEXT_LENGTH = 100
 # Bumped whenever the measuring method changes, so that old cached tables are re-measured.
 FORMAT_VERSION = 2
 CACHE_FILE_PREFIX = "cost_table-"
+# A writable folder that outlives the worker, in which to cache cost tables instead of the model
+# dir: TorchServe unpacks a .mar into a new temporary folder at every start, and a mounted model
+# store is read-only, so without it every start measures again (deploy/README.md). Tables of
+# other machines or models sit beside each other there, under their own keys.
+COST_TABLE_DIR_ENV = "SPEC_COST_TABLE_DIR"
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -129,6 +134,21 @@ def _isotonic(values: list[float]) -> list[float]:
 
 def _running_max(values: list[float]) -> list[float]:
     return [max(values[: i + 1]) for i in range(len(values))]
+
+
+def cost_table_cache_dir(model_dir: str | None) -> str | None:
+    """The folder to cache the cost table in: $SPEC_COST_TABLE_DIR when set (created if missing), else model_dir."""
+    folder = os.environ.get(COST_TABLE_DIR_ENV, "").strip()
+    if not folder:
+        return model_dir
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        logger.warning(
+            "%s=%s cannot be created (%s); caching the cost table in the model dir", COST_TABLE_DIR_ENV, folder, error
+        )
+        return model_dir
+    return folder
 
 
 def _cache_path(cache_dir: str, key: dict[str, Any]) -> str:

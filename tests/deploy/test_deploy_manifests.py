@@ -390,6 +390,59 @@ def test_network_policy_never_admits_the_management_port():
         assert rule.get("from"), "a rule without sources would admit everyone"
 
 
+COST_TABLE_PATH = "/home/model-server/cost-tables"
+COST_TABLE_PVC = "pvc-cost-tables.yaml"
+
+
+def pod_spec(path: Path) -> dict:
+    """The pod of a Deployment, or of an InferenceService's predictor."""
+    [doc] = load_yaml_docs(path)
+    return doc["spec"]["predictor"] if doc["kind"] == "InferenceService" else doc["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize(
+    "path", [K8S / name for name in DEPLOYMENTS] + [DEPLOY / "kserve" / "inferenceservice.yaml"], ids=lambda p: p.name
+)
+def test_the_cost_table_is_cached_on_a_volume_that_outlives_the_pod(path):
+    """Without it every pod measures the table again (minutes on a CPU): the model store is
+    read-only and /tmp, where an archive is unpacked, is an emptyDir."""
+    from handler.planning.measure import COST_TABLE_DIR_ENV
+
+    pod = pod_spec(path)
+    [c] = pod["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    folder = env[COST_TABLE_DIR_ENV]
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert folder in mounts, f"{COST_TABLE_DIR_ENV}={folder} is not a mounted volume"
+    assert not mounts[folder].get("readOnly"), "the workers write the table there"
+    volume = {v["name"]: v for v in pod["volumes"]}[mounts[folder]["name"]]
+    assert volume["persistentVolumeClaim"]["claimName"] == manifest(COST_TABLE_PVC)["metadata"]["name"]
+    assert not volume["persistentVolumeClaim"].get("readOnly")
+    assert folder == COST_TABLE_PATH
+
+
+def test_the_cost_table_claim_is_shared_by_replicas_and_applied_with_the_rest():
+    pvc = manifest(COST_TABLE_PVC)
+    assert (pvc["apiVersion"], pvc["kind"]) == ("v1", "PersistentVolumeClaim")
+    # Every replica writes, wherever it runs.
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert 0 < quantity(pvc["spec"]["resources"]["requests"]["storage"]) <= 2**30, "a table is kilobytes"
+    assert pvc["metadata"]["labels"] == manifest("pvc.yaml")["metadata"]["labels"]
+    assert COST_TABLE_PVC in manifest("kustomization.yaml")["resources"]
+    assert f"-f deploy/k8s/{COST_TABLE_PVC}" in (DEPLOY / "README.md").read_text(), "the GPU and KServe recipes"
+
+
+def test_entrypoint_points_the_cost_table_at_the_path_the_manifests_mount(entrypoint_env):
+    """A plain `docker run` keeps the table in the container (or a volume mounted there) instead of
+    the archive's folder, which TorchServe unpacks anew at every start; a set value is kept."""
+    Path(entrypoint_env["MODEL_STORE"], f"{DEFAULT_MODEL}.mar").write_bytes(b"")
+    seen = Path(entrypoint_env["STUB_LOG"] + ".cost_table_dir")
+    run_entrypoint(entrypoint_env)
+    assert seen.read_text().strip() == COST_TABLE_PATH
+    run_entrypoint(entrypoint_env, SPEC_COST_TABLE_DIR="/elsewhere")
+    assert seen.read_text().strip() == "/elsewhere"
+
+
 def test_pvc_requests_storage_mountable_by_several_replicas():
     pvc = manifest("pvc.yaml")
     assert (pvc["apiVersion"], pvc["kind"]) == ("v1", "PersistentVolumeClaim")
@@ -535,6 +588,7 @@ def test_container_config_uses_only_known_torchserve_keys():
 
 STUB_TORCHSERVE = """#!/usr/bin/env bash
 echo "$*" >> "$STUB_LOG"
+echo "${SPEC_COST_TABLE_DIR-unset}" > "$STUB_LOG.cost_table_dir"
 if [[ "$1" == --start && -n "${STUB_EXIT:-}" ]]; then
     exit "$STUB_EXIT"
 elif [[ "$1" == --start && -n "${STUB_WAIT:-}" ]]; then

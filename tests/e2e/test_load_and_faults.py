@@ -7,6 +7,10 @@
 - kill -9 of the model worker while a load runs: TorchServe starts a new
   worker (new pid, READY again); the requests in flight fail fast with a 5xx
   or a broken connection, never hang; requests after the restart succeed.
+- kill -9 of a static-batching worker while it decodes a plain request whose
+  answer has not started: that request gets HTTP 507 `Worker died.`, or 500
+  where TorchServe had not yet seen the process's exit status (the statuses
+  docs/operations.md and deploy/README.md give).
 
 Every request has a timeout, so a hang fails the test instead of stalling it.
 What the clients saw is printed (pytest -s shows it).
@@ -23,9 +27,12 @@ from collections import Counter
 
 import pytest
 import requests
+import yaml
 
 from scripts import loadtest, torchserve
 from tests.conftest import run_module
+
+from .conftest import REGISTER_TIMEOUT_S
 
 REQUEST_TIMEOUT_S = 60  # longest wait for the next bytes of one answer
 RESTART_TIMEOUT_S = 90  # TorchServe restarts a dead worker after a short backoff, then it reloads
@@ -34,6 +41,7 @@ SAMPLED_BODY = {"prompt": "The weather today is", "max_new_tokens": 16, "tempera
 # Errors a client may see when the worker dies under it: a 5xx from the
 # frontend, or the connection reset under a stream that had already started.
 CONNECTION_ERRORS = ("ConnectionError", "ChunkedEncodingError")
+STATIC_MODEL_NAME = "tiny-static"
 
 
 def generate(server, body: dict) -> torchserve.Answer:
@@ -104,9 +112,13 @@ def ready_worker_pid(server) -> int:
 
 def wait_for_new_worker(server, old_pid: int, deadline: float) -> tuple[int | None, float | None]:
     """(pid, time.monotonic()) of the first READY worker whose pid is not old_pid; (None, None) at the deadline."""
+    return wait_for_new_worker_of(server, server.model_name, old_pid, deadline)
+
+
+def wait_for_new_worker_of(server, model_name: str, old_pid: int, deadline: float) -> tuple[int | None, float | None]:
     while time.monotonic() < deadline:
         try:
-            [worker] = server.workers()
+            [worker] = torchserve.model_workers(server.management_url, model_name)
         except (torchserve.ClientError, ValueError, LookupError):
             worker = {}  # the frontend may be busy cleaning up the dead worker
         if worker.get("status") == "READY" and worker.get("pid") not in (None, old_pid):
@@ -251,3 +263,76 @@ def test_worker_killed_under_load_is_restarted(server):
     assert all(not answer.problems for answer in after), [answer.problems for answer in after]
     assert after[1].token_ids == after[2].token_ids
     assert ready_worker_pid(server) == new_pid
+
+
+@pytest.fixture(scope="module")
+def static_model(server, tiny_models_dir, tmp_path_factory):
+    """The tiny pair registered beside the session's model as a no-archive folder with static batching:
+    two requests that arrive within 3 s share one batch, which runs to its end."""
+    root = tmp_path_factory.mktemp("static-package")
+    config = yaml.safe_load((server.model_store.parent / "model-config.yaml").read_text())
+    config.update(continuousBatching=False, batchSize=2, maxBatchDelay=3000)
+    (root / "model-config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    result = run_module(
+        "scripts.package_mar",
+        *("--model-name", STATIC_MODEL_NAME, "--config", str(root / "model-config.yaml")),
+        *("--export-path", str(server.model_store), "--archive-format", "no-archive"),
+        *("--target", str(tiny_models_dir / "target"), "--draft", str(tiny_models_dir / "draft")),
+    )
+    assert result.returncode == 0, f"package_mar failed:\n{result.stdout}\n{result.stderr}"
+    torchserve.register(server.management_url, STATIC_MODEL_NAME, STATIC_MODEL_NAME, {}, REGISTER_TIMEOUT_S)
+    try:
+        yield STATIC_MODEL_NAME
+    finally:
+        torchserve.unregister(server.management_url, STATIC_MODEL_NAME, {})
+
+
+def test_worker_killed_mid_batch_answers_507_or_500(server, static_model):
+    """The status a client sees when the worker dies under a request whose answer has not started.
+
+    A stream and a plain request share one static batch; once the stream's first chunk is out, the
+    plain request is being decoded and its answer is not started. TorchServe 0.12 answers it when
+    it loses the worker (WorkerThread): 507 where the process has already exited with status 137
+    (SIGKILL: kill -9, or the kernel's out-of-memory killer), else 500. Which one a kill -9 gives
+    is a race between TorchServe's socket read and its reaping of the process: both occur.
+    """
+    [worker] = torchserve.model_workers(server.management_url, static_model)
+    assert worker["status"] == "READY", worker
+    url = f"{server.inference_url}/predictions/{static_model}"
+    # The tiny pair decodes "import json" greedily to the length limit, a second or more.
+    long_body = {"prompt": "import json", "max_new_tokens": 400, "temperature": 0.0}
+    first_chunk = threading.Event()
+    seen: dict = {}
+
+    def stream() -> None:
+        try:
+            with requests.post(url, json=dict(long_body, stream=True), stream=True, timeout=REQUEST_TIMEOUT_S) as r:
+                for _ in r.iter_lines():
+                    first_chunk.set()
+        except requests.RequestException as error:
+            seen["stream"] = type(error).__name__
+
+    def plain() -> None:
+        try:
+            seen["plain"] = requests.post(url, json=long_body, timeout=REQUEST_TIMEOUT_S)
+        except requests.RequestException as error:
+            seen["plain"] = error
+
+    threads = [threading.Thread(target=stream, daemon=True), threading.Thread(target=plain, daemon=True)]
+    for thread in threads:
+        thread.start()
+    assert first_chunk.wait(REQUEST_TIMEOUT_S), f"the stream never started: {seen}\n{server.log_tail()}"
+    assert threads[1].is_alive(), f"the plain request ended before the kill: {seen.get('plain')}"
+    os.kill(worker["pid"], signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=REQUEST_TIMEOUT_S)
+    assert not any(thread.is_alive() for thread in threads), "a request hung after the worker died"
+
+    plain_answer = seen["plain"]
+    assert isinstance(plain_answer, requests.Response), f"the plain request saw no answer: {plain_answer!r}"
+    print(f"\nplain request in the killed batch: HTTP {plain_answer.status_code} {plain_answer.text.strip()}")
+    assert plain_answer.status_code in (507, 500), plain_answer.text
+    expected = {"code": plain_answer.status_code, "type": "InternalServerException", "message": "Worker died."}
+    assert plain_answer.json() == expected
+    new_pid, _ = wait_for_new_worker_of(server, static_model, worker["pid"], time.monotonic() + RESTART_TIMEOUT_S)
+    assert new_pid is not None, f"no new worker for {static_model}\n{server.log_tail()}"

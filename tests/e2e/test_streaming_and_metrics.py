@@ -7,6 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
+from handler.config import DEFAULT_LATENCY_BUCKETS_S
+from handler.metrics import BUCKET_COUNTERS, LE_DIMENSION
 from handler.schema import STREAM_CHUNK_KEYS
 
 from .conftest import HTTP_TIMEOUT_S, metric_samples
@@ -78,8 +80,18 @@ def read_metrics(server) -> dict[str, float]:
     return totals
 
 
+def bucket_counts(server) -> dict[tuple[str, str], float]:
+    """{(bucket counter, le): value} of handler.metrics.BUCKET_COUNTERS' series on /metrics."""
+    return {
+        (name, labels[LE_DIMENSION]): value
+        for name, labels, value in metric_samples(server)
+        if name in BUCKET_COUNTERS.values()
+    }
+
+
 def test_prometheus_counters_agree_with_the_responses(server):
     before = read_metrics(server)
+    buckets_before = bucket_counts(server)
     bodies = [
         {"prompt": "import numpy as np", "max_new_tokens": 12},
         {"prompt": "Once upon a time", "max_new_tokens": 9, "temperature": 0.9, "seed": 1},
@@ -107,3 +119,47 @@ def test_prometheus_counters_agree_with_the_responses(server):
     assert delta("SpecRequestLatencySeconds_count") == 3
     assert delta("SpecTimeToFirstTokenSeconds_count") == 3  # every answered request, streamed or not
     assert delta("SpecRequestLatencySeconds_sum") > 0
+
+    # The same latencies in the config's buckets (the defaults here), cumulative: +Inf counts them all.
+    buckets_after = bucket_counts(server)
+    allowed = {f"{bound:g}" for bound in DEFAULT_LATENCY_BUCKETS_S} | {"+Inf"}
+    assert {le for _, le in buckets_after} <= allowed, buckets_after
+    ordered = sorted(allowed, key=float)  # float("+Inf") sorts last
+    for histogram in ("SpecRequestLatencySeconds", "SpecTimeToFirstTokenSeconds"):
+        name = BUCKET_COUNTERS[histogram]
+        deltas = [buckets_after.get((name, le), 0.0) - buckets_before.get((name, le), 0.0) for le in ordered]
+        assert deltas[-1] == delta(f"{histogram}_count") == 3, dict(zip(ordered, deltas))
+        assert deltas == sorted(deltas), f"{name}: buckets not cumulative: {dict(zip(ordered, deltas))}"
+
+
+# Series the Grafana dashboard (deploy/grafana/) reads that any answered request makes TorchServe
+# export. The others come with their events: errors, evictions, the planner (adaptive_k is off in
+# this server's config), stored responses, prefix-cache hits, TorchServe's system metrics.
+EVERYDAY_DASHBOARD_SERIES = {
+    "SpecRequests",
+    "SpecGeneratedTokens",
+    "SpecBatchOccupancy",
+    "SpecAcceptedTokens",
+    "SpecDraftTokens",
+    "SpecTargetForwardPasses",
+    "SpecDrafterAcceptedTokens",
+    "SpecDrafterDraftTokens",
+    "prefix_cache_queries",
+    "SpecRequestLatencySecondsBucket",
+    "SpecTimeToFirstTokenSecondsBucket",
+    "SpecTimePerOutputTokenSeconds_bucket",
+    "ts_queue_latency_microseconds",
+    "ts_inference_requests_total",
+}
+
+
+def test_the_dashboard_reads_series_under_the_names_torchserve_exports(server):
+    """tests/deploy holds the dashboard to the declared names; this holds the declared names to what a real
+    TorchServe puts on /metrics (no suffix added to a counter, the le label kept)."""
+    from tests.deploy.test_grafana_dashboard import queries, series_in
+
+    used = {series for _, expr in queries() for series in series_in(expr)}
+    assert EVERYDAY_DASHBOARD_SERIES <= used, EVERYDAY_DASHBOARD_SERIES - used
+    server.predict_ok({"prompt": "def add(a, b):", "max_new_tokens": 8})
+    exported = {name for name, _, _ in metric_samples(server)}
+    assert not EVERYDAY_DASHBOARD_SERIES - exported, f"not on /metrics: {EVERYDAY_DASHBOARD_SERIES - exported}"

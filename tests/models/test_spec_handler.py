@@ -268,3 +268,27 @@ def test_a_tokenizer_the_grammar_engine_cannot_read_serves_all_but_structured_ou
     assert statuses == [200, 400, 200]
     assert "structured output" in answers[1]["error"] and "Fuse" in answers[1]["error"]
     assert answers[0]["usage"]["completion_tokens"] == 8
+
+
+def test_the_cost_table_is_cached_where_the_environment_says(tiny_models_dir, tmp_path, monkeypatch):
+    """deploy/: a pod's model store is read-only and its .mar is unpacked anew at each start, so the
+    manifests point SPEC_COST_TABLE_DIR at a volume that outlives the pod; a second start reads it back."""
+    from handler.planning.measure import CACHE_FILE_PREFIX, COST_TABLE_DIR_ENV
+
+    kept = tmp_path / "cost-tables"
+    monkeypatch.setenv(COST_TABLE_DIR_ENV, str(kept))
+    # A small grid (widths up to 5, one row) on one runner keeps the measurement short.
+    section = dict(HANDLER_SECTION, adaptive_k=True, max_num_speculative_tokens=4, runner="dynamic")
+
+    def start() -> None:
+        context = make_context(tiny_models_dir, section)
+        context.model_yaml_config["batchSize"] = 1
+        SpeculativeHandler().initialize(context)
+
+    start()
+    [cached] = kept.glob(f"{CACHE_FILE_PREFIX}*.json")
+    written = cached.stat().st_mtime_ns
+    # A measured table is written anew (a temporary file renamed over it); a table read back is not.
+    start()
+    assert [path.name for path in kept.iterdir()] == [cached.name]
+    assert cached.stat().st_mtime_ns == written

@@ -30,3 +30,17 @@ def test_print_speeds_compares_the_grounded_request_with_the_open_ended_mean(cap
     assert "type hints (input-grounded)" in out and "10.0 tokens/s" in out
     assert "(2.00x the open-ended mean)" in out
     assert "open-ended mean 5.0 tokens/s" in out
+
+
+def test_the_closing_words_say_when_the_keys_expire(capsys):
+    """The demo leaves its server running; its keys stop working after token_expiration_min."""
+    import re
+
+    from scripts.torchserve import DEFAULT_TS_CONFIG
+    from tests.conftest import REPO_ROOT
+
+    [minutes] = re.findall(r"^token_expiration_min=(\d+)$", (REPO_ROOT / DEFAULT_TS_CONFIG).read_text(), re.M)
+    demo.print_next_steps("http://127.0.0.1:8080")
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"expire {minutes} minutes after the server started" in out
+    assert "make stop" in out

@@ -83,11 +83,22 @@ def test_full_section_round_trips():
         ({"cross_vocab_greedy": "greedy"}, "handler.cross_vocab_greedy"),
         ({"draft_tokenizer": ""}, "handler.draft_tokenizer"),
         ({"drafter": "ngram", "draft_tokenizer": "tok"}, "handler.draft_tokenizer"),
+        ({"metrics_latency_buckets_s": "1, 10"}, "handler.metrics_latency_buckets_s"),
+        ({"metrics_latency_buckets_s": []}, "handler.metrics_latency_buckets_s"),
+        ({"metrics_latency_buckets_s": [10, 1]}, "handler.metrics_latency_buckets_s"),
+        ({"metrics_latency_buckets_s": [0, 1]}, "handler.metrics_latency_buckets_s"),
+        ({"metrics_latency_buckets_s": [1, float("inf")]}, "handler.metrics_latency_buckets_s"),
+        ({"metrics_latency_buckets_s": list(range(1, 40))}, "handler.metrics_latency_buckets_s"),
     ],
 )
 def test_bad_values_name_the_key(section, key_in_message):
     with pytest.raises(ValueError, match=key_in_message.replace(".", r"\.")):
         HandlerConfig.from_dict(section)
+
+
+def test_latency_buckets_are_read_as_seconds():
+    config = HandlerConfig.from_dict({"metrics_latency_buckets_s": [1, 2.5, 60]})
+    assert config.metrics_latency_buckets_s == (1.0, 2.5, 60.0)
 
 
 def test_handler_section_must_be_a_mapping():

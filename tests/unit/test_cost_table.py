@@ -8,7 +8,7 @@ import json
 import pytest
 
 from handler.planning.cost_table import MAX_SCALE, MIN_OBSERVATIONS, CostTable, RunningCostTable, sparse_grid
-from handler.planning.measure import _cache_path
+from handler.planning.measure import COST_TABLE_DIR_ENV, _cache_path, cost_table_cache_dir
 from handler.planning.planner import Offer, expected_tokens, plan_batch
 
 # Batch 1 and 4; widths 1, 2, 4: verification costs grow with width and batch.
@@ -69,6 +69,20 @@ def test_the_cache_file_name_follows_the_key(tmp_path):
     other = {"machine": {"processor": "cpu A", "threads": 4}, "widths": [1, 2]}
     assert _cache_path(str(tmp_path), key) == _cache_path(str(tmp_path), dict(key))
     assert _cache_path(str(tmp_path), key) != _cache_path(str(tmp_path), other)
+
+
+def test_the_cache_folder_is_the_environments_where_set_else_the_model_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv(COST_TABLE_DIR_ENV, raising=False)
+    assert cost_table_cache_dir("/models/unpacked") == "/models/unpacked"
+    assert cost_table_cache_dir(None) is None
+    kept = tmp_path / "volume" / "cost-tables"
+    monkeypatch.setenv(COST_TABLE_DIR_ENV, str(kept))
+    assert cost_table_cache_dir("/models/unpacked") == str(kept)
+    assert kept.is_dir(), "created on first use"
+    # A folder that cannot be made falls back to the model dir, with a warning.
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(COST_TABLE_DIR_ENV, str(tmp_path / "a-file" / "below"))
+    assert cost_table_cache_dir("/models/unpacked") == "/models/unpacked"
 
 
 def test_noisy_measurements_are_made_monotone_without_letting_one_spike_set_the_rest():

@@ -1,4 +1,4 @@
-"""Per-drafter counters, labelled by drafter; the prefix cache's counters sent as increments."""
+"""Per-drafter counters, labelled by drafter; the prefix cache's counters sent as increments; latency buckets."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from handler.caches.prefix_cache import PrefixCacheStats
 from handler.drafters.suffix import SuffixTreeStats
 from handler.engine import SpeculativeStats
 from handler.metrics import (
+    BUCKET_COUNTERS,
     DRAFTER_DIMENSION,
+    LE_DIMENSION,
     CostScaleTally,
     MetricsRecorder,
     PrefixCacheTally,
@@ -195,3 +197,37 @@ def test_the_plan_goes_out_as_a_sample_of_steps_by_batch_size_and_a_drafting_sha
     tally.record(recorder, len(steps) + 2, [*steps, step([1, 1, 1, 1]), step([1, 1, 1, 1])])
     # Step 16 is sampled, step 17 is not; the share moved from 17 % to 100 %.
     assert [(n, v) for n, v, _ in cache.calls] == [("SpecPlannedDraftsPerRow", 1.0), ("SpecDraftingRowsPercent", 100.0)]
+
+
+def test_latencies_also_go_out_into_the_configured_buckets_cumulatively():
+    cache = RecordingCache()
+    recorder = MetricsRecorder(cache, latency_buckets_s=(1.0, 30.0, 120.0))
+    recorder.record_result(SpeculativeStats(num_speculative_tokens=4, drafter="model"), latency_seconds=42.0)
+    recorder.record_time_to_first_token(0.5)
+    recorder.record_queue_wait(30.0)  # a bound is inclusive, as Prometheus' le is
+
+    def buckets(name: str) -> list[str]:
+        return [dims[0][1] for call_name, value, dims in cache.calls if call_name == name and value == 1]
+
+    assert buckets("SpecRequestLatencySecondsBucket") == ["120", "+Inf"]
+    assert buckets("SpecTimeToFirstTokenSecondsBucket") == ["1", "30", "120", "+Inf"]
+    assert buckets("SpecQueueWaitSecondsBucket") == ["30", "120", "+Inf"]
+    labels = {dims[0][0] for name, _, dims in cache.calls if name in BUCKET_COUNTERS.values()}
+    assert labels == {LE_DIMENSION}
+    # TorchServe's own histograms still get every latency.
+    histograms = {name: value for name, value, _ in cache.calls if name in BUCKET_COUNTERS}
+    assert histograms == {
+        "SpecRequestLatencySeconds": 42.0,
+        "SpecTimeToFirstTokenSeconds": 0.5,
+        "SpecQueueWaitSeconds": 30.0,
+    }
+
+
+def test_the_default_buckets_reach_minutes():
+    from handler.config import DEFAULT_LATENCY_BUCKETS_S, HandlerConfig
+
+    assert HandlerConfig().metrics_latency_buckets_s == DEFAULT_LATENCY_BUCKETS_S
+    assert max(DEFAULT_LATENCY_BUCKETS_S) >= 300 and min(DEFAULT_LATENCY_BUCKETS_S) <= 0.1
+    cache = RecordingCache()
+    MetricsRecorder(cache).record_queue_wait(200.0)
+    assert [dims[0][1] for _, _, dims in cache.calls if dims] == ["300", "600", "+Inf"]
