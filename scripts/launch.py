@@ -144,6 +144,10 @@ def check_config(config: dict, has_draft: bool):
             f"--draft: drafter {handler_config.drafter} uses no draft model; "
             "drop --draft, or pick --drafter model or hybrid"
         )
+    if not has_draft and handler_config.draft_model is not None:
+        raise LaunchError(
+            f"--draft: drafter {handler_config.drafter} needs a draft model; pass --draft, or --drafter ngram or suffix"
+        )
     return handler_config
 
 
@@ -384,10 +388,6 @@ def launch(args: argparse.Namespace) -> int:
     template = yaml.safe_load(args.template.read_text(encoding="utf-8"))
     config = build_config(template, args.drafter, args.settings, draft is not None)
     handler_config = check_config(config, draft is not None)
-    if handler_config.draft_model is not None and draft is None:
-        raise LaunchError(
-            f"--draft: drafter {handler_config.drafter} needs a draft model; pass --draft, or --drafter ngram"
-        )
     model_store = args.model_store.resolve()
     folder = model_store / model_name
     check_replaceable(folder)

@@ -135,6 +135,8 @@ def test_a_drafter_without_a_draft_model_drops_it_and_refuses_a_draft():
     assert launch.check_config(config, has_draft=False).draft_model is None
     with pytest.raises(launch.LaunchError, match="--draft: drafter suffix uses no draft model"):
         launch.check_config(launch.build_config(template(), "suffix", [], has_draft=True), has_draft=True)
+    with pytest.raises(launch.LaunchError, match="--draft: drafter hybrid needs a draft model; pass --draft"):
+        launch.check_config(launch.build_config(template(), None, [], has_draft=False), has_draft=False)
 
 
 def test_a_bad_key_or_value_gets_the_handlers_own_message():
