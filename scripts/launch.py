@@ -18,7 +18,8 @@
    is refused with its message before anything starts.
 5. TorchServe starts unless a server answers at the inference port already (it must then serve
    from the same model store and write its keys in this folder); a model registered under NAME is
-   unregistered first, so a second run with other settings replaces the first.
+   unregistered first, so a second run with other settings replaces the first (keeping the cost
+   tables the first one measured, where they still hold).
 6. It prints how to call the model: curl on the native and the OpenAI routes, and the `openai` client.
 
 The server keeps running (`python -m scripts.torchserve stop`, or `make stop`).
@@ -255,6 +256,16 @@ def stage_model_folder(
     return staged
 
 
+def carry_over_measurements(old: Path, new: Path) -> None:
+    """The cost tables a worker cached in the old folder go into the new one. Each is keyed by what it
+    depends on (machine, architectures, dtypes, widths, batch sizes, runner), so the worker reads one
+    only where it still holds, and a second run with other settings does not measure again."""
+    from handler.planning.measure import CACHE_FILE_PREFIX
+
+    for path in old.glob(f"{CACHE_FILE_PREFIX}*.json"):
+        shutil.copy2(path, new / path.name)
+
+
 def check_replaceable(folder: Path) -> None:
     """Only a folder this launcher wrote may be replaced."""
     if folder.exists() and not (folder / LAUNCH_RECORD).is_file():
@@ -403,6 +414,7 @@ def launch(args: argparse.Namespace) -> int:
             print(f"unregistering the running {model_name}")
             torchserve.unregister(management_url, model_name, headers)
         if folder.exists():
+            carry_over_measurements(folder, staged)
             shutil.rmtree(folder)
         staged.rename(folder)
     finally:

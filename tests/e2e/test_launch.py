@@ -28,6 +28,7 @@ import pytest
 import requests
 import torch
 
+from handler.planning.measure import CACHE_FILE_PREFIX
 from scripts import torchserve
 from tests.conftest import REPO_ROOT
 from tests.e2e.conftest import HTTP_TIMEOUT_S
@@ -247,4 +248,17 @@ def test_the_recipe_in_docs_models_md_runs_as_written(launcher):
     snippet = "\n".join(line.strip() for line in out.splitlines()[start + 1 : start + 5])
     printed = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=HTTP_TIMEOUT_S)
     assert printed.returncode == 0 and printed.stdout.strip(), printed
+
+    # The worker cached its cost table in the model folder; a second run keeps it, and reads it.
+    folder = launcher.root / "model_store" / "recipe"
+    tables = sorted(path.name for path in folder.glob(f"{CACHE_FILE_PREFIX}*.json"))
+    assert tables, "adaptive_k (the template's) measured a cost table"
+    # What the worker timed at start-up goes into the table's key: the second run names the same.
+    log = (launcher.root / "logs" / "model_log.log").read_text()
+    runner = re.findall(r"runner: auto chose (\w+)", log)[-1]
+    quantization = re.findall(r"draft_quantization auto: .* -> (\w+)", log)[-1]
+    settings = [f"runner={runner}", f"draft_quantization={quantization}", "max_new_tokens=8"]
+    ran(launcher.run(*words[3:], "--model-name", "recipe", *(f"--set={item}" for item in settings)), launcher)
+    assert sorted(path.name for path in folder.glob(f"{CACHE_FILE_PREFIX}*.json")) == tables
+    assert "cost table read from" in (launcher.root / "logs" / "model_log.log").read_text()
     launcher.unregister("recipe")

@@ -196,6 +196,18 @@ def test_the_model_folder_links_every_model_file_and_copies_none(llama_pair, tmp
     assert (folder / "handler" / "spec_handler.py").is_file() and (folder / "spec_handler.py").is_file()
 
 
+def test_a_second_run_keeps_the_cost_tables_the_worker_cached_in_the_folder(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    from handler.planning.measure import CACHE_FILE_PREFIX
+
+    (old / f"{CACHE_FILE_PREFIX}0123456789abcdef.json").write_text('{"key": {}, "table": {}}')
+    (old / "model-config.yaml").write_text("handler: {}")
+    launch.carry_over_measurements(old, new)
+    assert [path.name for path in new.iterdir()] == [f"{CACHE_FILE_PREFIX}0123456789abcdef.json"]
+
+
 # --- Refusals, before anything starts -------------------------------------------------------------
 
 
