@@ -25,6 +25,9 @@ Usage:
     python -m scripts.package_mar --model-name tiny-spec \\
         --target models/tiny/target --draft models/tiny/draft \\
         --config model-config/model-config.yaml --export-path model_store
+
+--target and --draft are local folders. To serve a pair without an archive (and
+without copying its weights), from folders or Hub ids, use scripts.launch.
 """
 
 from __future__ import annotations
@@ -130,17 +133,6 @@ def warn_about_model_paths(config: dict) -> None:
             )
 
 
-def warn_if_tokenizers_differ(target: Path, draft: Path) -> None:
-    target_file, draft_file = target / "tokenizer.json", draft / "tokenizer.json"
-    if target_file.is_file() and draft_file.is_file():
-        if target_file.read_bytes() != draft_file.read_bytes():
-            print(
-                "warning: target and draft tokenizer.json differ; speculative decoding "
-                "needs both models to share one tokenizer",
-                file=sys.stderr,
-            )
-
-
 def stage(staging: Path, target: Path, draft: Path | None) -> None:
     """Lay out handler/, target/ and draft/ (when there is one) under `staging`."""
     shutil.copytree(HANDLER_PACKAGE, staging / "handler", ignore=IGNORED_IN_HANDLER)
@@ -181,7 +173,6 @@ def package(
     if draft is not None:
         draft = draft.resolve()
         check_model_dir(draft, "draft", need_tokenizer=False)
-        warn_if_tokenizers_differ(target, draft)
 
     export_path.mkdir(parents=True, exist_ok=True)
     output = export_path / f"{model_name}{ARCHIVE_SUFFIXES[archive_format]}"
@@ -232,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         epilog="See the module docstring for the archive layout.",
     )
     parser.add_argument("--model-name", required=True, help="archive and model name")
-    parser.add_argument("--target", required=True, type=Path, help="target model folder")
+    parser.add_argument(
+        "--target", required=True, type=Path, help="target model folder (local; scripts.launch also takes Hub ids)"
+    )
     parser.add_argument("--draft", type=Path, help="draft model folder (needed unless the config's drafter is ngram)")
     parser.add_argument("--config", required=True, type=Path, help="model-config YAML")
     parser.add_argument("--export-path", required=True, type=Path, help="folder for the archive (model store)")

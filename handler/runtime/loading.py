@@ -189,38 +189,85 @@ def check_vocabularies(
     return vocab_map
 
 
-def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None) -> LoadedModels:
-    """Loads both models on one device and checks they can work as a pair."""
+def resolve_model_paths(config: HandlerConfig, model_dir: str | None) -> tuple[str, str | None]:
+    """The target's and the draft's folder or hub id (None: no draft model)."""
+    target_path = resolve_model_path(config.target_model, model_dir, "target_model")
+    if config.draft_model is None:
+        return target_path, None
+    return target_path, resolve_model_path(config.draft_model, model_dir, "draft_model")
+
+
+def load_tokenizer(target_path: str):
     from transformers import AutoTokenizer
 
+    try:
+        return AutoTokenizer.from_pretrained(target_path)
+    except Exception as error:
+        raise ValueError(f"handler.target_model: cannot load a tokenizer from {target_path!r}: {error}") from error
+
+
+def check_models(config: HandlerConfig, tokenizer, target, draft, target_path: str, draft_path: str | None):
+    """The checks that make two models a pair: their vocabularies (`check_vocabularies`, whose map it
+    returns) and caches that roll back by a length (`check_cache_support`). They read the models'
+    configs and classes only, so they pass or fail alike on empty models (`check_pair`)."""
+    vocab_map = None
+    if draft is not None:
+        vocab_map = check_vocabularies(tokenizer, target, draft, draft_path, target_path, config.draft_tokenizer)
+        check_cache_support(draft)
+    check_cache_support(target)
+    return vocab_map
+
+
+def _empty_causal_lm(path: str, key: str):
+    """The model's class built from its config on the meta device: no weight is read or allocated."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        model_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(model_config, trust_remote_code=False)
+    except Exception as error:  # as in _load_causal_lm: the user needs the path and the cause
+        raise ValueError(f"handler.{key}: cannot load a causal LM from {path!r}: {error}") from error
+
+
+def check_pair(config: HandlerConfig, model_dir: str | None) -> None:
+    """The load-time checks of `load_models` on the pair a config names, without loading a weight, so
+    that a pair the worker would refuse is refused before a server starts, with the worker's message.
+
+    Raises:
+        ValueError: what `load_models` would raise for this pair (tokenizer, vocabularies, caches).
+    """
+    target_path, draft_path = resolve_model_paths(config, model_dir)
+    tokenizer = load_tokenizer(target_path)
+    target = _empty_causal_lm(target_path, "target_model")
+    draft = None if draft_path is None else _empty_causal_lm(draft_path, "draft_model")
+    check_models(config, tokenizer, target, draft, target_path, draft_path)
+
+
+def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None) -> LoadedModels:
+    """Loads both models on one device and checks they can work as a pair (`check_models`)."""
     device = select_device(gpu_id)
     if device.type == "cpu":
         logger.info("using %d CPU threads", set_cpu_threads(config.cpu_threads))
-    target_path = resolve_model_path(config.target_model, model_dir, "target_model")
-    draft_path = None
-    if config.draft_model is not None:
-        draft_path = resolve_model_path(config.draft_model, model_dir, "draft_model")
+    target_path, draft_path = resolve_model_paths(config, model_dir)
     model_paths = (target_path, draft_path) if draft_path is not None else (target_path,)
     dtype = resolve_dtype(config.dtype, device, model_paths, config.max_num_speculative_tokens + 1)
     logger.info(
         "loading target %s and draft %s on %s as %s", target_path, draft_path or "(none: n-gram look-up)", device, dtype
     )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(target_path)
-    except Exception as error:
-        raise ValueError(f"handler.target_model: cannot load a tokenizer from {target_path!r}: {error}") from error
+    tokenizer = load_tokenizer(target_path)
     target = _load_causal_lm(target_path, "target_model", dtype, device, config.allow_pickle_weights)
-    draft, vocab_map = None, None
+    draft = None
     if draft_path is not None:
         draft = _load_causal_lm(draft_path, "draft_model", dtype, device, config.allow_pickle_weights)
-        vocab_map = check_vocabularies(tokenizer, target, draft, draft_path, target_path, config.draft_tokenizer)
+    vocab_map = check_models(config, tokenizer, target, draft, target_path, draft_path)
+    if draft is not None:
         if config.draft_quantization == "int8":
             if device.type != "cpu":
                 raise ValueError("handler.draft_quantization: int8 runs on the CPU only; use none on a GPU")
             from handler.runtime.cpu_speed import quantize_draft_int8
 
             draft = quantize_draft_int8(draft)
-        check_cache_support(draft)
     if device.type == "cpu" and config.cpu_packed_weights:
         from handler.runtime.cpu_speed import pack_linear_layers, tied_head_copy_fits
 
@@ -228,7 +275,6 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
         num_target = pack_linear_layers(target, copy_tied_head=tied_head_copy_fits(target))
         num_draft = 0 if draft is None else pack_linear_layers(draft, copy_tied_head=tied_head_copy_fits(draft))
         logger.info("oneDNN packed linear layers: %d in the target, %d in the draft", num_target, num_draft)
-    check_cache_support(target)
     draft_quantization = "int8" if config.draft_quantization == "int8" else "none"
     if draft is not None and config.draft_quantization == "auto" and device.type == "cpu":
         from handler.runtime.cpu_speed import choose_draft_quantization

@@ -56,3 +56,19 @@ def test_a_draft_vocabulary_smaller_than_the_target_tokenizer_is_refused_naming_
 def test_a_draft_folder_without_a_tokenizer_shares_the_targets(tiny_tokenizer, tmp_path):
     size = len(tiny_tokenizer)
     check_vocabularies(tiny_tokenizer, model(size), model(size), str(tmp_path / "empty"), "t")
+
+
+def test_check_pair_runs_the_load_time_checks_on_configs_alone_without_a_weight(tmp_path):
+    import transformers
+
+    from handler.config import HandlerConfig
+    from handler.runtime.loading import check_pair
+    from scripts import make_tiny_models
+
+    for name in ("target", "draft"):
+        make_tiny_models.save_tokenizer(tmp_path / name)  # config.json and the tokenizer: no weights
+    assert not list(tmp_path.rglob("*.safetensors"))
+    check_pair(HandlerConfig(target_model=str(tmp_path / "target"), draft_model=str(tmp_path / "draft")), None)
+    transformers.MambaConfig(vocab_size=384, hidden_size=64, state_size=8).save_pretrained(tmp_path / "draft")
+    with pytest.raises(ValueError, match=r"MambaForCausalLM uses cache layers .*cannot be rolled back by a length"):
+        check_pair(HandlerConfig(target_model="target", draft_model="draft"), str(tmp_path))
