@@ -247,7 +247,7 @@ def test_other_errors_have_their_status(client, server, base_url):
 def test_a_disconnected_stream_frees_all_its_choices_rows(client, server, base_url):
     aborted_before = counter(server, "SpecAbortedRequests")
     # Three greedy choices of a long answer: the tiny pair reaches the length limit without an EOS.
-    body = {"prompt": "import json", "max_tokens": 400, "n": 3, "stream": True}
+    body = {"prompt": "import json", "max_tokens": 400, "n": 3, "stream": True, "temperature": 0}
     response = requests.post(f"{base_url}/completions", json=body, stream=True, timeout=HTTP_TIMEOUT_S)
     assert response.status_code == 200, response.text
     assert response.headers["Content-Type"].startswith("text/event-stream")
@@ -273,7 +273,7 @@ def test_openai_and_native_requests_share_batches(client, server):
     def send(index: int) -> str:
         if index % 2:
             return server.predict_ok({"prompt": prompts[index], "max_new_tokens": 10})["text"]
-        return complete(client, server, prompt=prompts[index], max_tokens=10).choices[0].text
+        return complete(client, server, prompt=prompts[index], max_tokens=10, temperature=0).choices[0].text
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         assert list(pool.map(send, range(len(prompts)))) == alone
