@@ -341,12 +341,12 @@ def test_a_second_chat_turn_reuses_the_first_and_the_metrics_count_it(client, se
         {"role": "system", "content": "You review Python code and answer in one sentence."},
         {"role": "user", "content": "What does `sorted(values)[len(values) // 2]` return for an odd length?"},
     ]
-    first = chat(client, server, messages=messages, max_tokens=8)
+    first = chat(client, server, messages=messages, max_tokens=8, temperature=0)
     messages += [
         {"role": "assistant", "content": first.choices[0].message.content},
         {"role": "user", "content": "And for an even length?"},
     ]
-    second = chat(client, server, messages=messages, max_tokens=8)
+    second = chat(client, server, messages=messages, max_tokens=8, temperature=0)
     # The first turn's prompt comes from the cache (but perhaps its last token, which the answer's
     # first token can merge with when the turn is rendered again); the new question cannot.
     cached = second.usage.prompt_tokens_details.cached_tokens
