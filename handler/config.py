@@ -166,7 +166,9 @@ class HandlerConfig:
     max_num_speculative_tokens: int = 16
     max_new_tokens: int = 128
     max_new_tokens_limit: int = 2048
-    adaptive_k: bool = False
+    # Plan each step's k from a cost table measured at start-up (handler.planning): on by default, as
+    # shipped, since the planner is what keeps speculation from running slower than plain decoding.
+    adaptive_k: bool = True
     # With adaptive_k, the draft model drafts up to the request's k and stops where its own
     # calibrated confidence says one more draft does not pay (handler.planning.planner.ConfidenceStop).
     draft_confidence: bool = True

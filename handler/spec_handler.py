@@ -20,6 +20,7 @@ import time
 from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.torch_handler.base_handler import BaseHandler
 
+from handler.api.openai.requests import sampling_defaults
 from handler.api.openai.responses import ResponseStore
 from handler.api.openai.routes import Route, route_from_url_path
 from handler.caches.memory_budget import describe, prefix_cache_budget
@@ -92,9 +93,12 @@ class SpeculativeHandler(BaseHandler):
         except RequestError as error:
             # Said once here; each structured request gets it as its 400, and the rest serve.
             logger.warning("%s", error)
-        # The OpenAI routes: `model` must name the model as TorchServe serves it.
+        # The OpenAI routes: `model` must name the model as TorchServe serves it, and the sampling fields
+        # a request leaves out take the target's generation_config.json, then OpenAI's defaults.
         self.model_name = context.model_name
         self.created = int(time.time())
+        generation = getattr(self.models.target, "generation_config", None)
+        self.openai_defaults = sampling_defaults(None if generation is None else generation.to_diff_dict())
         self.continuous = (context.model_yaml_config or {}).get("continuousBatching") is True
         tokenizer, max_batch_tokens = self.models.tokenizer, self.config.max_batch_tokens
         self.batcher = ContinuousBatcher(self.engine, tokenizer, max_batch_tokens) if self.continuous else None
@@ -149,6 +153,7 @@ class SpeculativeHandler(BaseHandler):
             self.model_name,
             self.created,
             self.response_store,
+            self.openai_defaults,
         )
 
     def _answer(self, replies: list[Reply]) -> list:
@@ -185,9 +190,14 @@ class SpeculativeHandler(BaseHandler):
         return request_id
 
     def _route(self, index: int) -> Route:
-        """The request's route: TorchServe names the path after `/predictions/{model}/{version}/` in `url_path`."""
+        """The request's route: TorchServe names the path after `/predictions/{model}/{version}/` in `url_path`,
+        and passes the HTTP headers but not the method (`route_from_url_path`)."""
         url_path = self._header(index, "url_path")
-        return route_from_url_path(url_path if isinstance(url_path, str) else None)
+        try:
+            headers = self.context.get_all_request_header(index)
+        except (AttributeError, IndexError, KeyError, TypeError):
+            headers = None
+        return route_from_url_path(url_path if isinstance(url_path, str) else None, headers)
 
     def _content_type(self, index: int) -> str | None:
         headers = self._header(index, "body") or {}

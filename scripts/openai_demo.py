@@ -73,7 +73,7 @@ def run(
     max_tokens: int = 96,
     out: TextIO = sys.stdout,
 ) -> str:
-    """Streams one chat answer to `out` through the openai client and returns its text.
+    """Streams one greedy chat answer to `out` through the openai client and returns its text.
 
     Args:
         inference_url: TorchServe's inference address, e.g. http://127.0.0.1:8080.
@@ -94,6 +94,7 @@ def run(
             model=model_name,
             messages=MESSAGES,
             max_completion_tokens=max_tokens,
+            temperature=0,  # the target's own greedy answer; left out, the model's generation config decides
             stream=True,
             stream_options={"include_usage": True},
         )

@@ -6,14 +6,15 @@ OpenAI request: one per choice). Its answer format, `NativeAnswer`
 its rows' steps and results into the response; the schedules in
 `handler.serving` only ask it for text, so both serve both doors. A request
 answered without the engine (the OpenAI model list, a refused request) is a
-ready `Reply`, or a native `RequestError`.
+ready `Reply`, or a native `RequestError`: the model list, a stored response (GET and DELETE
+`v1/responses/{id}`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from handler.api.native import NativeAnswer, ParsedRequest, decode_body, parse_request
 from handler.api.openai import requests as openai_requests
@@ -21,7 +22,7 @@ from handler.api.openai import routes
 from handler.api.openai.answers import OpenAIAnswer
 from handler.api.openai.requests import OpenAIRequest
 from handler.api.openai.response_answers import ResponsesAnswer
-from handler.api.openai.responses import parse_responses_request
+from handler.api.openai.responses import parse_responses_request, stored_response_answer
 from handler.api.openai.routes import Route
 from handler.config import HandlerConfig
 from handler.schema import JSON_CONTENT_TYPE, RequestError
@@ -54,6 +55,7 @@ def parse_entry(
     model_name: str = "",
     created: int = 0,
     response_store=None,
+    openai_defaults: Mapping | None = None,
 ) -> Entry:
     """One TorchServe request entry -> what serves it (never raises).
 
@@ -64,6 +66,9 @@ def parse_entry(
         route: its route, from the `url_path` header; None for the native contract.
         model_name, created: the served model's name and load time (OpenAI routes).
         response_store: the Responses route's store of responses.
+        openai_defaults: what the sampling fields an OpenAI request leaves out take
+            (`handler.api.openai.requests.sampling_defaults`); None: OpenAI's. The native route's
+            are the config's.
     Returns:
         A ParsedRequest or OpenAIRequest for the engine; on an OpenAI route, a
         ready Reply for the model list or an error (OpenAI's body); on the native
@@ -75,10 +80,14 @@ def parse_entry(
         if openai:
             if route.kind == routes.ROUTE_RESPONSES:
                 decoded = openai_requests.decode_openai_body(body, content_type)
-                parsed = parse_responses_request(decoded, config, tokenizer, max_context, model_name, response_store)
+                parsed = parse_responses_request(
+                    decoded, config, tokenizer, max_context, model_name, response_store, openai_defaults
+                )
+            elif route.kind == routes.ROUTE_RESPONSE:
+                parsed = stored_response_answer(route, body, response_store)
             else:
                 parsed = openai_requests.parse_openai_entry(
-                    route, body, content_type, config, tokenizer, max_context, model_name, created
+                    route, body, content_type, config, tokenizer, max_context, model_name, created, openai_defaults
                 )
             if isinstance(parsed, dict):
                 return Reply(parsed, content_type=JSON_CONTENT_TYPE)

@@ -247,7 +247,7 @@ def test_other_errors_have_their_status(client, server, base_url):
 def test_a_disconnected_stream_frees_all_its_choices_rows(client, server, base_url):
     aborted_before = counter(server, "SpecAbortedRequests")
     # Three greedy choices of a long answer: the tiny pair reaches the length limit without an EOS.
-    body = {"prompt": "import json", "max_tokens": 400, "n": 3, "stream": True}
+    body = {"prompt": "import json", "max_tokens": 400, "n": 3, "stream": True, "temperature": 0}
     response = requests.post(f"{base_url}/completions", json=body, stream=True, timeout=HTTP_TIMEOUT_S)
     assert response.status_code == 200, response.text
     assert response.headers["Content-Type"].startswith("text/event-stream")
@@ -273,7 +273,7 @@ def test_openai_and_native_requests_share_batches(client, server):
     def send(index: int) -> str:
         if index % 2:
             return server.predict_ok({"prompt": prompts[index], "max_new_tokens": 10})["text"]
-        return complete(client, server, prompt=prompts[index], max_tokens=10).choices[0].text
+        return complete(client, server, prompt=prompts[index], max_tokens=10, temperature=0).choices[0].text
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         assert list(pool.map(send, range(len(prompts)))) == alone
@@ -341,12 +341,12 @@ def test_a_second_chat_turn_reuses_the_first_and_the_metrics_count_it(client, se
         {"role": "system", "content": "You review Python code and answer in one sentence."},
         {"role": "user", "content": "What does `sorted(values)[len(values) // 2]` return for an odd length?"},
     ]
-    first = chat(client, server, messages=messages, max_tokens=8)
+    first = chat(client, server, messages=messages, max_tokens=8, temperature=0)
     messages += [
         {"role": "assistant", "content": first.choices[0].message.content},
         {"role": "user", "content": "And for an even length?"},
     ]
-    second = chat(client, server, messages=messages, max_tokens=8)
+    second = chat(client, server, messages=messages, max_tokens=8, temperature=0)
     # The first turn's prompt comes from the cache (but perhaps its last token, which the answer's
     # first token can merge with when the turn is rendered again); the new question cannot.
     cached = second.usage.prompt_tokens_details.cached_tokens

@@ -14,6 +14,7 @@ from typing import Literal
 import jsonschema
 import openai
 import pytest
+import requests
 
 from .conftest import HTTP_TIMEOUT_S, counter
 
@@ -97,6 +98,41 @@ def test_previous_response_id_continues_the_conversation_from_the_prefix_cache(c
     for response_id in (unstored.id, "resp_unknown"):
         with pytest.raises(openai.NotFoundError, match=response_id):
             create(client, server, input="x", previous_response_id=response_id)
+
+
+def test_a_stored_response_is_retrieved_and_deleted_through_the_client(client, server):
+    """TorchServe passes GET and DELETE on the model's path to the handler, without the method: the SDK's
+    delete says so by its headers, and a retrieval changes nothing."""
+    made = create(client, server, input="Tell me a story about an owl.", max_output_tokens=6)
+    for _ in range(2):
+        got = client.responses.retrieve(made.id)
+        assert got.model_dump() == made.model_dump(), "the response object as it was answered"
+    assert client.responses.delete(made.id) is None  # the SDK reads no body from a delete
+    for call in (client.responses.retrieve, client.responses.delete):
+        with pytest.raises(openai.NotFoundError) as raised:
+            call(made.id)
+        assert raised.value.status_code == 404
+        assert raised.value.body["type"] == "invalid_request_error" and raised.value.body["param"] == "response_id"
+        assert made.id in raised.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        create(client, server, input="x", previous_response_id=made.id)
+
+
+def test_retrieve_and_delete_over_plain_http(client, server, base_url):
+    made = create(client, server, input="Tell me a story about a cat.", max_output_tokens=4)
+    url = f"{base_url}/responses/{made.id}"
+    got = requests.get(url, timeout=HTTP_TIMEOUT_S)
+    assert got.status_code == 200 and got.json()["id"] == made.id and got.json()["output_text"] == made.output_text
+    # A DELETE that does not say so in its headers reaches the handler as a retrieval: nothing is deleted.
+    plain_delete = requests.delete(url, timeout=HTTP_TIMEOUT_S)
+    assert plain_delete.status_code == 200 and plain_delete.json()["object"] == "response"
+    override = {"X-HTTP-Method-Override": "DELETE"}
+    deleted = requests.delete(url, headers=override, timeout=HTTP_TIMEOUT_S)
+    assert deleted.status_code == 200
+    assert deleted.json() == {"id": made.id, "object": "response.deleted", "deleted": True}
+    gone = requests.get(url, timeout=HTTP_TIMEOUT_S)
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "response_id"
+    assert requests.delete(url, headers=override, timeout=HTTP_TIMEOUT_S).status_code == 404
 
 
 @pytest.mark.parametrize(

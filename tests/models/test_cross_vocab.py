@@ -246,6 +246,7 @@ def test_the_handler_serves_a_draft_from_another_family_on_every_route(cross_pai
     chat = {
         "messages": [{"role": "user", "content": "Say ok"}],
         "max_completion_tokens": 48,
+        "temperature": 0,
         "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": BOOLEAN}},
     }
     requests = [

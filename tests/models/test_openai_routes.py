@@ -16,6 +16,7 @@ from handler.api.openai.requests import choice_seed
 from handler.spec_handler import SpeculativeHandler
 from tests.models.conftest import fail_batches_holding
 from tests.models.test_spec_handler import HANDLER_SECTION
+
 MODEL = "tiny"
 COMPLETIONS, CHAT, MODELS, NATIVE = "v1/completions", "v1/chat/completions", "v1/models", ""
 
@@ -64,8 +65,9 @@ def test_a_mixed_batch_answers_each_request_in_its_own_shape(handler, tiny_model
         tiny_models_dir,
         [
             (NATIVE, {"prompt": "def add(a, b):", "max_new_tokens": 12}),
-            (COMPLETIONS, {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 12}),
-            (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 8}),
+            # temperature 0: greedy, as the native route is by default (the OpenAI routes' default is 1).
+            (COMPLETIONS, {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0}),
+            (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 8, "temperature": 0}),
             (COMPLETIONS, sampled),
             (MODELS, b""),
             (COMPLETIONS, {"prompt": "x", "presence_penalty": 3}),

@@ -64,15 +64,19 @@ def test_openai_requests_join_the_running_batch_and_answer_as_alone(handlers, ti
     long = {
         "prompt": "import json",
         "max_tokens": 60,
+        "temperature": 0,
         "n": 2,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
     later = {
         "native": (NATIVE, {"prompt": "def add(a, b):", "max_new_tokens": 8}),
-        "completion": (COMPLETIONS, {"prompt": "def add(a, b):", "max_tokens": 8, "logprobs": 2}),
+        "completion": (COMPLETIONS, {"prompt": "def add(a, b):", "max_tokens": 8, "logprobs": 2, "temperature": 0}),
         "sampled": (COMPLETIONS, {"prompt": "Once upon", "max_tokens": 8, "temperature": 0.9, "seed": 5, "n": 2}),
-        "chat-stream": (CHAT, {"messages": MESSAGES, "max_tokens": 8, "stream": True, "logprobs": True}),
+        "chat-stream": (
+            CHAT,
+            {"messages": MESSAGES, "max_tokens": 8, "stream": True, "logprobs": True, "temperature": 0},
+        ),
         "models": (MODELS, b""),
         "bad": (COMPLETIONS, {"prompt": "x", "presence_penalty": 3}),
     }
@@ -118,9 +122,10 @@ def test_openai_requests_join_the_running_batch_and_answer_as_alone(handlers, ti
 def test_a_vanished_client_has_all_its_choices_rows_aborted(handlers, tiny_models_dir):  # noqa: F811
     continuous, _ = handlers
     frontend = Frontend(continuous, tiny_models_dir)
-    frontend.submit("gone", {"prompt": "import json", "max_tokens": 60, "n": 3, "stream": True}, COMPLETIONS)
+    gone = {"prompt": "import json", "max_tokens": 60, "n": 3, "stream": True, "temperature": 0}
+    frontend.submit("gone", gone, COMPLETIONS)
     # Long enough to outlive its first step: its later calls are where "gone" is found missing.
-    frontend.submit("good", {"prompt": "Hello", "max_tokens": 16}, COMPLETIONS)
+    frontend.submit("good", {"prompt": "Hello", "max_tokens": 16, "temperature": 0}, COMPLETIONS)
     frontend.call()
     assert continuous.engine.num_active_requests == 4
     del frontend.in_flight["gone"]  # its client disconnected: the frontend stops sending it

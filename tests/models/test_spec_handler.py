@@ -16,6 +16,8 @@ HANDLER_SECTION = {
     "num_speculative_tokens": 4,
     "max_new_tokens": 16,
     "max_new_tokens_limit": 64,
+    # Fixed k: these tests count drafts per step, which a cost table measured at start-up would plan.
+    "adaptive_k": False,
 }
 
 

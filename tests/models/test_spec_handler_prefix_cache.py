@@ -23,7 +23,7 @@ LONG_PROMPT = (
     "def median(values):\n    values.sort()\n    middle = len(values) / 2\n    return values[middle]\n"
 )
 NATIVE_BODY = {"prompt": LONG_PROMPT, "max_new_tokens": 6}
-CHAT_BODY = {"messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 6}
+CHAT_BODY = {"messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 6, "temperature": 0}
 
 
 @pytest.fixture()

@@ -111,8 +111,8 @@ def test_the_response_store_gauges_go_out_when_it_changes_and_evictions_as_incre
     cache.calls.clear()
     tally.record(recorder, store)
     assert cache.calls == [], "unchanged: nothing sent"
-    store.put("a", [{"role": "user", "content": "a"}])
-    store.put("b", [{"role": "user", "content": "b"}])  # evicts a
+    store.put("a", [{"role": "user", "content": "a"}], {"id": "a"})
+    store.put("b", [{"role": "user", "content": "b"}], {"id": "b"})  # evicts a
     tally.record(recorder, store)
     assert [(name, value) for name, value, _ in cache.calls] == [
         ("SpecResponsesStored", 1),

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from handler.api.native import RequestError, parse_request
-from handler.api.openai.requests import MAX_CHOICES, choice_seed, decode_openai_body, parse_openai_request
+from handler.api.openai.requests import (
+    MAX_CHOICES,
+    OPENAI_SAMPLING_DEFAULTS,
+    choice_seed,
+    decode_openai_body,
+    parse_openai_request,
+    sampling_defaults,
+)
 from handler.api.openai.routes import (
     ROUTE_CHAT,
     ROUTE_COMPLETIONS,
@@ -103,16 +110,78 @@ def test_completion_is_the_native_request_with_openai_names(tokenizer):
     assert not request.stream and not request.include_usage and request.num_top_logprobs is None
 
 
-def test_defaults_come_from_the_config_and_nulls_are_left_out(tokenizer):
+def test_left_out_fields_take_openai_sampling_and_the_config_s_limits_and_nulls_are_left_out(tokenizer):
     request = parse(ROUTE_COMPLETIONS, {"prompt": "hello", "temperature": None, "stop": None, "n": None}, tokenizer)
     (generation,) = request.generations
-    assert generation == native({"prompt": "hello"}, tokenizer)
-    assert generation.max_new_tokens == 32 and generation.sampling == SamplingParams()
+    assert generation == native({"prompt": "hello", **OPENAI_SAMPLING_DEFAULTS}, tokenizer)
+    # OpenAI's temperature 1 (sampling), not the config's greedy default; max tokens from the config.
+    assert generation.max_new_tokens == 32 and generation.sampling == SamplingParams(temperature=1.0)
+
+
+# A generation_config.json as instruct models ship it (Qwen2.5's), with fields the routes do not read.
+GENERATION_CONFIG = {
+    "do_sample": True,
+    "temperature": 0.7,
+    "top_p": 0.8,
+    "top_k": 20,
+    "repetition_penalty": 1.05,
+    "max_new_tokens": 512,
+    "bos_token_id": 1,
+    "transformers_version": "4.44.0",
+}
+
+
+def test_sampling_defaults_are_the_generation_config_s_then_openai_s():
+    assert sampling_defaults(None) == sampling_defaults({}) == OPENAI_SAMPLING_DEFAULTS
+    assert OPENAI_SAMPLING_DEFAULTS["temperature"] == 1.0 and OPENAI_SAMPLING_DEFAULTS["top_p"] == 1.0
+    defaults = sampling_defaults(GENERATION_CONFIG)
+    assert defaults == {**OPENAI_SAMPLING_DEFAULTS, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                        "repetition_penalty": 1.05}  # fmt: skip
+    assert sampling_defaults({"min_p": 0.05, "temperature": 0})["min_p"] == 0.05
+    assert sampling_defaults({"temperature": 0})["temperature"] == 0.0, "a greedy generation config stays greedy"
+
+
+@pytest.mark.parametrize(
+    "generation_config",
+    [{"top_p": 0}, {"temperature": -1}, {"temperature": "hot"}, {"top_k": 2.5}, {"top_k": True}, {"min_p": 2}],
+)
+def test_a_generation_config_value_the_rules_refuse_is_skipped_with_a_warning(generation_config, caplog):
+    defaults = sampling_defaults({**generation_config, "repetition_penalty": 1.1})
+    (key,) = generation_config
+    assert defaults[key] == OPENAI_SAMPLING_DEFAULTS[key] and defaults["repetition_penalty"] == 1.1
+    assert f"generation_config.json: {key}" in caplog.text
+
+
+def test_left_out_sampling_fields_take_the_given_defaults_and_the_request_s_own_win(tokenizer):
+    defaults = sampling_defaults(GENERATION_CONFIG)
+    for kind, body in ((ROUTE_CHAT, {"messages": MESSAGES}), (ROUTE_COMPLETIONS, {"prompt": "hello"})):
+        (generation,) = parse_openai_request(kind, body, CONFIG, tokenizer, MAX_CONTEXT, MODEL, defaults).generations
+        assert generation.sampling == SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+        own = {**body, "temperature": 0, "top_k": 0, "presence_penalty": 0.5}
+        (generation,) = parse_openai_request(kind, own, CONFIG, tokenizer, MAX_CONTEXT, MODEL, defaults).generations
+        assert generation.sampling == SamplingParams(
+            temperature=0.0, top_p=0.8, top_k=0, presence_penalty=0.5, repetition_penalty=1.05
+        )
+    # max_new_tokens is not a sampling field: the config's, not the generation config's 512.
+    assert generation.max_new_tokens == CONFIG.max_new_tokens
+
+
+def test_the_native_route_keeps_the_config_s_greedy_default_whatever_the_openai_defaults(tokenizer):
+    from handler.api.entry import parse_entry
+
+    defaults = sampling_defaults(GENERATION_CONFIG)
+    native_entry = parse_entry({"body": {"prompt": "hello"}}, "application/json", CONFIG, tokenizer, MAX_CONTEXT,
+                               route_from_url_path(""), MODEL, openai_defaults=defaults)  # fmt: skip
+    assert native_entry.generation.sampling == SamplingParams() == CONFIG.sampling
+    chat_entry = parse_entry({"body": {"messages": MESSAGES}}, "application/json", CONFIG, tokenizer, MAX_CONTEXT,
+                             route_from_url_path("v1/chat/completions"), MODEL, openai_defaults=defaults)  # fmt: skip
+    assert chat_entry.generations[0].sampling.temperature == 0.7
 
 
 def test_chat_renders_the_template_like_the_native_route(tokenizer):
     request = parse(ROUTE_CHAT, {"messages": MESSAGES, "max_completion_tokens": 5}, tokenizer)
-    assert request.generations == (native({"messages": MESSAGES, "max_new_tokens": 5}, tokenizer),)
+    expected = native({"messages": MESSAGES, "max_new_tokens": 5, **OPENAI_SAMPLING_DEFAULTS}, tokenizer)
+    assert request.generations == (expected,)
     assert request.id.startswith("chatcmpl-")
 
 
@@ -123,7 +192,7 @@ def test_chat_content_parts_developer_role_and_null_extras(tokenizer):
     ]
     request = parse(ROUTE_CHAT, {"messages": messages}, tokenizer)
     expected = [{"role": "system", "content": "Be\nbrief."}, {"role": "user", "content": "Hi"}]
-    assert request.generations == (native({"messages": expected}, tokenizer),)
+    assert request.generations == (native({"messages": expected, **OPENAI_SAMPLING_DEFAULTS}, tokenizer),)
 
 
 def test_max_completion_tokens_wins_over_max_tokens(tokenizer):

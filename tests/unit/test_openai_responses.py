@@ -18,10 +18,10 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from handler.api.native import RequestError
-from handler.api.openai.requests import parse_openai_entry
+from handler.api.openai.requests import parse_openai_entry, sampling_defaults
 from handler.api.openai.response_answers import ResponsesAnswer
 from handler.api.openai.responses import ResponseStore, input_messages, parse_responses_request
-from handler.api.openai.routes import ROUTE_RESPONSES, Route, route_from_url_path
+from handler.api.openai.routes import ROUTE_RESPONSE, ROUTE_RESPONSES, Route, route_from_url_path
 from handler.config import HandlerConfig
 from tests.unit.test_openai_answers import FakeResult, stats
 
@@ -229,18 +229,104 @@ def test_unknown_and_unstored_ids_get_a_404_naming_the_id(tiny_tokenizer):
 
 def test_the_store_is_bounded_in_count_and_bytes_least_recently_used_out_first():
     store = ResponseStore(max_entries=2, max_bytes=10_000)
-    store.put("a", [{"role": "user", "content": "a"}])
-    store.put("b", [{"role": "user", "content": "b"}])
+    store.put("a", [{"role": "user", "content": "a"}], {"id": "a"})
+    store.put("b", [{"role": "user", "content": "b"}], {"id": "b"})
     assert store.get("a") is not None  # a is now the most recently used
-    store.put("c", [{"role": "user", "content": "c"}])
+    store.put("c", [{"role": "user", "content": "c"}], {"id": "c"})
     assert list(store.entries) == ["a", "c"] and store.num_evictions == 1
     big = [{"role": "user", "content": "x" * 6000}]
-    store.put("d", big)
-    store.put("e", big)
-    assert list(store.entries) == ["e"] and store.num_bytes == len(json.dumps(big)) <= 10_000
-    assert not store.put("f", [{"role": "user", "content": "x" * 20_000}])  # alone over the bound
+    store.put("d", big, {"id": "d"})
+    store.put("e", big, {"id": "e"})
+    assert list(store.entries) == ["e"]
+    assert store.num_bytes == len(json.dumps(big)) + len(json.dumps({"id": "e"})) <= 10_000
+    assert not store.put("f", [{"role": "user", "content": "x" * 20_000}], {"id": "f"})  # alone over the bound
     assert "f" not in store.entries
-    assert not ResponseStore(max_entries=0).put("g", [])
+    assert not ResponseStore(max_entries=0).put("g", [], {"id": "g"})
+
+
+def test_left_out_temperature_and_top_p_take_the_defaults_and_the_response_echoes_them(tiny_tokenizer):
+    defaults = sampling_defaults({"temperature": 0.7, "top_p": 0.8})
+    request = parse_responses_request({"input": "Hi"}, CONFIG, tiny_tokenizer, 4096, MODEL, None, defaults)
+    assert (request.generations[0].sampling.temperature, request.generations[0].sampling.top_p) == (0.7, 0.8)
+    body = ResponsesAnswer(request, tiny_tokenizer).final([result("Hello")])
+    assert (body["temperature"], body["top_p"]) == (0.7, 0.8)
+    openai_s = parse({"input": "Hi"}, tiny_tokenizer)  # no generation config: OpenAI's defaults
+    assert ResponsesAnswer(openai_s, tiny_tokenizer).final([result("Hello")])["temperature"] == 1.0
+    own = parse({"input": "Hi", "temperature": 0}, tiny_tokenizer)
+    assert own.generations[0].sampling.temperature == 0.0
+
+
+# ---------------------------------------------------------------------------
+# GET and DELETE v1/responses/{id}
+
+SDK_HEADERS = {"x-stainless-lang": "python", "x-stainless-package-version": "3.51.0"}
+
+
+@pytest.mark.parametrize(
+    "headers, delete",
+    [
+        ({}, False),
+        ({"Accept": "*/*"}, False),  # curl's GET
+        ({**SDK_HEADERS, "accept": "application/json"}, False),  # the SDKs' responses.retrieve
+        ({**SDK_HEADERS, "accept": "*/*", "content-type": "application/json"}, True),  # their responses.delete
+        ({"X-HTTP-Method-Override": "DELETE"}, True),
+        ({"x-http-method-override": "delete"}, True),
+        ({"X-HTTP-Method-Override": "GET", "Accept": "*/*"}, False),
+    ],
+)
+def test_v1_responses_id_is_a_retrieval_unless_the_headers_say_delete(headers, delete):
+    route = route_from_url_path("v1/responses/resp_abc/", headers)
+    assert (route.kind, route.response_id, route.delete) == (ROUTE_RESPONSE, "resp_abc", delete)
+    assert route_from_url_path("v1/responses/resp_abc/input_items").kind == "unknown"
+
+
+def stored_entry(route_path: str, store: ResponseStore, headers=None, body=b""):
+    from handler.api.entry import parse_entry
+
+    route = route_from_url_path(route_path, headers)
+    return parse_entry({"body": body}, None, CONFIG, None, 4096, route, MODEL, created=1, response_store=store)
+
+
+def test_get_returns_the_stored_response_and_delete_forgets_it(tiny_tokenizer):
+    store = ResponseStore()
+    for stream in (False, True):
+        request = parse({"input": "Hi", "stream": stream}, tiny_tokenizer, store)
+        answer = ResponsesAnswer(request, CharTokenizer("Hello there"))
+        final = answer.final([result("Hello there")])
+        answered = final if not stream else json.loads(final.rsplit("data: ", 1)[1])["response"]
+        got = stored_entry(f"v1/responses/{request.id}", store)
+        assert got.status == 200 and got.content_type == "application/json"
+        assert got.body == answered and Response.model_validate(got.body).output_text == "Hello there"
+        num_bytes = store.num_bytes
+        deleted = stored_entry(f"v1/responses/{request.id}", store, {**SDK_HEADERS, "accept": "*/*"})
+        assert deleted.status == 200
+        assert deleted.body == {"id": request.id, "object": "response.deleted", "deleted": True}
+        assert request.id not in store.entries and store.num_bytes < num_bytes
+        with pytest.raises(RequestError) as raised:
+            parse({"input": "More", "previous_response_id": request.id}, tiny_tokenizer, store)
+        assert raised.value.status == 404, "a deleted response cannot be continued"
+    assert store.num_bytes == 0 and store.num_evictions == 0
+
+
+@pytest.mark.parametrize("headers", [None, {"X-HTTP-Method-Override": "DELETE"}])
+def test_an_unknown_or_deleted_id_gets_openai_s_404(headers):
+    store = ResponseStore()
+    store.put("resp_kept", [{"role": "user", "content": "a"}], {"id": "resp_kept"})
+    reply = stored_entry("v1/responses/resp_nope", store, headers)
+    assert reply.status == 404
+    error = reply.body["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "response_id" and error["code"] is None
+    assert "resp_nope" in error["message"] and "not found" in error["message"]
+    assert list(store.entries) == ["resp_kept"]
+    assert stored_entry("v1/responses/resp_nope", None, headers).status == 404, "no store: nothing stored"
+
+
+def test_a_body_on_v1_responses_id_is_a_400_and_deletes_nothing():
+    store = ResponseStore()
+    store.put("resp_kept", [{"role": "user", "content": "a"}], {"id": "resp_kept"})
+    reply = stored_entry("v1/responses/resp_kept", store, {"X-HTTP-Method-Override": "DELETE"}, {"input": "x"})
+    assert reply.status == 400 and reply.body["error"]["param"] is None and "body" in reply.body["error"]["message"]
+    assert "resp_kept" in store.entries
 
 
 # ---------------------------------------------------------------------------

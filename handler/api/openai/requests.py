@@ -7,6 +7,10 @@ default and limit. One OpenAI request becomes one engine row per choice
 (`n` choices per prompt, prompt-major: choice i belongs to prompt i // n), each
 with its own seed derived from the request's.
 
+A sampling field the request leaves out takes the model's
+`generation_config.json`, then OpenAI's default (`sampling_defaults`), as in
+vLLM; the config's `sampling:` section is the native route's.
+
 Standard OpenAI fields this server does not implement are accepted at their
 neutral value (`echo: false`, `store: false`, ...) and refused with a
 400 naming them otherwise; unknown fields are refused as on the native route.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import time
 import uuid
 from typing import Any, Callable, Mapping
@@ -46,7 +51,9 @@ from handler.api.openai.tool_formats import ToolCallFormat
 from handler.api.openai.tools import FUNCTION_NAME, ToolPlan, message_tool_calls, tool_format_for, tool_plan
 from handler.config import HandlerConfig
 from handler.schema import REQUEST_FIELDS, SEED_RANGE, RequestError, integer_field
-from handler.types import GenerationRequest
+from handler.types import GenerationRequest, sampling_problem
+
+logger = logging.getLogger(__name__)
 
 MAX_CHOICES = 8  # engine rows one request may take: prompts x n
 MAX_TOP_LOGPROBS = 20
@@ -77,6 +84,20 @@ SHARED_FIELDS = (
     "suffix_share_across_requests",
     "speculative_tree",
 )
+# What a sampling field the request leaves out takes when the model's generation config does not
+# set it: OpenAI's defaults (temperature and top_p 1: sampling), and the extensions off, as in vLLM.
+OPENAI_SAMPLING_DEFAULTS: Mapping[str, float | int] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+# The ones a model's generation_config.json may set, as vLLM reads it (Hugging Face has no
+# presence or frequency penalty; `do_sample` is not read, as in vLLM).
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # Shared fields that go to the native request as they are (stop and stream are translated).
 PASSED_THROUGH = tuple(key for key in REQUEST_FIELDS if key in SHARED_FIELDS and key not in ("stop", "stream"))
 ROUTE_FIELDS = {
@@ -159,6 +180,34 @@ class OpenAIRequest:
         return len(self.generations) // self.n
 
 
+def sampling_defaults(generation_config: Mapping | None = None) -> dict[str, float | int]:
+    """What the sampling fields an OpenAI request leaves out take: the model's generation config
+    where it sets them, else OpenAI's defaults (`OPENAI_SAMPLING_DEFAULTS`), as vLLM does.
+
+    Args:
+        generation_config: the fields the target's `generation_config.json` sets (Hugging Face's
+            `GenerationConfig.to_diff_dict()`); None or {} for a model without one.
+    Returns:
+        A value for each field of OPENAI_SAMPLING_DEFAULTS. A value the request rules refuse
+        (`top_p: 0`, a string) is left out with a warning: the model serves with OpenAI's.
+    """
+    defaults = dict(OPENAI_SAMPLING_DEFAULTS)
+    for key in GENERATION_CONFIG_FIELDS:
+        value = (generation_config or {}).get(key)
+        if value is None:
+            continue
+        integral = key == "top_k"
+        if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
+            problem = f"{key}: must be {'an integer' if integral else 'a number'}, got {value!r}"
+        else:
+            problem = sampling_problem(**{**defaults, key: value})
+        if problem:
+            logger.warning("generation_config.json: %s; the OpenAI routes default to %s", problem, defaults[key])
+            continue
+        defaults[key] = value if integral else float(value)
+    return defaults
+
+
 def choice_seed(seed: int | None, choice: int) -> int | None:
     """The seed of choice `choice` of a request with `seed`.
 
@@ -181,6 +230,7 @@ def parse_openai_entry(
     max_context: int,
     model_name: str,
     created: int,
+    defaults: Mapping | None = None,
 ) -> OpenAIRequest | dict:
     """A request on an OpenAI route: the request for the engine, or the model list, answered without it.
 
@@ -191,6 +241,7 @@ def parse_openai_entry(
         config, tokenizer, max_context: as for `handler.api.native.parse_request`.
         model_name: the name this model is served under.
         created: when it was loaded (Unix seconds), for the model list.
+        defaults: what left-out sampling fields take (`sampling_defaults`); None: OpenAI's.
     Returns:
         An OpenAIRequest, or the JSON answer of v1/models.
     Raises:
@@ -202,7 +253,7 @@ def parse_openai_entry(
     if route.kind == ROUTE_UNKNOWN:
         raise unknown_route_error(route)
     return parse_openai_request(
-        route.kind, decode_openai_body(body, content_type), config, tokenizer, max_context, model_name
+        route.kind, decode_openai_body(body, content_type), config, tokenizer, max_context, model_name, defaults
     )
 
 
@@ -237,6 +288,7 @@ def parse_openai_request(
     tokenizer,
     max_context: int,
     model_name: str,
+    defaults: Mapping | None = None,
 ) -> OpenAIRequest:
     """Validates an OpenAI completions or chat body and translates it into engine rows.
 
@@ -245,6 +297,8 @@ def parse_openai_request(
         body: the decoded JSON object.
         config, tokenizer, max_context: as for `handler.api.native.parse_request`.
         model_name: the name this model is served under; `model` must be it.
+        defaults: what the sampling fields the body leaves out take (`sampling_defaults`: the
+            model's generation config, then OpenAI's); None: OpenAI's. Never the config's `sampling:`.
     Returns:
         The request, with one GenerationRequest per choice.
     Raises:
@@ -269,7 +323,8 @@ def parse_openai_request(
     stream, include_usage = _stream_fields(body)
     num_top_logprobs = _logprobs_fields(kind, body)
 
-    native: dict[str, Any] = {key: body[key] for key in PASSED_THROUGH if key in body}
+    native: dict[str, Any] = dict(OPENAI_SAMPLING_DEFAULTS if defaults is None else defaults)
+    native.update({key: body[key] for key in PASSED_THROUGH if key in body})
     max_tokens_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens_key in body:
         native["max_new_tokens"] = integer_field(

@@ -3,7 +3,8 @@
 `ResponsesAnswer` builds a Responses request's answer (`handler.api.openai.responses` parses the
 request): a `response` whose `output` holds a `message` item with its `output_text` and one
 `function_call` item per call, or the documented event sequence of a stream, each event with its
-`sequence_number`. What it answered goes into the store, so that `previous_response_id` continues it.
+`sequence_number`. What it answered goes into the store, so that `previous_response_id` continues it
+and `GET v1/responses/{id}` returns it.
 """
 
 from __future__ import annotations
@@ -159,12 +160,13 @@ class ResponsesAnswer:
         [result] = results
         if not self.stream:
             items = self._items_of(result)
-            self._store(items)
-            return response_object(self.request, _status(result), items, result)
+            body = response_object(self.request, _status(result), items, result)
+            self._store(items, body)
+            return body
         events = "" if self.finished else self.on_row_finished(0, result)
-        self._store(self.items)
         status = _status(result)
         body = response_object(self.request, status, self.items, result)
+        self._store(self.items, body)
         return events + self._event(f"response.{status}", {"response": body})
 
     def error(self, error: RequestError) -> tuple[int, dict]:
@@ -185,10 +187,10 @@ class ResponsesAnswer:
         items = [message_item(new_id("msg"), text)] if text else []
         return items + [function_call_item(new_id("fc"), call) for call in calls]
 
-    def _store(self, items: Sequence[dict]) -> None:
+    def _store(self, items: Sequence[dict], response: dict) -> None:
         context = self.request.responses
         if context.store and context.response_store is not None:
-            context.response_store.put(self.request.id, conversation_after(self.request, items))
+            context.response_store.put(self.request.id, conversation_after(self.request, items), response)
 
     # -- streaming
 

@@ -20,8 +20,10 @@ the shape:
 The store (`ResponseStore`) keeps each response's conversation, so that a
 request with `previous_response_id` continues it: the earlier input and output
 come first, as a re-sent chat history would, and hit the prefix cache the same
-way. `store` defaults to true, as in OpenAI's API; the store is in memory,
-bounded in count and bytes, and forgets the least recently used first.
+way. It keeps the response object too, for `GET v1/responses/{id}`;
+`DELETE v1/responses/{id}` forgets both (`stored_response_answer`). `store`
+defaults to true, as in OpenAI's API; the store is in memory, bounded in count
+and bytes, and forgets the least recently used first.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import secrets
 from typing import Any, Mapping, Sequence
 
 from handler.api.openai.requests import OpenAIRequest, parse_openai_request
-from handler.api.openai.routes import ROUTE_CHAT, ROUTE_RESPONSES
+from handler.api.openai.routes import ROUTE_CHAT, ROUTE_RESPONSE, ROUTE_RESPONSES, Route
 from handler.schema import RequestError
 
 # Fields passed to the chat body as they are (the extensions are the chat route's, as in vLLM).
@@ -131,6 +133,7 @@ def new_id(prefix: str) -> str:
 @dataclasses.dataclass
 class StoredResponse:
     messages: list[dict]  # the chat messages of its conversation, its own output last (no instructions)
+    response: dict  # the response object as it was answered (`GET v1/responses/{id}`)
     num_bytes: int
 
 
@@ -153,18 +156,62 @@ class ResponseStore:
             self.entries.move_to_end(response_id)
         return entry
 
-    def put(self, response_id: str, messages: list[dict]) -> bool:
-        """Keeps a response's conversation; False where it alone is over the bounds (nothing kept)."""
-        num_bytes = len(json.dumps(messages))
+    def put(self, response_id: str, messages: list[dict], response: dict) -> bool:
+        """Keeps a response's conversation and its object; False where they alone are over the bounds
+        (nothing kept)."""
+        encoded = json.dumps(response)
+        num_bytes = len(json.dumps(messages)) + len(encoded)
         if self.max_entries < 1 or num_bytes > self.max_bytes:
             return False
-        self.entries[response_id] = StoredResponse(messages, num_bytes)
+        self.delete(response_id)
+        # A copy: what GET answers later is what was answered now.
+        self.entries[response_id] = StoredResponse(messages, json.loads(encoded), num_bytes)
         self.num_bytes += num_bytes
         while len(self.entries) > self.max_entries or self.num_bytes > self.max_bytes:
             _, evicted = self.entries.popitem(last=False)
             self.num_bytes -= evicted.num_bytes
             self.num_evictions += 1
         return True
+
+    def delete(self, response_id: str) -> bool:
+        """Forgets a response; False where it was not stored."""
+        entry = self.entries.pop(response_id, None)
+        if entry is None:
+            return False
+        self.num_bytes -= entry.num_bytes
+        return True
+
+
+def stored_response_answer(route: Route, body: Any, response_store: ResponseStore | None) -> dict:
+    """`GET v1/responses/{id}`: the stored response object; `DELETE` (`route.delete`): OpenAI's
+    deletion object, the response forgotten.
+
+    Raises:
+        RequestError: 404 for an id not in the store, in OpenAI's words; 400 for a body.
+    """
+    assert route.kind == ROUTE_RESPONSE and route.response_id is not None, route
+    if body not in (None, b"", "", {}):
+        raise RequestError(
+            "body: /v1/responses/{id} takes none; GET retrieves the response, DELETE deletes it, and "
+            "POST /v1/responses creates one"
+        )
+    response_id = route.response_id
+    if route.delete:
+        if response_store is None or not response_store.delete(response_id):
+            raise _not_stored(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+    stored = response_store.get(response_id) if response_store is not None else None
+    if stored is None:
+        raise _not_stored(response_id)
+    return stored.response
+
+
+def _not_stored(response_id: str) -> RequestError:
+    return RequestError(
+        f"response_id: Response with id {json.dumps(response_id)} not found (unknown, deleted, evicted from the "
+        "store, made with store: false, or stored by another replica)",
+        status=404,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -182,8 +229,8 @@ class ResponsesContext:
     parallel_tool_calls: bool
     text_format: dict
     max_output_tokens: int | None
-    temperature: float | None
-    top_p: float | None
+    temperature: float
+    top_p: float
     previous_response_id: str | None
     metadata: dict
     store: bool
@@ -197,8 +244,12 @@ def parse_responses_request(
     max_context: int,
     model_name: str,
     response_store: ResponseStore | None,
+    defaults: Mapping | None = None,
 ) -> OpenAIRequest:
     """Validates a Responses body and translates it into the chat request it means.
+
+    `defaults`: what left-out sampling fields take (`handler.api.openai.requests.sampling_defaults`);
+    None: OpenAI's.
 
     Raises:
         RequestError: 400 naming the Responses field; 404 for an unknown `previous_response_id`.
@@ -263,7 +314,7 @@ def parse_responses_request(
         spec = {key: value for key, value in text_format.items() if key != "type"}
         chat["response_format"] = {"type": "json_schema", "json_schema": spec}
     try:
-        request = parse_openai_request(ROUTE_CHAT, chat, config, tokenizer, max_context, model_name)
+        request = parse_openai_request(ROUTE_CHAT, chat, config, tokenizer, max_context, model_name, defaults)
     except RequestError as error:
         raise _in_responses_terms(error) from None
     context = ResponsesContext(
@@ -274,8 +325,9 @@ def parse_responses_request(
         parallel_tool_calls=body.get("parallel_tool_calls", True),
         text_format=text_format,
         max_output_tokens=body.get("max_output_tokens"),
-        temperature=body.get("temperature"),
-        top_p=body.get("top_p"),
+        # What it samples with, the defaults included, as OpenAI's response echoes them.
+        temperature=request.generations[0].sampling.temperature,
+        top_p=request.generations[0].sampling.top_p,
         previous_response_id=previous_id,
         metadata=dict(metadata),
         store=store,
