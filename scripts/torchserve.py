@@ -18,11 +18,13 @@ and no header.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -450,6 +452,74 @@ def stop_server(
             output.close()
 
 
+@dataclasses.dataclass
+class PrivateServer:
+    """A TorchServe that `private_server` started on free loopback ports, and its keys."""
+
+    inference_url: str
+    management_url: str
+    metrics_url: str
+    root: Path  # its config, key file, logs and temp folder
+    process: ServerProcess
+    keys: dict[str, str] | None  # None: token authorization off
+
+    @property
+    def key_file(self) -> Path | None:
+        return None if self.keys is None else self.root / DEFAULT_KEY_FILE
+
+    def headers(self, kind: str = "inference") -> dict[str, str]:
+        """The Authorization header for an inference or a management call; none with token auth off."""
+        return {"Authorization": f"Bearer {self.keys[kind]}"} if self.keys else {}
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        names = ("model_log.log", "ts_log.log")
+        return "\n".join(
+            [self.process.console_tail(num_lines)] + [log_tail(self.root / "logs" / name, num_lines) for name in names]
+        )
+
+
+@contextlib.contextmanager
+def private_server(
+    root: Path,
+    model_store: Path,
+    *,
+    token_auth: bool = True,
+    timeout_s: float = PING_TIMEOUT_S,
+    extra_args: Sequence[str] = (),
+) -> Iterator[PrivateServer]:
+    """A TorchServe of this process's own, beside any other on the machine, stopped on leaving.
+
+    The repository's config.properties on free ports (write_server_config), with `root` holding
+    its key file, its logs and its temp folder, where `torchserve` keeps its pid file, so that
+    stopping it stops no other server.
+    """
+    (root / "logs").mkdir(parents=True, exist_ok=True)
+    (root / "tmp").mkdir(exist_ok=True)
+    ts_config = root / "config.properties"
+    write_server_config(ts_config, model_store, free_ports(5))
+    env = dict(os.environ)
+    env.pop("TS_CONFIG_FILE", None)  # it would override --ts-config
+    env.update(LOG_LOCATION=str(root / "logs"), METRICS_LOCATION=str(root / "logs"))
+    env.update(TMPDIR=str(root / "tmp"), TEMP=str(root / "tmp"), TMP=str(root / "tmp"))
+    process = start_server(
+        ts_config,
+        model_store,
+        root / "logs" / "console.log",
+        cwd=root,
+        env=env,
+        disable_token_auth=not token_auth,
+        extra_args=extra_args,
+    )
+    try:
+        inference_url, management_url = server_urls(ts_config)
+        key_file = root / DEFAULT_KEY_FILE if token_auth else None
+        keys = wait_for_ping(inference_url, key_file, timeout_s, process)
+        metrics_url = read_properties(ts_config)["metrics_address"].rstrip("/")
+        yield PrivateServer(inference_url, management_url, metrics_url, root, process, keys)
+    finally:
+        stop_server(process)
+
+
 # --- Management API ------------------------------------------------------------------------------
 
 
@@ -513,6 +583,42 @@ def model_workers(management_url: str, model_name: str, headers: dict[str, str] 
         "GET", f"{management_url}/models/{model_name}", headers or {}, 30, f"describing {model_name}"
     )
     return response.json()[0].get("workers", [])
+
+
+def scale_workers(
+    management_url: str,
+    model_name: str,
+    num_workers: int,
+    headers: dict[str, str],
+    timeout_s: float = REGISTER_TIMEOUT_S,
+) -> str:
+    """Sets a model's workers to `num_workers` (min and max) and waits until they are up or gone."""
+    params = {"min_worker": num_workers, "max_worker": num_workers, "synchronous": "true"}
+    response = _management_call(
+        "PUT", f"{management_url}/models/{model_name}", headers, timeout_s, f"scaling {model_name}", params=params
+    )
+    return server_message(response)
+
+
+def registered_models(management_url: str, headers: dict[str, str] | None = None) -> list[str]:
+    """The names of the registered models (GET /models)."""
+    response = _management_call("GET", f"{management_url}/models", headers or {}, 30, "listing the models")
+    return [model["modelName"] for model in response.json().get("models", [])]
+
+
+# --- Metrics -------------------------------------------------------------------------------------
+
+PROMETHEUS_SAMPLE = re.compile(r"^(\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+)$", re.MULTILINE)
+
+
+def metric_samples(metrics_url: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample on a server's Prometheus endpoint (GET /metrics): its name, labels and value."""
+    response = requests.get(f"{metrics_url}/metrics", timeout=30)
+    response.raise_for_status()
+    return [
+        (name, dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value))
+        for name, labels, value in PROMETHEUS_SAMPLE.findall(response.text)
+    ]
 
 
 # --- Generation requests -------------------------------------------------------------------------

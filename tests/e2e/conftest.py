@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import threading
 import time
 from pathlib import Path
@@ -75,11 +74,7 @@ class Server:
 
 def metric_samples(server) -> list[tuple[str, dict[str, str], float]]:
     """Every sample on the server's Prometheus endpoint: its name, its labels and its value."""
-    text = server.get(f"{server.metrics_url}/metrics").text
-    return [
-        (name, dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value))
-        for name, labels, value in re.findall(r"^(\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+)$", text, re.MULTILINE)
-    ]
+    return torchserve.metric_samples(server.metrics_url)
 
 
 def counter(server, name: str) -> float:
