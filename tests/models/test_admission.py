@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handler.planning.trackers import MIN_STEPS_BEFORE_FALLBACK, PROBE_INTERVAL
-from handler.planning.cost_table import CostModel
 from handler.config import SamplingParams
 from handler.drafters import Proposal
 from handler.engine import GenerationRequest
+from handler.planning.cost_table import CostModel
+from handler.planning.trackers import MIN_STEPS_BEFORE_FALLBACK, PROBE_INTERVAL
 
 from .conftest import make_engine
 from .test_engine import GREEDY, PROMPTS, encode, reference_greedy

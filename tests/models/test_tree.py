@@ -7,11 +7,11 @@ import logging
 import pytest
 import torch
 
-from handler.planning.cost_table import CostModel
+from handler.caches.kv_cache import RaggedCache, prefill, tree_attention_error
 from handler.config import SamplingParams
 from handler.drafters import Proposal
 from handler.engine import GenerationRequest
-from handler.caches.kv_cache import RaggedCache, prefill, tree_attention_error
+from handler.planning.cost_table import CostModel
 from handler.tree import ROOT, chain_with_siblings, chunk_attention
 
 from .conftest import make_engine
