@@ -170,7 +170,7 @@ class HandlerConfig:
     # shipped, since the planner is what keeps speculation from running slower than plain decoding.
     adaptive_k: bool = True
     # With adaptive_k, the draft model drafts up to the request's k and stops where its own
-    # calibrated confidence says one more draft does not pay (handler.planning.planner.ConfidenceStop).
+    # calibrated confidence says one more draft does not pay (handler.planning.pricing.ConfidenceStop).
     draft_confidence: bool = True
     # With the hybrid drafter: the suffix trees guess the draft model's next drafts, and one
     # draft pass checks them all (handler.drafters, guessed drafting); the drafts are unchanged.

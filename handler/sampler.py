@@ -4,7 +4,7 @@ Vocabulary, used throughout the package (Leviathan et al. 2023, arXiv:2211.17192
 Chen et al. 2023, arXiv:2302.01318):
 
 - draft: the small model. It proposes `k` draft tokens, each sampled from
-  `draft_probs`, its distribution after the request's temperature/top-k/top-p.
+  `draft_probs`, its distribution after the request's sampling settings (`SamplingBatch`).
 - target: the large model. One forward pass over the drafts gives
   `target_probs` at k + 1 positions, after the same transforms.
 - accepted: draft token x at position j is kept with probability
@@ -34,6 +34,9 @@ price is a little acceptance: a draft matches less often than rejection
 sampling accepts it, since the two inverse CDFs need not line up token for
 token.
 
+A step's sampling settings travel as one `SamplingBatch` of tensors, made once per step and read
+by the draft model's draws and by the verify pass alike.
+
 This module imports only torch and holds no randomness of its own: callers
 pass uniforms drawn from per-request generators (`draw_step_uniforms`) or
 derived from a seed (`position_uniforms`).
@@ -41,9 +44,62 @@ derived from a seed (`position_uniforms`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingBatch:
+    """A step's sampling settings as tensors, one row per request in batch order (`from_params`): the
+    draft model samples with them (`select` puts them in its cache's row order) and the verify pass
+    warps the target's logits with them (`warp`)."""
+
+    temperature: torch.Tensor  # [batch] float, 0 means greedy
+    top_k: torch.Tensor  # [batch] long, 0 means off
+    top_p: torch.Tensor  # [batch] float, 1.0 means off
+    min_p: torch.Tensor  # [batch] float, 0 means off
+    # [batch, k] float64 on the CPU: each row's uniforms for its draft draws, once the step's plan has
+    # drawn them (`with_uniforms`); None before.
+    uniforms: torch.Tensor | None = None
+
+    @classmethod
+    def from_params(cls, params: Sequence, device: torch.device) -> SamplingBatch:
+        """The batch of each row's settings (`params`: objects with temperature, top_k, top_p and min_p,
+        `handler.types.SamplingParams`)."""
+        return cls(
+            torch.tensor([p.temperature for p in params], device=device),
+            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor([p.top_p for p in params], device=device),
+            torch.tensor([p.min_p for p in params], device=device),
+        )
+
+    def with_uniforms(self, uniforms: torch.Tensor) -> SamplingBatch:  # [batch, k] float64
+        return dataclasses.replace(self, uniforms=uniforms)
+
+    def select(self, slots: Sequence[int | None], num_uniforms: Sequence[int], width: int) -> SamplingBatch:
+        """The settings of another order of rows: row i takes this batch's row `slots[i]`, and the first
+        `num_uniforms[i]` of its uniforms (zeros after them, up to `width`); a row whose slot is None
+        samples greedily (its draws are never verified)."""
+        device = self.temperature.device
+        known = torch.tensor([slot is not None for slot in slots], device=device)  # [rows]
+        index = torch.tensor([slot or 0 for slot in slots], device=device)  # [rows]
+        uniforms = torch.zeros((len(slots), width), dtype=torch.float64)  # [rows, width]
+        for row, (slot, num) in enumerate(zip(slots, num_uniforms)):
+            if slot is not None and self.uniforms is not None:
+                uniforms[row, :num] = self.uniforms[slot, :num]
+        return SamplingBatch(
+            torch.where(known, self.temperature[index], 0.0),
+            torch.where(known, self.top_k[index], 0),
+            torch.where(known, self.top_p[index], 1.0),
+            torch.where(known, self.min_p[index], 0.0),
+            uniforms,
+        )
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:  # [batch, positions, vocab]
+        """`warp_logits_to_probs` with these settings: probabilities [batch, positions, vocab]."""
+        return warp_logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
 
 
 def warp_logits_to_probs(

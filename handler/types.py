@@ -1,5 +1,6 @@
 """The engine's request and result types, torch-free: what the API layers, serving and the benchmarks share.
 
+- `DrafterName`: who proposes a row's drafts;
 - `SamplingParams` (and the sampling rules, `sampling_problem`), `GenerationRequest`;
 - `TokenLogprob`, `SpeculativeStats` (per-request counters; `merge` adds up several),
   `GenerationResult`, `StepOutput`;
@@ -12,6 +13,7 @@ Nothing here imports torch, transformers or the drafters.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Callable, Hashable, Protocol, runtime_checkable
@@ -19,8 +21,20 @@ from typing import TYPE_CHECKING, Callable, Hashable, Protocol, runtime_checkabl
 if TYPE_CHECKING:
     from handler.constraints import Constraint
 
-# The default drafter's name (handler.drafters.MODEL), spelled here to keep this module torch-free.
-DRAFTER_MODEL = "model"
+
+class DrafterName(enum.StrEnum):
+    """Who proposes a row's drafts (`handler.drafters`). The values are the config's, the requests' and
+    the metrics' strings, and a member equals its string."""
+
+    MODEL = "model"  # the draft model
+    NGRAM = "ngram"  # prompt look-up
+    SUFFIX = "suffix"  # suffix trees
+    HYBRID = "hybrid"  # per row and step, the most promising of the three
+    GRAMMAR = "grammar"  # not a request's choice: the tokens a constraint's grammar forces
+
+
+# The default drafter's name.
+DRAFTER_MODEL = DrafterName.MODEL
 
 
 # OpenAI's ranges for the penalties and the logit bias; a repetition penalty (a multiplier)

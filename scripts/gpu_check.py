@@ -58,7 +58,7 @@ import torch
 from handler import runners
 from handler.config import SamplingParams
 from handler.engine import EngineOptions, GenerationRequest, SpeculativeEngine
-from handler.planning.planner import chain_expected_tokens
+from handler.planning.pricing import chain_expected_tokens
 from handler.runners.static import StaticRunner
 
 logger = logging.getLogger("gpu_check")

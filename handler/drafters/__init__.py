@@ -7,7 +7,7 @@
 - `suffix` (`handler.drafters.suffix`): suffix trees over the request's own
   text and over recent completions of other requests, with counts; proposes the
   most frequent continuation while its estimated probability stays high.
-- `hybrid` (`handler.drafters.hybrid`): per row and step, the proposal that
+- `hybrid` (the rule is `handler.planning.planner.choose`): per row and step, the proposal that
   promises the most tokens per second: a look-up (suffix or n-gram) or the
   draft model.
 
@@ -22,23 +22,33 @@ stays the target's distribution whoever proposed it.
 
 Every drafter follows the rows of the engine's batch through the same calls:
 `add(prompts)` when requests join, `observe(committed)` after every step, and
-`remove(request_ids, sequences)` when they leave. Look-up drafters answer
-`lookup(request_id, max_tokens, tree=False) -> Proposal`, a chain or, with
-`tree`, a tree of up to `max_tokens` drafts (`handler.tree`); the model drafter samples a whole
-batch in `propose`.
+`remove(request_ids, sequences)` when they leave; and every drafter proposes
+through one call, `propose(rows, sampling)`: the rows asking (`DraftRow`, each
+with its most drafts), the step's `handler.sampler.SamplingBatch`, and back one
+`Proposal` per row. A look-up answers with a chain or, where the row may take
+one, a tree (`handler.tree`); the draft model with its chain and the
+distributions it drew it from; the grammar (`handler.drafters.grammar`) with the
+tokens it forces.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Hashable, Mapping, Protocol, Sequence
 
 from handler.tree import is_chain
+from handler.types import DrafterName
 
-MODEL = "model"
-NGRAM = "ngram"
-SUFFIX = "suffix"
-HYBRID = "hybrid"
+if TYPE_CHECKING:
+    import torch
+
+    from handler.sampler import SamplingBatch
+
+MODEL = DrafterName.MODEL
+NGRAM = DrafterName.NGRAM
+SUFFIX = DrafterName.SUFFIX
+HYBRID = DrafterName.HYBRID
+# The drafters a request may pick.
 DRAFTERS = (MODEL, NGRAM, SUFFIX, HYBRID)
 # The drafters that need no draft model.
 MODEL_FREE = (NGRAM, SUFFIX)
@@ -47,12 +57,25 @@ MODEL_FREE = (NGRAM, SUFFIX)
 SLEM = "slem"
 TLI = "tli"
 CROSS_VOCAB_GREEDY = (SLEM, TLI)
+# Not a drafter a request picks: the tokens a constraint's grammar forces, proposed as drafts.
+PROPOSER_GRAMMAR = DrafterName.GRAMMAR
+# Whoever proposes a row's drafts in a step: a drafter, or the grammar.
+PROPOSERS = (MODEL, NGRAM, SUFFIX, PROPOSER_GRAMMAR)
+# The look-ups, in the order the hybrid drafter offers their candidates.
+LOOKUPS = (SUFFIX, NGRAM)
+# The drafters that propose for a request of each drafter.
+_PROPOSING = {MODEL: (MODEL,), NGRAM: (NGRAM,), SUFFIX: (SUFFIX,), HYBRID: (*LOOKUPS, MODEL)}
+
+
+def drafters_of(drafter: DrafterName) -> tuple[DrafterName, ...]:
+    """The drafters that propose for a request of `drafter` (a hybrid's: every one)."""
+    return _PROPOSING[drafter]
 
 
 @dataclasses.dataclass(frozen=True)
 class Proposal:
     """One row's drafts for one step, a chain or a tree: a look-up's, the tokens a grammar forces,
-    or the draft model's chain with its runners-up as siblings (`handler.engine.propose`)."""
+    or the draft model's chain (with its runners-up as siblings, `handler.engine.propose`)."""
 
     token_ids: list[int]
     # probs[j]: the estimated probability that drafts 0..j are all accepted (a suffix tree's
@@ -64,6 +87,12 @@ class Proposal:
     # shares[j]: the fraction of the matched occurrences whose continuation runs through draft j
     # (an n-gram tree); None: all of them.
     shares: list[float] | None = None
+    # The draft model's chain: the distributions its drafts were drawn from [n, vocab] (None: one-hot, a
+    # look-up's), its own probability of each draft before warping, and its likeliest other token at
+    # each with that token's probability (both None where not measured).
+    draft_probs: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    confidences: list[float] | None = None
+    runners_up: list[tuple[int, float]] | None = None
 
     @property
     def is_tree(self) -> bool:
@@ -77,19 +106,50 @@ class Proposal:
             None if self.probs is None else self.probs[:num],
             None if self.parents is None else self.parents[:num],
             None if self.shares is None else self.shares[:num],
+            None if self.draft_probs is None else self.draft_probs[:num],
+            None if self.confidences is None else self.confidences[:num],
+            None if self.runners_up is None else self.runners_up[:num],
         )
 
 
 NO_DRAFTS = Proposal([])  # no drafts: plain decoding for the row
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftRow:
+    """One row asking a drafter for its drafts this step."""
+
+    request_id: Hashable
+    max_tokens: int  # the most drafts (a tree's nodes) it may verify
+    slot: int = 0  # its row in the step's `SamplingBatch`
+    tree: bool = False  # a look-up may answer with a tree
+    # The draft model's: its rules on the draft's logits, f(logits [vocab], previous draft or None) -> logits,
+    # called once per draft in order (a grammar mask, penalties); whether a look-up guesses its next
+    # drafts (guessed drafting); whether to measure its drafts' confidences and runners-up.
+    shape: Callable | None = None
+    guess: bool = False
+    measure_confidence: bool = False
+    # The grammar's: n -> the tokens its grammar forces next, up to n.
+    forced: Callable[[int], list[int]] | None = None
+
+
 class Drafter(Protocol):
     """What the engine calls on every drafter."""
 
-    name: str
+    name: DrafterName
 
-    def add(self, prompts: Mapping[Hashable, Sequence[int]]) -> None:
-        """Starts following the rows of new requests, by request id."""
+    def propose(
+        self,
+        rows: Sequence[DraftRow],
+        sampling: SamplingBatch,
+        keep_drafting: Callable[[int, dict], bool] | None = None,
+    ) -> list[Proposal]:
+        """Each row's drafts, in order. `keep_drafting`: a drafter that drafts token by token asks it,
+        after each, whether one more pays (f(drafts so far, request id -> confidence of its latest))."""
+
+    def add(self, prompts: Mapping[Hashable, Sequence[int]], private: Sequence[Hashable] = ()) -> None:
+        """Starts following the rows of new requests, by request id (`private`: those whose text must
+        serve no other request)."""
 
     def observe(self, committed: Mapping[Hashable, Sequence[int]]) -> None:
         """Takes the tokens each row committed in the last step (absent: none)."""

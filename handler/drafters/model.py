@@ -14,16 +14,17 @@ of the next proposal, so the cache never has to recompute a prefix.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Mapping, NamedTuple, Sequence
+import functools
+from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 
 from handler.caches.kv_cache import left_pad
 from handler.caches.prefix_cache import PrefixCache, prefill_with_cache
 from handler.caches.rollback import draft_rollback
-from handler.drafters import MODEL
+from handler.drafters import MODEL, DraftRow, Proposal
 from handler.runners import BatchCache, DynamicRunner
-from handler.sampler import sample_from_probs, warp_logits_to_probs
+from handler.sampler import SamplingBatch, sample_from_probs
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [batch, positions, draft_vocab]
@@ -53,18 +54,6 @@ def draft_confidences(
     return confidence, other_ids, other_probs
 
 
-class DraftSample(NamedTuple):
-    """One row's drafts from the draft model."""
-
-    token_ids: torch.Tensor  # [n]
-    probs: torch.Tensor  # [n, vocab]: the draft distributions they were sampled from
-    # The draft model's own probability of each draft: softmax of its (shaped) logits, before warping
-    # ([] when not measured).
-    confidences: list[float]  # [n]
-    # At each position, the draft model's likeliest token other than the draft, and its probability.
-    runners_up: list[tuple[int, float]]  # [n], or []
-
-
 class ModelDrafter:
     """Proposes draft tokens sampled from a draft model, with their draft distributions.
 
@@ -75,12 +64,20 @@ class ModelDrafter:
     name = MODEL
 
     def __init__(
-        self, model, vocab_size: int, pad_token_id: int, prefix_cache: PrefixCache | None = None, runner=None
+        self,
+        model,
+        vocab_size: int,
+        pad_token_id: int,
+        prefix_cache: PrefixCache | None = None,
+        runner=None,
+        guesser=None,
     ) -> None:
         """`vocab_size` is the target's: draft distributions are put on it. `prefix_cache` holds
         the draft model's KV of earlier prompts and completions (keyed by the ids it was fed).
-        `runner` holds the running batch (`handler.runners`); None: the dynamic one."""
+        `runner` holds the running batch (`handler.runners`); None: the dynamic one. `guesser`: the
+        look-up whose `continuation` guesses a guessing row's next drafts (guessed drafting), or None."""
         self.model = model
+        self.guesser = guesser
         self.runner = runner or DynamicRunner(model)
         self.vocab_size = vocab_size
         self.draft_vocab_size = model.config.get_text_config().vocab_size
@@ -102,8 +99,9 @@ class ModelDrafter:
         self.last_draft_counts: dict[Hashable, list[int]] = {}
         self.last_num_drafts = 0
 
-    def add(self, prompts: Mapping[Hashable, Sequence[int]]) -> None:
-        """Takes the new requests' prompts; each joins the cache when it first drafts (`fill`)."""
+    def add(self, prompts: Mapping[Hashable, Sequence[int]], private: Sequence[Hashable] = ()) -> None:
+        """Takes the new requests' prompts; each joins the cache when it first drafts (`fill`). A row's
+        cache serves it alone (`private` changes nothing)."""
         for request_id, prompt_ids in prompts.items():
             assert request_id not in self.unfilled and request_id not in self.pending, request_id
             self.unfilled[request_id] = list(prompt_ids)
@@ -115,14 +113,15 @@ class ModelDrafter:
     def fill(self, request_ids: Sequence[Hashable]) -> None:
         """Prefills the requests' sequences so far, all but the last token, and appends their rows."""
         ids = [request_id for request_id in request_ids if request_id in self.unfilled]
-        if not ids:
-            return
-        sequences = {request_id: self.unfilled.pop(request_id) for request_id in ids}
-        self._join({request_id: self._draft_ids(sequences[request_id][:-1]) for request_id in ids})
-        for request_id in ids:
-            self.pending[request_id] = list(sequences[request_id][-1:])
-            self.fed[request_id] = []
-            self.fed_pending[request_id] = []
+        if ids:
+            self._join({request_id: self._start_row(request_id, self.unfilled.pop(request_id)) for request_id in ids})
+
+    def _start_row(self, request_id: Hashable, sequence: list[int]) -> list[int]:
+        """A joining row's bookkeeping; returns its prefill, in the draft's ids (its last token stays pending)."""
+        self.pending[request_id] = list(sequence[-1:])
+        self.fed[request_id] = []
+        self.fed_pending[request_id] = []
+        return self._draft_ids(sequence[:-1])
 
     def _join(self, prefixes: Mapping[Hashable, Sequence[int]]) -> None:
         """Prefills each joining row's prefix, in the draft's ids, through the prefix cache, and appends
@@ -188,15 +187,13 @@ class ModelDrafter:
 
     def propose(
         self,
-        sampling: Mapping[Hashable, tuple[float, int, float, torch.Tensor]],
-        shapers: Mapping[Hashable, Callable[[torch.Tensor, int | None], torch.Tensor]] | None = None,
+        rows: Sequence[DraftRow],
+        sampling: SamplingBatch,
         keep_drafting: Callable[[int, dict[Hashable, float]], bool] | None = None,
-        with_confidence: bool = True,
-        guesses: Mapping[Hashable, Callable[[list[int], int], Sequence[int]]] | None = None,
-    ) -> dict[Hashable, DraftSample]:
-        """Samples up to k draft tokens for every row of the cache, k the most any row in `sampling` wants.
+    ) -> list[Proposal]:
+        """Samples up to k draft tokens for every row of the cache, k the most any row in `rows` wants.
 
-        With `guesses`, a row's draft pass may also run over tokens the draft model is
+        With `guesser`, a guessing row's draft pass may also run over tokens the draft model is
         likely to draft next (a look-up's continuation of the drafts so far): the
         pass gives the logits after each of them, so while the row's draws equal the
         guesses, one pass yields several drafts (`handler.drafters`, guessed drafting). Every
@@ -204,45 +201,60 @@ class ModelDrafter:
         draft's own uniform: the guesses change how many passes the drafts take,
         never which drafts they are (up to the rounding of a wider pass).
 
+        The vocabulary's part is in a few methods that a draft with another vocabulary overrides
+        (`handler.drafters.cross_vocab`): the first feeds, the ids a pass reads, the logits on the
+        target's vocabulary, what a draft feeds back, and the cache after the last pass.
+
         Args:
-            sampling: request id -> (temperature, top_k, top_p, uniforms [n] float64) for the
-                rows whose drafts will be verified, n >= 1 being the drafts the row needs; other
-                rows draft greedily and their drafts are only fed to keep the batch rectangular.
-            shapers: request id -> f(logits [vocab], previous draft or None) -> logits, for rows
-                whose logits are shaped before sampling (a grammar mask); called once per draft,
-                in order, so that it can follow the drafts. A shaped row takes no guesses.
+            rows: the rows whose drafts will be verified, each with its most drafts (>= 1), its slot in
+                `sampling` (whose `uniforms` hold its draws), its rules on the draft's logits (`shape`,
+                called once per draft, in order, so that it can follow the drafts; a shaped row takes no
+                guesses), whether it guesses and whether its confidences are measured (a softmax over
+                the vocabulary per draft; without, no `keep_drafting`). Other rows of the cache draft
+                greedily and their drafts are only fed to keep the batch rectangular.
+            sampling: the step's settings, rows in the step's order.
             keep_drafting: f(drafts so far, request id -> confidence of its latest draft, for the
-                rows in `sampling`) -> whether to draft one more; None: draft k.
-            with_confidence: measure each draft's confidence and runner-up (a softmax over the
-                vocabulary per draft); False leaves both empty, and needs no `keep_drafting`.
-            guesses: request id -> f(drafts so far, most tokens) -> the guessed next drafts,
-                for rows in `sampling`.
+                asking rows) -> whether to draft one more; None: draft k.
 
         Returns:
-            request id -> its `DraftSample` of n <= k drafts, for the rows in `sampling`; the
-            number of draft passes they took is `last_num_passes`.
+            each row's `Proposal` of n <= k drafts, with their distributions (and confidences and
+            runners-up where measured); the number of draft passes they took is `last_num_passes`.
         """
-        assert sampling and self.cache is not None
+        assert rows and self.cache is not None
+        wanted = {row.request_id: row for row in rows}
+        with_confidence = any(row.measure_confidence for row in rows)
         assert with_confidence or keep_drafting is None
-        k = max(len(setting[3]) for setting in sampling.values())
+        k = max(row.max_tokens for row in rows)
         num_rows = len(self.order)
+        asking = [slot for slot, request_id in enumerate(self.order) if request_id in wanted]
         # A row that runs ahead of the others on its guesses draws beyond k before it is cut back to
         # the step's drafts: each pass gives every row one draft at least, and there are at most k passes.
-        temperature, top_k, top_p, uniforms = sampling_tensors(self.order, sampling, 2 * k + 1, self.device)
-        shaped = {slot: shapers[r] for slot, r in enumerate(self.order) if shapers and r in shapers}
-        asking = [slot for slot, request_id in enumerate(self.order) if request_id in sampling]
-        guess_of = {
-            slot: guesses[self.order[slot]]
-            for slot in asking
-            if guesses and self.order[slot] in guesses and slot not in shaped
-        }
+        settings = sampling.select(
+            [wanted[r].slot if r in wanted else None for r in self.order],
+            [wanted[r].max_tokens if r in wanted else 0 for r in self.order],
+            2 * k + 1,
+        )
+        shaped = {slot: wanted[self.order[slot]].shape for slot in asking if wanted[self.order[slot]].shape}
+        guess_of = {}
+        if self.guesser is not None:
+            guess_of = {
+                slot: functools.partial(self.guesser.continuation, self.order[slot])
+                for slot in asking
+                if wanted[self.order[slot]].guess and slot not in shaped
+            }
+        texts = self._texts(asking, settings, shaped)
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         probs_of: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
         confidences: list[list[float]] = [[] for _ in range(num_rows)]
         runners_up: list[list[tuple[int, float]]] = [[] for _ in range(num_rows)]
-        feeds = [list(self.pending[request_id]) for request_id in self.order]
-        num_drafts = 0  # drafts decided for the batch: every asking row has at least as many
+        # Rows that draft no more: a draw the draft cannot read (a grammar left it no token of its own),
+        # a text whose draft drew a special token.
+        stalled: set[int] = set()
+        feeds = self._first_feeds()
+        num_drafts, num_passes = 0, 0  # drafts decided for the batch: every asking row has at least as many
         counts = {slot: [] for slot in asking}  # drafts after each pass
+        # A text row's last target token may be unfinished: one pass more finishes its k-th.
+        max_passes = k + 1 if texts else k
         while True:
             tried = [[] for _ in range(num_rows)]
             for slot, guess in guess_of.items():
@@ -251,14 +263,17 @@ class ModelDrafter:
                     tried[slot] = list(guess(drafts[slot], room))[:room]
             num_kept = 1 + max(len(tokens) for tokens in tried)
             input_ids, chunk_mask = left_pad([feed + extra for feed, extra in zip(feeds, tried)], self.pad_token_id)
-            logits = self.cache.forward(self._draft_ids(input_ids), chunk_mask, logits_to_keep=num_kept)
-            logits = fit_vocab(logits, self.vocab_size)  # [rows, num_kept, vocab]
+            draft_logits = self.cache.forward(self._pass_ids(input_ids), chunk_mask, logits_to_keep=num_kept)
+            num_passes += 1
+            self._fed(feeds)
+            logits = self._target_logits(draft_logits)  # [rows, num_kept, vocab]
             if shaped:
                 logits = logits.clone()
                 for slot, shape in shaped.items():
                     previous = drafts[slot][-1] if drafts[slot] else None
                     logits[slot, -1] = shape(logits[slot, -1], previous)
-            probs = warp_logits_to_probs(logits, temperature, top_k, top_p)  # [rows, num_kept, vocab]
+            # The draft draws from the distribution the target's is warped to: min-p included.
+            probs = settings.warp(logits)  # [rows, num_kept, vocab]
             # Column c of the kept logits follows the row's guess number c - offset (-1: its feed).
             offsets = [num_kept - 1 - len(tokens) for tokens in tried]
             index = torch.tensor(
@@ -267,17 +282,30 @@ class ModelDrafter:
                     for slot in range(num_rows)
                 ]
             )
-            step_uniforms = uniforms.gather(1, index).to(self.device)  # [rows, num_kept]
+            step_uniforms = settings.uniforms.gather(1, index).to(self.device)  # [rows, num_kept]
             sampled = sample_from_probs(probs.flatten(0, 1), step_uniforms.flatten()).view(num_rows, num_kept)
             if with_confidence:
                 confidence, other_ids, other_probs = draft_confidences(logits, sampled)
+            own = self._own_choices(draft_logits, with_confidence)
             sampled_ids = sampled.tolist()
             lengths = self.cache.lengths.clone()
             for slot in range(num_rows):
+                if slot in texts and slot not in stalled:
+                    if not texts[slot].take(own[0][slot], own[1][slot] if with_confidence else 0.0):
+                        stalled.add(slot)
+                    drafts[slot], confidences[slot] = texts[slot].target_ids, texts[slot].confidences
+                if slot in stalled or slot in texts:
+                    feeds[slot] = [own[0][slot]]
+                    continue
                 for column in range(offsets[slot], num_kept):
                     token = sampled_ids[slot][column]
+                    feed = self._feed_of(token)
+                    if feed is None:
+                        stalled.add(slot)
+                        break
                     drafts[slot].append(token)
                     probs_of[slot].append(probs[slot, column])
+                    feeds[slot] = [feed]
                     if with_confidence:
                         confidences[slot].append(confidence[slot][column])
                         runners_up[slot].append((other_ids[slot][column], other_probs[slot][column]))
@@ -286,17 +314,71 @@ class ModelDrafter:
                         # The guesses from here on were fed for nothing: out of the cache.
                         lengths[slot] -= len(tried[slot]) - number
                         break
-                feeds[slot] = drafts[slot][-1:]
+                if slot in stalled:
+                    feeds[slot] = [own[0][slot]]
             if any(tried):
                 self.cache.rollback(lengths)
+            out_of_passes = num_passes >= max_passes or all(slot in stalled for slot in asking)
             num_drafts, stop = agree_on_drafts(
-                self.order, asking, drafts, confidences, counts, num_drafts, k, keep_drafting
+                self.order, asking, drafts, confidences, counts, num_drafts, k, keep_drafting, stop=out_of_passes
             )
             if stop:
                 break
+        if num_drafts < k and out_of_passes:
+            # Out of passes, or every row stalled, before each row had k: each keeps what it has.
+            num_drafts = min(k, max(len(drafts[slot]) for slot in asking))
         self.last_draft_counts = {self.order[slot]: counts[slot] for slot in asking}
         self.last_num_drafts = num_drafts
-        # Every row is cut back to the step's drafts; the cache keeps all of them but the last.
+        self._end_proposal(drafts, num_drafts)
+        proposals = {}
+        for slot in asking:
+            token_ids = drafts[slot][:num_drafts]
+            if slot in texts or not token_ids:
+                # A re-tokenized draft is the draft's greedy choice: its distribution is one-hot.
+                draft_probs = torch.zeros((len(token_ids), self.vocab_size), device=self.device)  # [n, vocab]
+                draft_probs[torch.arange(len(token_ids)), torch.tensor(token_ids, dtype=torch.long)] = 1.0
+            else:
+                draft_probs = torch.stack(probs_of[slot][: len(token_ids)])  # [n, vocab]
+            proposals[self.order[slot]] = Proposal(
+                token_ids,
+                draft_probs=draft_probs,
+                confidences=confidences[slot][: len(token_ids)] if with_confidence else None,
+                runners_up=runners_up[slot][: len(token_ids)] if with_confidence else None,
+            )
+        return [proposals[row.request_id] for row in rows]
+
+    # The vocabulary's part of the draft loop (`handler.drafters.cross_vocab` overrides it).
+
+    def _first_feeds(self) -> list[list[int]]:
+        """Each cache row's first feed of a proposal: its pending tokens."""
+        return [list(self.pending[request_id]) for request_id in self.order]
+
+    def _pass_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [rows, width]
+        """The ids a draft pass reads, from the feeds."""
+        return self._draft_ids(input_ids)
+
+    def _fed(self, feeds: list[list[int]]) -> None:
+        """Takes note of what a pass fed the cache (the feeds, guesses apart)."""
+
+    def _target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:  # [rows, n, draft_vocab]
+        """A pass's logits on the target's vocabulary [rows, n, vocab]."""
+        return fit_vocab(draft_logits, self.vocab_size)
+
+    def _own_choices(self, draft_logits: torch.Tensor, with_confidence: bool):
+        """What a row that drafts no proposal tokens feeds instead (per row: the id, and its confidence);
+        None here, where every row feeds its draft."""
+        return None
+
+    def _feed_of(self, token: int) -> int | None:
+        """What a draft feeds the next pass (None: the draft cannot read it, and the row stalls)."""
+        return token
+
+    def _texts(self, asking: list[int], settings: SamplingBatch, shaped: dict) -> dict:
+        """Rows that draft text in the draft's own tokens (`handler.drafters.cross_vocab`): none here."""
+        return {}
+
+    def _end_proposal(self, drafts: list[list[int]], num_drafts: int) -> None:
+        """Cuts every row back to the step's drafts; the cache keeps all of them but the last."""
         lengths = self.cache.lengths.clone()
         for slot, request_id in enumerate(self.order):
             num = min(len(drafts[slot]), num_drafts)
@@ -305,16 +387,6 @@ class ModelDrafter:
             self.pending[request_id] = []
             self.fed[request_id] = drafts[slot][: num - 1]
         self.cache.rollback(lengths)
-        return {
-            request_id: DraftSample(
-                torch.tensor(drafts[slot][:num_drafts], dtype=torch.long, device=self.device),
-                torch.stack(probs_of[slot][:num_drafts]),
-                confidences[slot][:num_drafts],
-                runners_up[slot][:num_drafts],
-            )
-            for slot, request_id in enumerate(self.order)
-            if request_id in sampling
-        }
 
     def passes_needed(self, request_id: Hashable, num_drafts: int) -> int:
         """The passes of the last proposal after which the row had its first `num_drafts` drafts."""
@@ -329,30 +401,31 @@ class ModelDrafter:
         return max((self.passes_needed(r, self.last_num_drafts) for r in self.last_draft_counts), default=0)
 
     def observe(self, committed: Mapping[Hashable, Sequence[int]]) -> None:
-        """Takes each row's newly committed tokens and rolls the cache back to what it got right.
-
-        The drafts a row fed itself stay cached as far as they match the committed
-        tokens, but never the last committed token: the next proposal needs the
-        logits that follow it, so it stays pending. The unseen committed tokens
-        become pending. A row absent from `committed` committed nothing.
-        The arithmetic is `handler.caches.rollback.draft_rollback`.
-        """
+        """Takes each row's newly committed tokens and rolls the cache back to what it got right (`_sync`).
+        A row absent from `committed` committed nothing."""
         for request_id, tokens in self.unfilled.items():
             tokens.extend(committed.get(request_id, ()))
         if self.cache is None:
             return
         lengths = self.cache.lengths.clone()
         for slot, request_id in enumerate(self.order):
-            num_dropped, self.pending[request_id] = draft_rollback(
-                self.fed_pending[request_id],
-                self.fed[request_id],
-                self.pending[request_id],
-                committed.get(request_id, ()),
-            )
-            lengths[slot] -= num_dropped
-            self.fed[request_id] = []
-            self.fed_pending[request_id] = []
+            lengths[slot] -= self._sync(request_id, committed.get(request_id, ()))
         self.cache.rollback(lengths)
+
+    def _sync(self, request_id: Hashable, tokens: Sequence[int]) -> int:
+        """Takes a row's committed tokens; returns how many tokens its cache drops.
+
+        The drafts a row fed itself stay cached as far as they match the committed
+        tokens, but never the last committed token: the next proposal needs the
+        logits that follow it, so it stays pending. The unseen committed tokens
+        become pending. The arithmetic is `handler.caches.rollback.draft_rollback`.
+        """
+        num_dropped, self.pending[request_id] = draft_rollback(
+            self.fed_pending[request_id], self.fed[request_id], self.pending[request_id], tokens
+        )
+        self.fed[request_id] = []
+        self.fed_pending[request_id] = []
+        return num_dropped
 
     def _forget(self, request_id: Hashable) -> None:
         """Drops a row's bookkeeping as it leaves the cache."""
@@ -395,22 +468,3 @@ def agree_on_drafts(
             and not keep_drafting(num_drafts, {order[slot]: confidences[slot][num_drafts - 1] for slot in asking})
         )
     return num_drafts, stop
-
-
-def sampling_tensors(
-    order: list[Hashable],
-    sampling: Mapping[Hashable, tuple[float, int, float, torch.Tensor]],
-    width: int,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per cache row: temperature, top-k, top-p and its uniforms [rows, width] float64 (zeros past
-    its own); a row not in `sampling` drafts greedily."""
-    settings = [sampling.get(request_id, (0.0, 0, 1.0, None)) for request_id in order]
-    temperature = torch.tensor([s[0] for s in settings], device=device)
-    top_k = torch.tensor([s[1] for s in settings], device=device)
-    top_p = torch.tensor([s[2] for s in settings], device=device)
-    uniforms = torch.zeros((len(settings), width), dtype=torch.float64)  # [rows, width]
-    for slot, setting in enumerate(settings):
-        if setting[3] is not None:
-            uniforms[slot, : len(setting[3])] = setting[3]
-    return temperature, top_k, top_p, uniforms

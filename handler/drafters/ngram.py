@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Hashable, Mapping, Sequence
 
-from handler.drafters import NGRAM, NO_DRAFTS, Proposal
+from handler.drafters import NGRAM, NO_DRAFTS, DraftRow, Proposal
 from handler.tree import ROOT, order_best_first
 
 # The most occurrences of one n-gram a tree look-up follows: the earliest ones.
@@ -111,7 +111,8 @@ class NgramDrafter:
         self.max_n = max_n
         self.rows: dict[Hashable, NgramIndex] = {}
 
-    def add(self, prompts: Mapping[Hashable, Sequence[int]]) -> None:
+    def add(self, prompts: Mapping[Hashable, Sequence[int]], private: Sequence[Hashable] = ()) -> None:
+        """Indexes each new request's prompt (a row's look-ups read its own text only: none is shared)."""
         for request_id, prompt_ids in prompts.items():
             self.rows[request_id] = NgramIndex(prompt_ids, self.min_n, self.max_n)
 
@@ -121,7 +122,13 @@ class NgramDrafter:
         for request_id in request_ids:
             self.rows.pop(request_id, None)
 
+    def propose(self, rows: Sequence[DraftRow], sampling=None, keep_drafting=None) -> list[Proposal]:
+        """Each row's look-up (`lookup`); a look-up is one-hot, whatever the sampling settings."""
+        return [self.lookup(row.request_id, row.max_tokens, tree=row.tree) for row in rows]
+
     def lookup(self, request_id: Hashable, max_tokens: int, tree: bool = False) -> Proposal:
+        """One row's continuation of its longest matching suffix, up to `max_tokens` drafts (`tree`: of
+        every occurrence's, as a tree)."""
         if max_tokens <= 0:
             return NO_DRAFTS
         if tree:

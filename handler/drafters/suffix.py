@@ -35,7 +35,7 @@ import dataclasses
 import functools
 from typing import Hashable, Mapping, Sequence
 
-from handler.drafters import NO_DRAFTS, SUFFIX, Proposal
+from handler.drafters import NO_DRAFTS, SUFFIX, DraftRow, Proposal
 from handler.tree import ROOT, order_best_first
 
 # vLLM's defaults for `method: suffix`.
@@ -155,6 +155,10 @@ class SuffixDrafter:
             row = self.rows.pop(request_id, None)
             if row is not None and row.seq_id is not None:
                 del self.owner[row.seq_id]
+
+    def propose(self, rows: Sequence[DraftRow], sampling=None, keep_drafting=None) -> list[Proposal]:
+        """Each row's look-up (`lookup`); a look-up is one-hot, whatever the sampling settings."""
+        return [self.lookup(row.request_id, row.max_tokens, tree=row.tree) for row in rows]
 
     def lookup(self, request_id: Hashable, max_tokens: int, tree: bool = False) -> Proposal:
         """The most likely continuation of the row's last tokens, up to `max_tokens` tokens.

@@ -1,23 +1,27 @@
 """The speculative decoding engine, one step at a time: draft -> verify -> accept -> roll back.
 
 Vocabulary (draft, target, accepted, recovered, bonus) is defined in `handler.sampler`, and the
-engine's own (row, proposal, drafter, proposer, plan, runner) in docs/architecture.md. The
+engine's own (row, drafter, proposal, plan, drafts, runner) in docs/architecture.md. The
 engine serves a changing batch of requests:
 
 - `add_request` queues a request; at the next `step` its prompt, all but the last token, is
   prefilled in a cache of its own and its row joins the running batch (`admission`).
   `abort_request` frees a row at the next step.
-- `step` runs one speculative step over every row in flight (`engine`):
-  1. each row's drafters say what it can draft (`propose.Proposer.options`): the tokens its
-     grammar forces, a look-up's chain or tree, or the draft model;
-  2. the planner prices the batch's choices with the cost table and picks each row's drafts
-     (`plan.Planner.plan`, one `RowPlan` per row), which can be none (plain decoding);
-  3. the draft model drafts for the rows the plan gives it (`propose.Proposer.draft`);
+- `step` runs one speculative step over every row in flight (`engine`), with the rows' sampling
+  settings as one batch of tensors (`handler.sampler.SamplingBatch`) for the draft and the target:
+  1. each row's drafters say what it can draft (`propose.Proposer.options`, every drafter through
+     `propose`): the tokens its grammar forces, a look-up's chain or tree, or the draft model;
+  2. the planner prices the batch's choices with the cost table and decides each row's drafter,
+     k and tree once (`handler.planning.planner.Planner.plan`, one frozen `RowPlan` per row),
+     which can be none (plain decoding);
+  3. the draft model drafts for the rows the plan gives it (`propose.Proposer.draft`); each row
+     then has its `Drafts`, what it verifies;
   4. the target verifies all drafts in one forward pass over the new tokens only, and the
      rejection sampler (for a seeded request, the coupling; for a tree, its walk) decides
      (`verify.Verifier`);
-  5. each row emits its tokens, the estimates learn from the outcome (`estimates`), and both
-     caches roll back to the committed length. A finished row leaves at once.
+  5. each row emits its tokens, the estimates learn from the outcome
+     (`handler.planning.acceptance`), and both caches roll back to the committed length. A
+     finished row leaves at once.
 - After its prefill a row always has exactly one pending target token: the last committed
   one, which the target has not processed yet. The draft model has its own pending tokens
   (see `handler.drafters.model`).
@@ -29,9 +33,9 @@ depends on its seed and the target alone, so neither the plan nor the rows besid
 Nothing here imports TorchServe.
 """
 
+from handler.drafters import PROPOSER_GRAMMAR
 from handler.engine.engine import EngineOptions, SpeculativeEngine
 from handler.engine.record import StepRecord
-from handler.engine.row import PROPOSER_GRAMMAR
 from handler.types import GenerationRequest, GenerationResult, SpeculativeStats, StepOutput, TokenLogprob
 
 __all__ = [

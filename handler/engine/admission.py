@@ -18,7 +18,7 @@ from handler import runners
 from handler.caches.kv_cache import kv_bytes_per_token
 from handler.caches.prefix_cache import PrefixCache, PrefixCacheStats, prefill_with_cache
 from handler.caches.rollback import target_lengths_after_verify
-from handler.drafters import HYBRID, MODEL, NGRAM, SUFFIX, Drafter
+from handler.drafters import MODEL, Drafter, drafters_of
 from handler.engine.row import Row
 
 
@@ -98,14 +98,10 @@ class Batch:
                 self.rows.extend(group)
 
         # A row whose k is 0 never drafts: no drafter needs to read its prompt.
-        def prompts(*drafters: str) -> dict:
-            return {r.request_id: r.request.prompt_ids for r in drafting if r.drafter in drafters}
-
-        self.drafters[NGRAM].add(prompts(NGRAM, HYBRID))
         private = [r.request_id for r in drafting if r.request.suffix_share_across_requests is False]
-        self.drafters[SUFFIX].add(prompts(SUFFIX, HYBRID), private=private)
-        if MODEL in self.drafters:
-            self.drafters[MODEL].add(prompts(MODEL, HYBRID))
+        for name, drafter in self.drafters.items():
+            prompts = {r.request_id: r.request.prompt_ids for r in drafting if name in drafters_of(r.drafter)}
+            drafter.add(prompts, private=private)
         return plain, first_logits
 
     def rollback(self, ks: list[int], num_accepted: list[int], paths: list[list[int]]) -> None:

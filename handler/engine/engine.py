@@ -1,8 +1,8 @@
 """The engine: requests in, one speculative step at a time, tokens out (`SpeculativeEngine`).
 
-A step runs admission (`handler.engine.admission`), proposing (`handler.engine.propose`),
-planning (`handler.engine.plan`), the draft model's drafts, verifying
-(`handler.engine.verify`), and each row's bookkeeping; the package's docstring has the order.
+A step runs admission (`handler.engine.admission`), the drafters' options (`handler.engine.propose`),
+the plan (`handler.planning.planner`), the drafts, verifying (`handler.engine.verify`), and each
+row's bookkeeping; the package's docstring has the order.
 """
 
 from __future__ import annotations
@@ -24,15 +24,16 @@ from handler.drafters.model import ModelDrafter
 from handler.drafters.ngram import NgramDrafter
 from handler.drafters.suffix import SuffixDrafter, SuffixOptions, SuffixTreeStats
 from handler.engine.admission import Batch, split_prefix_cache
-from handler.engine.estimates import SUFFIX_ESTIMATES, Estimates
-from handler.engine.plan import Planner, StepPlan
 from handler.engine.propose import Proposer, make_drafters
 from handler.engine.record import StepLog
 from handler.engine.row import Row
 from handler.engine.verify import StepUniforms, Verifier
+from handler.planning.acceptance import SUFFIX_ESTIMATES, Estimates
 from handler.planning.cost_table import RunningCostTable
-from handler.planning.estimators import OutcomeCheck
-from handler.types import GenerationRequest, GenerationResult, StepOutput
+from handler.planning.planner import NO_DRAFTS_TO_VERIFY, Planner, StepPlan
+from handler.planning.trackers import OutcomeCheck
+from handler.sampler import SamplingBatch
+from handler.types import DrafterName, GenerationRequest, GenerationResult, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class SpeculativeEngine:
         speculative_tree: "auto": trees of candidates where the target's attention takes a 4D mask
             with its cache (checked here); "off": chains only.
         draft_confidence: with a cost table, the draft drafts until its calibrated confidence says
-            one more draft does not pay (`handler.planning.planner.ConfidenceStop`).
+            one more draft does not pay (`handler.planning.pricing.ConfidenceStop`).
         draft_guesses: a hybrid row's suffix trees guess the draft's next drafts, checked in one pass.
         runner: "dynamic" or "static" (`handler.runners`); None: `handler.runners.DEFAULT_RUNNER`.
         vocab_map, cross_vocab_greedy: a draft from another family (`handler.vocab_map`,
@@ -116,7 +117,7 @@ class SpeculativeEngine:
         self.target_runner = runners.make_runner(self.runner_kind, target)
         self.cost_table = cost_table
         # Where the engine times its passes, it also checks the plan's choice to draft against plain
-        # decoding as the steps ran (`handler.planning.estimators.OutcomeCheck`).
+        # decoding as the steps ran (`handler.planning.trackers.OutcomeCheck`).
         self.outcome_check: OutcomeCheck | None = None
         if cost_table is not None and options.running_costs and self.device.type == "cpu":
             self.cost_table = RunningCostTable(cost_table)
@@ -218,7 +219,10 @@ class SpeculativeEngine:
     def forget_suffix_history(self) -> None:
         """Starts the suffix drafter's trees afresh, as at start-up (a benchmark's rows each start cold)."""
         assert not self.has_unfinished_requests(), "only between requests"
-        self.drafter_map[SUFFIX] = SuffixDrafter(self.suffix_drafter.options)
+        fresh = SuffixDrafter(self.suffix_drafter.options)
+        if self.model_drafter is not None and self.model_drafter.guesser is self.suffix_drafter:
+            self.model_drafter.guesser = fresh
+        self.drafter_map[SUFFIX] = fresh
 
     # ----------------------------------------------------------------- requests
 
@@ -229,6 +233,7 @@ class SpeculativeEngine:
         drafter = request.drafter or self.default_drafter
         if drafter not in self.drafters:
             raise ValueError(f"drafter: {drafter!r} is not available here; choose one of {', '.join(self.drafters)}")
+        drafter = DrafterName(drafter)
         if request.suffix_share_across_requests and not self.suffix_drafter.options.share_across_requests:
             raise ValueError(
                 "suffix_share_across_requests: this server keeps each request's text to itself "
@@ -266,30 +271,32 @@ class SpeculativeEngine:
         rows = self.rows
         started = time.perf_counter()
         mask_seconds_before = sum(row.stats.mask_seconds for row in rows)
-        plan = self.planner.plan(rows, self.proposer.options(rows), self.steps.num_steps)
+        sampling = SamplingBatch.from_params([row.request.sampling for row in rows], self.device)
+        plan = self.planner.plan(rows, self.proposer.options(rows, sampling), self.steps.num_steps)
         uniforms = StepUniforms.draw(rows, plan.ks)
-        times = self.proposer.draft(rows, plan, uniforms.draft)
-        uniforms.refit(plan.width)
-        verified = self.verifier(rows, plan.rows, uniforms)
+        drafts, times = self.proposer.draft(rows, plan, sampling.with_uniforms(uniforms.draft))
+        verified = self.verifier(rows, drafts, uniforms, sampling)
 
         outputs, finished, committed = [], [], {}
         for slot, row in enumerate(rows):
-            row_plan, accepted, path = plan.rows[slot], verified.num_accepted[slot], verified.paths[slot]
-            row.stats.record(row_plan.proposer, row_plan.k, accepted)
-            row.steps_without_drafts = 0 if row_plan.k else row.steps_without_drafts + 1
-            self.estimates.learn(row, row_plan, accepted, path)
+            row_plan, row_drafts = plan.rows[slot], drafts[slot]
+            accepted, path = verified.num_accepted[slot], verified.paths[slot]
+            row.stats.record(row_plan.drafter, row_drafts.k, accepted)
+            row.steps_without_drafts = 0 if row_drafts.k else row.steps_without_drafts + 1
+            self.estimates.learn(row, row_plan, row_drafts, accepted, path)
             output = row.emit(verified.emitted[slot][: accepted + 1], verified.logits[slot], path)
-            output.num_draft_tokens, output.num_accepted_tokens = row_plan.k, accepted
+            output.num_draft_tokens, output.num_accepted_tokens = row_drafts.k, accepted
             committed[row.request_id] = output.new_token_ids
             outputs.append(output)
             if row.finish_reason is not None:
                 finished.append(row)
-        self.batch.rollback(plan.ks, verified.num_accepted, verified.paths)
+        ks = [row_drafts.k for row_drafts in drafts]
+        self.batch.rollback(ks, verified.num_accepted, verified.paths)
         for drafter in self.drafter_map.values():
             drafter.observe(committed)
         self.batch.drop(finished)
         mask_seconds = sum(row.stats.mask_seconds for row in rows) - mask_seconds_before
-        self.steps.record(plan, times, self.verifier.seconds, mask_seconds, outputs, admitted, started)
+        self.steps.record(plan, ks, times, self.verifier.seconds, mask_seconds, outputs, admitted, started)
         return _joined(first_outputs, outputs)
 
     def generate(
@@ -344,7 +351,10 @@ class SpeculativeEngine:
         if not plain:
             return []
         plan = StepPlan.plain(len(plain))
-        verified = self.verifier(plain, plan.rows, StepUniforms.draw(plain, plan.ks), logits=first_logits)
+        drafts = [NO_DRAFTS_TO_VERIFY] * len(plain)
+        sampling = SamplingBatch.from_params([row.request.sampling for row in plain], self.device)
+        uniforms = StepUniforms.draw(plain, plan.ks)
+        verified = self.verifier(plain, drafts, uniforms, sampling, logits=first_logits)
         outputs = []
         for slot, row in enumerate(plain):
             row.stats.record(row.drafter, 0, 0)  # the prefill was its first target pass

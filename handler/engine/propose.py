@@ -1,9 +1,9 @@
-"""Proposing: what each row can draft (`Proposer.options`), and the draft model's drafts (`Proposer.draft`).
+"""Proposing: what each row can draft (`Proposer.options`), and the drafts of the plan (`Proposer.draft`).
 
 Every proposal is a `handler.drafters.Proposal`: the tokens a constraint's grammar forces, a
-look-up's chain or tree (n-gram, suffix, or the hybrid drafter's choice between them and the
-model), or a greedy model chain widened into a tree of the draft's runners-up. The drafters are
-reached by name (`handler.drafters.Drafter`).
+look-up's chain or tree (n-gram, suffix), or the draft model's chain, widened into a tree of the
+draft's runners-up where they pay. The plan (`handler.planning.planner`) picks among them; what
+each row then verifies is its `Drafts`.
 """
 
 from __future__ import annotations
@@ -11,21 +11,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Callable, Hashable, Mapping
+from typing import Mapping
 
-from handler.drafters import HYBRID, MODEL, NGRAM, NO_DRAFTS, SUFFIX, TLI, Drafter, Proposal
+from handler.drafters import (
+    LOOKUPS,
+    MODEL,
+    NGRAM,
+    NO_DRAFTS,
+    PROPOSER_GRAMMAR,
+    SUFFIX,
+    TLI,
+    Drafter,
+    DraftRow,
+    Proposal,
+    drafters_of,
+)
 from handler.drafters.cross_vocab import CrossVocabDrafter
-from handler.drafters.hybrid import Candidate, choose
-from handler.drafters.model import DraftSample, ModelDrafter
-from handler.engine.estimates import DraftConfidences, first_choice_chain
-from handler.engine.plan import Planner, RowOptions, StepPlan, expected_tokens
-from handler.engine.row import PROPOSER_GRAMMAR, Row
+from handler.drafters.grammar import GrammarDrafter
+from handler.drafters.model import ModelDrafter
+from handler.engine.row import Row
+from handler.planning.acceptance import DraftConfidences
 from handler.planning.cost_table import RunningCostTable
-from handler.planning.planner import chain_expected_tokens, choose_runners_up
+from handler.planning.planner import NO_DRAFTS_TO_VERIFY, Candidate, Drafts, Planner, RowOptions, StepPlan
+from handler.sampler import SamplingBatch
 from handler.tree import chain_with_siblings
-
-# The look-up drafters, in the order the hybrid drafter offers their candidates.
-LOOKUP_DRAFTERS = (SUFFIX, NGRAM)
+from handler.types import DrafterName
 
 
 @dataclasses.dataclass
@@ -48,25 +58,24 @@ def make_drafters(
     prefix_cache,
     vocab_map=None,
     cross_vocab_greedy: str = TLI,
-) -> dict[str, Drafter]:
-    """Every drafter by name: the look-ups, and the draft model's (for a draft from another family,
-    through its vocabulary map) where there is a draft model."""
-    drafters = {NGRAM: ngram, SUFFIX: suffix}
+) -> dict[DrafterName, Drafter]:
+    """Every drafter by name: the look-ups, the grammar, and the draft model's (for a draft from another
+    family, through its vocabulary map) where there is a draft model. The draft model takes its guesses
+    from the suffix trees (guessed drafting), with a shared vocabulary only."""
+    drafters = {NGRAM: ngram, SUFFIX: suffix, PROPOSER_GRAMMAR: GrammarDrafter()}
     if draft is not None and vocab_map is not None:
-        drafters[MODEL] = CrossVocabDrafter(
-            draft, vocab_map, vocab_map.draft_pad_token_id, prefix_cache, draft_runner, greedy=cross_vocab_greedy
-        )
+        drafters[MODEL] = CrossVocabDrafter(draft, vocab_map, prefix_cache, draft_runner, greedy=cross_vocab_greedy)
     elif draft is not None:
-        drafters[MODEL] = ModelDrafter(draft, vocab_size, pad_token_id, prefix_cache, draft_runner)
+        drafters[MODEL] = ModelDrafter(draft, vocab_size, pad_token_id, prefix_cache, draft_runner, guesser=suffix)
     return drafters
 
 
 class Proposer:
-    """Asks the drafters, by name, for each row's proposals."""
+    """Asks the drafters for each row's proposals, every drafter through `propose`."""
 
     def __init__(
         self,
-        drafters: Mapping[str, Drafter],
+        drafters: Mapping[DrafterName, Drafter],
         planner: Planner,
         *,
         trees: bool,
@@ -80,116 +89,131 @@ class Proposer:
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.grammar_drafts = grammar_drafts
 
-    def options(self, rows: list[Row]) -> list[RowOptions]:
-        """What each row can draft this step: its best look-up and, where it may, the draft model.
+    def options(self, rows: list[Row], sampling: SamplingBatch) -> list[RowOptions]:
+        """What each row can draft this step: its look-ups' candidates and, where it may, the draft model.
 
         A constrained row first takes the tokens its grammar forces (free one-hot drafts);
-        otherwise its look-ups are cut at the first token the grammar refuses. A hybrid
-        row offers its most promising look-up (`handler.drafters.hybrid`) and the draft
-        model; the plan picks between them with the batch's costs (`handler.engine.plan`). A row
-        whose logits no rule shapes may take a tree of look-up candidates (`handler.tree`).
+        otherwise its look-ups are cut at the first token the grammar refuses. A hybrid row
+        offers every look-up that found something and the draft model; the plan picks
+        (`handler.planning.planner.Planner.plan`). A row whose logits no rule shapes may take a
+        tree of look-up candidates (`handler.tree`).
         """
+        caps = [row.lookup_cap(self.prompt_lookup_num_tokens) for row in rows]
+        forced = [NO_DRAFTS] * len(rows)
+        if self.grammar_drafts:
+            asking = [
+                DraftRow(row.request_id, cap, slot, forced=functools.partial(row.grammar_call, "forced_tokens"))
+                for slot, (row, cap) in enumerate(zip(rows, caps))
+                if row.grammar is not None and cap
+            ]
+            forced = self._proposals(PROPOSER_GRAMMAR, asking, sampling, forced)
+        lookups = {}
+        for name in LOOKUPS:
+            asking = [
+                DraftRow(row.request_id, cap, slot, tree=self._takes_trees(row))
+                for slot, (row, cap) in enumerate(zip(rows, caps))
+                if name in drafters_of(row.drafter) and not forced[slot].token_ids
+            ]
+            lookups[name] = self._proposals(name, asking, sampling, [None] * len(rows))
         options = []
-        step_seconds = self.planner.step_seconds(len(rows))
-        for row in rows:
-            cap = row.lookup_cap(self.prompt_lookup_num_tokens)
-            forced = []
-            if row.grammar is not None and cap and self.grammar_drafts:
-                forced = row.grammar_call("forced_tokens", cap)
-            model_curve = None
-            if row.drafter in (MODEL, HYBRID) and not forced:
-                model_curve = self.estimates.tracker(row, MODEL).expected_curve(row.cap())
-            if forced:
-                curve = self.estimates.tracker(row, PROPOSER_GRAMMAR).expected_curve(len(forced))
-                options.append(RowOptions(Proposal(forced), PROPOSER_GRAMMAR, curve, None, None, None, None))
+        for slot, row in enumerate(rows):
+            if forced[slot].token_ids:
+                num = len(forced[slot].token_ids)
+                curve = self.estimates.tracker(row, PROPOSER_GRAMMAR).expected_curve(num)
+                grammar = Candidate(drafter=PROPOSER_GRAMMAR, lookup=forced[slot], max_k=num, curve=curve)
+                options.append(RowOptions(candidates=(grammar,)))
                 continue
-            tree = self.trees and row.request.speculative_tree is not False and not row.shapes_logits
+            model_curve = None
+            if MODEL in drafters_of(row.drafter):
+                model_curve = self.estimates.tracker(row, MODEL).expected_curve(row.cap())
             candidates = []
-            for name in LOOKUP_DRAFTERS:
-                if row.drafter not in (name, HYBRID):
+            for name in LOOKUPS:
+                lookup = lookups[name][slot]
+                if lookup is None:
                     continue
-                lookup = self.drafters[name].lookup(row.request_id, cap, tree=tree)
                 if lookup.token_ids and row.grammar is not None:
                     lookup = lookup.prefix(row.grammar_call("num_valid", lookup.token_ids))
                 if row.drafter == name or lookup.token_ids:
                     lookup, curve = self.estimates.estimate(row, name, lookup)
-                    candidates.append(Candidate(name, lookup, len(lookup.token_ids), curve))
+                    candidates.append(Candidate(drafter=name, lookup=lookup, max_k=len(lookup.token_ids), curve=curve))
             guesses = self.planner.guesses_for(row)
-            if not candidates:
-                options.append(RowOptions(NO_DRAFTS, None, [1.0], None, None, model_curve, guesses))
-                continue
-            best = choose(candidates, step_seconds)
-            chain, chain_curve = None, None
-            if best.lookup.is_tree:
-                chain, chain_curve = first_choice_chain(best.lookup, best.curve)
-            options.append(
-                RowOptions(best.lookup, best.proposer, list(best.curve), chain, chain_curve, model_curve, guesses)
-            )
+            options.append(RowOptions(candidates=tuple(candidates), model_curve=model_curve, guesses=guesses))
         return options
 
-    def draft(self, rows: list[Row], plan: StepPlan, draft_uniforms) -> DraftTimes:
-        """Runs the draft model for the rows the plan has it draft (`draft_uniforms`: [batch, k], each
-        row's uniforms for its draws), and puts its drafts into their `RowPlan`s.
+    def _proposals(self, name: DrafterName, asking: list[DraftRow], sampling: SamplingBatch, default: list) -> list:
+        """Per row of the step, the proposal of drafter `name` where the row asked it, else `default`'s."""
+        proposals = list(default)
+        if asking:
+            for row, proposal in zip(asking, self.drafters[name].propose(asking, sampling)):
+                proposals[row.slot] = proposal
+        return proposals
 
-        The draft model may stop before a row's k (`plan.keep_drafting`): the row's k is lowered to the
-        drafts drawn. A greedy row's chain may take the draft's runners-up as siblings
-        (`_add_runners_up`): its proposal becomes that tree and its k the tree's size.
+    def _takes_trees(self, row: Row) -> bool:
+        """Whether a row's look-ups may propose trees: where its logits no rule shapes."""
+        return self.trees and row.request.speculative_tree is not False and not row.shapes_logits
+
+    def draft(self, rows: list[Row], plan: StepPlan, sampling: SamplingBatch) -> tuple[list[Drafts], DraftTimes]:
+        """Each row's drafts for the plan: its look-up's as planned, or the draft model's, which it runs
+        for the rows the plan has it draft (`sampling.uniforms`: [batch, k], each row's uniforms for its draws).
+
+        The draft model may stop before a row's k (`plan.keep_drafting`): the row then verifies the
+        drafts drawn. A greedy row's chain may take the draft's runners-up as siblings (`_runners_up`):
+        it then verifies that tree.
+
+        Returns:
+            per row in batch order, what it verifies; and where the draft model's time went.
         """
         times = DraftTimes()
+        drafts = [NO_DRAFTS_TO_VERIFY if row_plan.uses_model else Drafts(row_plan.proposal) for row_plan in plan.rows]
         model_slots = [slot for slot, row_plan in enumerate(plan.rows) if row_plan.uses_model and row_plan.k > 0]
         if not model_slots:
-            return times
+            return drafts, times
         drafter = self.drafters[MODEL]
         cost_table = self.planner.cost_table
         started = time.perf_counter()
         drafter.fill([rows[slot].request_id for slot in model_slots])
         times.fill_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        samples = drafter.propose(
-            {
-                rows[slot].request_id: (
-                    rows[slot].request.sampling.temperature,
-                    rows[slot].request.sampling.top_k,
-                    rows[slot].request.sampling.top_p,
-                    draft_uniforms[slot, : plan.rows[slot].k],
-                )
-                for slot in model_slots
-            },
-            shapers={
-                rows[slot].request_id: rows[slot].shape_draft_logits for slot in model_slots if rows[slot].shapes_logits
-            },
-            keep_drafting=plan.keep_drafting,
-            # Confidences serve the stop rule and the runners-up, both planned from a cost table.
-            with_confidence=cost_table is not None,
-            guesses=self._draft_guesses(rows, model_slots),
-        )
-        by_slot = {slot: samples[rows[slot].request_id] for slot in model_slots}
+        asking = [
+            DraftRow(
+                rows[slot].request_id,
+                plan.rows[slot].k,
+                slot,
+                shape=rows[slot].shape_draft_logits if rows[slot].shapes_logits else None,
+                guess=self.planner.guesses_for(rows[slot]) is not None,
+                # Confidences serve the stop rule and the runners-up, both planned from a cost table.
+                measure_confidence=cost_table is not None,
+            )
+            for slot in model_slots
+        ]
+        proposals = drafter.propose(asking, sampling, keep_drafting=plan.keep_drafting)
         times.draft_seconds = time.perf_counter() - started
         times.num_passes = drafter.last_num_passes
         if isinstance(cost_table, RunningCostTable):
             # Every row of the draft's batch takes part in every pass.
             cost_table.observe_draft(drafter.num_rows, times.num_passes, times.draft_seconds)
-        for slot, sample in by_slot.items():
-            row, row_plan = rows[slot], plan.rows[slot]
+        chains = {}
+        for slot, proposal in zip(model_slots, proposals):
+            row = rows[slot]
             if self.planner.guesses_for(row) is not None:
-                passes_needed = drafter.passes_needed(row.request_id, len(sample.token_ids))
-                row.guess_rate.update(len(sample.token_ids), passes_needed)
+                passes_needed = drafter.passes_needed(row.request_id, len(proposal.token_ids))
+                row.guess_rate.update(len(proposal.token_ids), passes_needed)
             row.end_drafting()
-            row_plan.k = num = min(row_plan.k, len(sample.token_ids))
+            num = min(plan.rows[slot].k, len(proposal.token_ids))
             row.stats.draft_passes += drafter.passes_needed(row.request_id, num)
-            row_plan.sample = sample.token_ids[:num], sample.probs[:num]
-            if sample.confidences:
-                row_plan.confidences = DraftConfidences(sample.confidences[:num])
-        self._add_runners_up(rows, plan, by_slot)
-        return times
-
-    def _draft_guesses(self, rows: list[Row], model_slots: list[int]) -> dict[Hashable, Callable]:
-        """Per hybrid row drafting with the model: its suffix trees' guess of the draft model's next drafts."""
-        return {
-            rows[slot].request_id: functools.partial(self.drafters[SUFFIX].continuation, rows[slot].request_id)
-            for slot in model_slots
-            if self.planner.guesses_for(rows[slot]) is not None
-        }
+            chain = proposal.prefix(num)
+            chains[slot] = (num, chain.confidences or [], chain.runners_up or [])
+            confidences = DraftConfidences(chain.confidences) if chain.confidences else None
+            drafts[slot] = Drafts(Proposal(chain.token_ids), probs=chain.draft_probs, confidences=confidences)
+        for slot, (positions, shares) in self._runners_up(rows, plan, chains).items():
+            chain = drafts[slot]
+            runners_up = chains[slot][2]
+            token_ids, parents = chain_with_siblings(
+                chain.proposal.token_ids, positions, [runners_up[position][0] for position in positions]
+            )
+            confidences = dataclasses.replace(chain.confidences, runner_up_shares=shares)
+            drafts[slot] = Drafts(Proposal(token_ids, parents=parents), probs=chain.probs, confidences=confidences)
+        return drafts, times
 
     def _takes_runners_up(self, row: Row) -> bool:
         """Whether a greedy model row's chain may take the draft's runners-up as siblings (`handler.tree`).
@@ -205,52 +229,10 @@ class Proposer:
             and not row.shapes_logits
         )
 
-    def _add_runners_up(self, rows: list[Row], plan: StepPlan, samples: dict[int, DraftSample]) -> None:
-        """Turns greedy model chains into trees where the draft's runners-up pay (`choose_runners_up`)."""
-        plans = plan.rows
-        slots = [slot for slot in samples if self._takes_runners_up(rows[slot]) and samples[slot].runners_up]
-        if not slots:
-            return
-        batch_size = len(rows)
-        num_draft_passes = max(plans[slot].k for slot in samples)
-        calibrations = self.estimates.calibrations
-        # Each model row's calibrated acceptance of each of its drafts, and the step's expected tokens.
-        chain_acceptances = {
-            slot: [
-                calibrations[rows[slot].request.sampling.is_greedy].acceptance(confidence)
-                for confidence in plans[slot].confidences.confidences
-            ]
-            for slot in samples
-        }
-        tokens = expected_tokens(plans, [slot for slot in range(batch_size) if slot not in samples])
-        tokens += sum(chain_expected_tokens(acceptances) for acceptances in chain_acceptances.values())
-        runner_up_acceptances, shares = [], []
-        for slot in slots:
-            # The runner-up's share of what the draft left to tokens other than its draft.
-            row_shares = [
-                prob / max(1.0 - c, 1e-6)
-                for (_, prob), c in zip(samples[slot].runners_up, plans[slot].confidences.confidences)
-            ]
-            shares.append(row_shares)
-            runner_up_acceptances.append(
-                [self.estimates.runner_up_calibration.acceptance(share) for share in row_shares]
-            )
-
-        def step_seconds(width: int) -> float:
-            return self.planner.pass_seconds(batch_size, width, num_draft_passes)
-
-        max_nodes = [max(plans[slot].k, rows[slot].lookup_cap(self.prompt_lookup_num_tokens)) for slot in slots]
-        acceptances = [chain_acceptances[slot] for slot in slots]
-        chosen = choose_runners_up(acceptances, runner_up_acceptances, max_nodes, plan.width, tokens, step_seconds)
-        for slot, positions, row_shares in zip(slots, chosen, shares):
-            if not positions:
-                continue
-            runners_up = samples[slot].runners_up
-            token_ids, parents = chain_with_siblings(
-                samples[slot].token_ids[: plans[slot].k].tolist(),
-                positions,
-                [runners_up[position][0] for position in positions],
-            )
-            plans[slot].proposal = Proposal(token_ids, parents=parents)
-            plans[slot].k = len(token_ids)
-            plans[slot].confidences.runner_up_shares = {position: row_shares[position] for position in positions}
+    def _runners_up(self, rows: list[Row], plan: StepPlan, chains: dict) -> dict[int, tuple[list[int], dict]]:
+        """The greedy model chains that take the draft's runners-up, where they pay (`Planner.runners_up`)."""
+        eligible = [slot for slot, chain in chains.items() if self._takes_runners_up(rows[slot]) and chain[2]]
+        if not eligible:
+            return {}
+        max_nodes = [max(chains[slot][0], rows[slot].lookup_cap(self.prompt_lookup_num_tokens)) for slot in eligible]
+        return self.planner.runners_up(rows, plan.rows, chains, eligible, max_nodes)

@@ -6,10 +6,10 @@ import collections
 import dataclasses
 import time
 
-from handler.engine.plan import StepPlan
+from handler.drafters import PROPOSER_GRAMMAR
 from handler.engine.propose import DraftTimes
-from handler.engine.row import PROPOSER_GRAMMAR
-from handler.planning.estimators import OutcomeCheck, batch_bucket
+from handler.planning.planner import StepPlan
+from handler.planning.trackers import OutcomeCheck, batch_bucket
 from handler.types import StepOutput
 
 # Step records the engine keeps for its metrics (`StepLog.recent_steps`).
@@ -38,7 +38,7 @@ class StepLog:
     """The recent steps' records, the last one last, and the steps run since start-up.
 
     Where the engine times its passes, each step also shows the outcome check how drafting
-    ran against plain decoding (`handler.planning.estimators.OutcomeCheck`).
+    ran against plain decoding (`handler.planning.trackers.OutcomeCheck`).
     """
 
     def __init__(self, outcome_check: OutcomeCheck | None = None) -> None:
@@ -52,6 +52,7 @@ class StepLog:
     def record(
         self,
         plan: StepPlan,
+        ks: list[int],
         times: DraftTimes,
         verify_seconds: float,
         mask_seconds: float,
@@ -59,12 +60,11 @@ class StepLog:
         admitted: float,
         started: float,
     ) -> None:
-        """Keeps a step's record (`mask_seconds`: its grammar masks' part; `admitted`, `started`: when
-        its admission and its own work began)."""
+        """Keeps a step's record (`ks`: the drafts each row verified; `mask_seconds`: its grammar masks'
+        part; `admitted`, `started`: when its admission and its own work began)."""
         ended = time.perf_counter()
         self.last_step_seconds = ended - started
         self.last_step_mask_seconds = mask_seconds
-        ks = plan.ks
         record = StepRecord(
             len(ks),
             tuple(ks),
@@ -78,7 +78,7 @@ class StepLog:
         # A drafting step right after plain ones paid the draft's catch-up (`EXPLORE_BURST`): no sample.
         # Nor is one that verified only the tokens a grammar forced: they are certain, not speculation.
         previous = self.recent_steps[-1] if self.recent_steps else None
-        speculated = any(row.k and row.proposer != PROPOSER_GRAMMAR for row in plan.rows)
+        speculated = any(k and row.drafter != PROPOSER_GRAMMAR for row, k in zip(plan.rows, ks))
         fair = not drafted or (speculated and previous is not None and previous.width > 1)
         if self.outcome_check is not None and ended > started and fair:
             tokens = sum(len(output.new_token_ids) for output in outputs)

@@ -12,17 +12,12 @@ from typing import Hashable, Sequence
 import torch
 
 from handler.constraints import RowGrammar, compiler_for
-from handler.drafters import MODEL, NGRAM, SUFFIX
+from handler.drafters import PROPOSERS
 from handler.logits_processors import process_row_logits, token_counts, token_mask
-from handler.planning.estimators import AcceptanceTracker, GuessRate
+from handler.planning.trackers import AcceptanceTracker, GuessRate
 from handler.schema import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from handler.stopping import StopChecker
 from handler.types import GenerationRequest, GenerationResult, SpeculativeStats, StepOutput, TokenLogprob
-
-# Not a drafter a request picks: the tokens a constraint's grammar forces, proposed as drafts.
-PROPOSER_GRAMMAR = "grammar"
-# Whoever proposes a row's drafts in a step: a drafter, or the grammar.
-PROPOSERS = (MODEL, NGRAM, SUFFIX, PROPOSER_GRAMMAR)
 
 
 def unseeded_generator() -> torch.Generator:

@@ -15,33 +15,34 @@ import time
 
 import torch
 
-from handler.engine.plan import RowPlan
 from handler.engine.row import Row
 from handler.logits_processors import process_row_logits
 from handler.planning.cost_table import RunningCostTable
+from handler.planning.planner import Drafts
 from handler.sampler import (
+    SamplingBatch,
     coupled_verify,
     draw_step_uniforms,
     position_uniforms,
     rejection_sample,
-    warp_logits_to_probs,
 )
 from handler.tree import ROOT, chunk_attention, verify_tree
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class StepUniforms:
-    """A step's uniforms: for the draft model's draws, and for the verify decisions.
+    """A step's uniforms, drawn once for the planned ks: for the draft model's draws, and for the
+    verify decisions at whatever width the drafts then have (`for_verify`).
 
     An unseeded row draws for its own k only (`draw_step_uniforms`). A coupled row takes
     each position's own uniform, for its draft there and for the target's token there.
     """
 
     draft: torch.Tensor  # [batch, k]
-    verify: torch.Tensor  # [batch, k + 1]
+    acceptance: torch.Tensor  # [batch, k]: draft j's acceptance uniform
+    last: torch.Tensor  # [batch]: the recovered or bonus token's
     coupled: list[int]  # the slots of the coupled rows
     position: torch.Tensor  # [coupled rows, k + 1]
-    k: int
 
     @classmethod
     def draw(cls, rows: list[Row], ks: list[int]) -> StepUniforms:
@@ -53,19 +54,17 @@ class StepUniforms:
             row = rows[slot]
             position[index, : ks[slot] + 1] = position_uniforms(row.request.seed, len(row.token_ids), ks[slot] + 1)
             draft[slot] = position[index, :k]
-        return cls(draft, verify, coupled, position, k)
+        return cls(draft, verify[:, :k], verify[:, k], coupled, position)
 
-    def refit(self, new_k: int) -> None:
-        """Re-lays the verify uniforms for a new widest k (the draft stopped early, or runners-up widened
-        a tree). A row's uniforms stay its own, the last column (recovered or bonus token) included;
-        a coupled row's are per position."""
-        k = self.k
-        if new_k == k:
-            return
-        extra = torch.zeros(self.verify.shape[0], max(0, new_k - k), dtype=torch.float64)
-        self.verify = torch.cat([self.verify[:, : min(k, new_k)], extra, self.verify[:, k:]], dim=1)
-        self.position = torch.cat([self.position[:, : min(k, new_k) + 1], extra[: len(self.coupled)]], dim=1)
-        self.k = new_k
+    def for_verify(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify pass's uniforms where its widest row has `width` drafts: each row's acceptance
+        uniforms then its last one [batch, width + 1], and the coupled rows' per position
+        [coupled rows, width + 1]. Columns past a row's drafts are never read (zeros)."""
+        k = self.acceptance.shape[1]
+        extra = torch.zeros(self.acceptance.shape[0], max(0, width - k), dtype=torch.float64)
+        verify = torch.cat([self.acceptance[:, :width], extra, self.last[:, None]], dim=1)
+        position = torch.cat([self.position[:, : width + 1], extra[: len(self.coupled)]], dim=1)
+        return verify, position
 
 
 @dataclasses.dataclass
@@ -92,20 +91,25 @@ class Verifier:
         self.seconds = 0.0  # the last call's target pass; 0 where it made none
 
     def __call__(
-        self, rows: list[Row], plans: list[RowPlan], uniforms: StepUniforms, logits: torch.Tensor | None = None
+        self,
+        rows: list[Row],
+        drafts: list[Drafts],
+        uniforms: StepUniforms,
+        sampling: SamplingBatch,
+        logits: torch.Tensor | None = None,
     ) -> Verified:
-        """Verifies one step's drafts, `plans` as proposed (a model row's drafts in its `sample`).
+        """Verifies one step's drafts, each row's `Drafts` as the draft loop left them, warping the target's
+        logits with the step's `sampling` (the settings the draft drew with).
 
         Where a row's proposal is a tree, the pass gives every draft its own ancestors only, and the row
         is verified by walking the tree. `logits`: for a step without drafts, the target's logits after
         each row's pending token, already computed ([batch, 1, vocab], a prefill's): no target pass then.
         """
         self.seconds = 0.0
-        batch_size, k = len(rows), max(plan.k for plan in plans)
-        assert uniforms.k == k, (uniforms.k, k)
-        ks = [plan.k for plan in plans]
-        tree_slots = [slot for slot, plan in enumerate(plans) if plan.proposal.is_tree]
-        draft_token_ids, draft_probs = _draft_batch(plans, k, self.pad_token_id, self.vocab_size, self.device)
+        ks = [row_drafts.k for row_drafts in drafts]
+        batch_size, k = len(rows), max(ks)
+        tree_slots = [slot for slot, row_drafts in enumerate(drafts) if row_drafts.proposal.is_tree]
+        draft_token_ids, draft_probs = _draft_batch(drafts, k, self.pad_token_id, self.vocab_size, self.device)
         draft_lists = draft_token_ids.tolist()
         draft_token_ids = draft_token_ids.to(self.device)
 
@@ -116,7 +120,7 @@ class Verifier:
             tree = None
             if tree_slots:
                 parents = [
-                    plans[slot].proposal.parents if slot in tree_slots else list(range(ROOT, ks[slot] - 1))
+                    drafts[slot].proposal.parents if slot in tree_slots else list(range(ROOT, ks[slot] - 1))
                     for slot in range(batch_size)
                 ]
                 tree = chunk_attention(parents, k)
@@ -125,29 +129,23 @@ class Verifier:
             assert k == 0 and logits.shape[:2] == (batch_size, 1), (k, logits.shape)
         logits = logits[..., : self.vocab_size]
         shaped = _shape_target_logits(rows, logits, draft_lists, ks, self.device)
-        sampling = [row.request.sampling for row in rows]
-        target_probs = warp_logits_to_probs(
-            shaped,
-            torch.tensor([s.temperature for s in sampling], device=self.device),
-            torch.tensor([s.top_k for s in sampling], device=self.device),
-            torch.tensor([s.top_p for s in sampling], device=self.device),
-            torch.tensor([s.min_p for s in sampling], device=self.device),
-        )
+        target_probs = sampling.warp(shaped)  # [batch, k + 1, vocab]
 
         num_draft_tokens = torch.tensor(ks, device=self.device)
+        verify_uniforms, coupled_uniforms = uniforms.for_verify(k)
         num_accepted, output_token_ids = rejection_sample(
-            target_probs, draft_probs, draft_token_ids, num_draft_tokens, uniforms.verify.to(self.device)
+            target_probs, draft_probs, draft_token_ids, num_draft_tokens, verify_uniforms.to(self.device)
         )
         if uniforms.coupled:
             index = torch.tensor(uniforms.coupled, device=self.device)
             num_accepted[index], output_token_ids[index] = coupled_verify(
-                target_probs[index], draft_token_ids[index], num_draft_tokens[index], uniforms.position.to(self.device)
+                target_probs[index], draft_token_ids[index], num_draft_tokens[index], coupled_uniforms.to(self.device)
             )
         # The step's one synchronisation point: the bookkeeping after it is plain Python.
         num_accepted, output_token_ids = num_accepted.tolist(), output_token_ids.tolist()
         paths = [list(range(accepted + 1)) for accepted in num_accepted]
         for slot in tree_slots:
-            proposal = plans[slot].proposal
+            proposal = drafts[slot].proposal
             paths[slot], emitted = verify_tree(
                 target_probs[slot], proposal.token_ids, proposal.parents, _tree_uniforms(rows[slot], k)
             )
@@ -167,24 +165,23 @@ class Verifier:
 
 
 def _draft_batch(
-    plans: list[RowPlan], k: int, pad_token_id: int, vocab_size: int, device: torch.device
+    drafts: list[Drafts], k: int, pad_token_id: int, vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows' drafts [batch, k] (on the CPU, padded) and their draft distributions [batch, k, vocab]."""
-    batch_size = len(plans)
+    batch_size = len(drafts)
     draft_token_ids = torch.full((batch_size, k), pad_token_id, dtype=torch.long)  # [batch, k]
     draft_probs = torch.zeros((batch_size, k, vocab_size), device=device)  # [batch, k, vocab]
-    for slot, plan in enumerate(plans):
-        if plan.sample is not None:
-            token_ids, probs = plan.sample
-            draft_token_ids[slot, : len(token_ids)] = token_ids.cpu()
-            draft_probs[slot, : len(token_ids)] = probs
-            if plan.proposal.is_tree:  # the chain is in place; its runners-up follow it (verified by the walk)
-                draft_token_ids[slot, : plan.k] = torch.tensor(plan.proposal.token_ids, dtype=torch.long)
-        elif not plan.uses_model and plan.k > 0:
+    for slot, row_drafts in enumerate(drafts):
+        if not row_drafts.k:
+            continue
+        token_ids = torch.tensor(row_drafts.proposal.token_ids, dtype=torch.long)  # [n]
+        draft_token_ids[slot, : len(token_ids)] = token_ids
+        if row_drafts.probs is not None:
+            # The draft model's chain; a tree's runners-up follow it, verified by the walk.
+            draft_probs[slot, : len(row_drafts.probs)] = row_drafts.probs
+        else:
             # A look-up is deterministic: its draft distribution is one-hot.
-            proposal = torch.tensor(plan.proposal.token_ids[: plan.k], dtype=torch.long)
-            draft_token_ids[slot, : len(proposal)] = proposal
-            draft_probs[slot, torch.arange(len(proposal)), proposal.to(device)] = 1.0
+            draft_probs[slot, torch.arange(len(token_ids)), token_ids.to(device)] = 1.0
     return draft_token_ids, draft_probs
 
 

@@ -1,297 +1,430 @@
-"""Adaptive k: each step's number of drafts, from the rows' running acceptance and a cost table.
+"""The step plan: what each row drafts this step, priced for the whole batch, decided once.
 
-With a per-token acceptance rate a, a step with k drafts emits on average
-E(k) = (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al. 2023, eq. 1) and costs
-k draft passes plus one verification over k + 1 tokens. A request's tracker
-refines E(k) with an acceptance per draft position (`AcceptanceTracker`).
-`plan_batch` picks every row's k, and whether it drafts with the model or its
-look-up, to maximise the whole batch's expected tokens per second, with costs
-read from a measured `handler.planning.cost_table.CostTable`; k = 0 (plain decoding,
-still exact) wins whenever drafting does not beat it. Adaptation never touches
-the sampler, so output stays lossless.
-
-The estimates it plans with are in `handler.planning.estimators`; `ConfidenceStop`
-and `choose_runners_up` price the draft model's stop and its runners-up the same way.
+`handler.engine.propose` says what each row *can* draft (`RowOptions`: the look-ups that found
+something, or the tokens its grammar forces, and the draft model's curve). `Planner.plan` then
+decides, in one place, each row's drafter (the hybrid rule's choice among its look-ups, then the
+look-up or the draft model as the batch's costs say), its k and whether it verifies a tree, and
+returns one frozen `RowPlan` per row. The draft loop runs the plan and reports what it actually
+drafted as `Drafts` (the draft may stop early; a greedy chain may take the draft's runners-up);
+verifying reads those.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from handler.planning.estimators import ConfidenceCalibration
+import torch
 
+from handler.drafters import HYBRID, MODEL, NO_DRAFTS, PROPOSER_GRAMMAR, Proposal
+from handler.planning.acceptance import DraftConfidences, Estimates, first_choice_chain
+from handler.planning.cost_table import RunningCostTable
+from handler.planning.pricing import (
+    BatchPlan,
+    ConfidenceStop,
+    Offer,
+    chain_expected_tokens,
+    choose_runners_up,
+    plan_batch,
+)
+from handler.planning.trackers import GuessRate, OutcomeCheck, batch_bucket
+from handler.types import DrafterName
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """E(k): expected tokens emitted by a step with k drafts, bonus token included."""
-    if acceptance >= 1.0:
-        return float(k + 1)
-    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
-
-
-@dataclasses.dataclass(frozen=True)
-class Offer:
-    """What one row can verify this step, for `plan_batch`: expected tokens E(0..n) per way to draft.
-
-    Attributes:
-        lookup: E over the first n drafts of its look-up, a chain (free drafts: only the verify
-            pass widens); (1.0,) when it has none.
-        tree: E over the first n nodes of its look-up's tree, best first, when the look-up is a
-            tree (a tree pass may cost more than a chain's); None otherwise.
-        model: E over n draft-model drafts; (1.0,) when the draft model does not draft for it.
-        passes: n -> the draft passes its first n model drafts take (fewer than n where its
-            drafts are guessed); None: one pass per draft.
-    """
-
-    lookup: Sequence[float] = (1.0,)
-    tree: Sequence[float] | None = None
-    model: Sequence[float] = (1.0,)
-    passes: Callable[[int], float] | None = None
+if TYPE_CHECKING:
+    from handler.engine.row import Row
 
 
 @dataclasses.dataclass(frozen=True)
-class BatchPlan:
-    """`plan_batch`'s choice: each row's drafts and who drafts them, and what the step should give."""
+class Candidate:
+    """One way a row can draft from a look-up this step (or the tokens its grammar forces)."""
 
-    ks: tuple[int, ...]  # drafts (a tree's nodes) each row verifies
-    uses_model: tuple[bool, ...]  # the row drafts with the draft model (else its look-up, if ks > 0)
-    trees: bool  # look-up rows verify their trees (else their first-choice chains)
-    draft_passes: float  # draft-model passes the step needs
-    tokens: float  # expected tokens, bonus tokens included
-    seconds: float  # the cost table's seconds for the step
+    drafter: DrafterName
+    lookup: Proposal  # its drafts, best first
+    max_k: int  # the most drafts it can verify this step
+    curve: Sequence[float]  # expected tokens E(0..max_k), bonus token included
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOptions:
+    """What one row can draft this step (`handler.engine.propose.Proposer.options`), before the plan picks."""
+
+    candidates: tuple[Candidate, ...] = ()  # its look-ups, in order of preference (or the grammar's tokens)
+    model_curve: Sequence[float] | None = None  # E(0..cap) with the draft model; None: the model does not draft
+    guesses: GuessRate | None = None  # its model drafts' guess rate (guessed drafting), else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+    """A row's best look-up (the hybrid rule's pick among its candidates) and its model curve."""
+
+    lookup: Proposal  # NO_DRAFTS: none
+    lookup_drafter: DrafterName | None = None  # None: no look-up drafts for this row
+    lookup_curve: Sequence[float] = (1.0,)
+    chain: Proposal | None = None  # a tree look-up's first-choice chain, and its E(0..n); None for a chain
+    chain_curve: Sequence[float] | None = None
+    model_curve: Sequence[float] | None = None
+    guesses: GuessRate | None = None
+
+    def offer(self) -> Offer:
+        return Offer(
+            lookup=self.chain_curve if self.chain is not None else self.lookup_curve,
+            tree=self.lookup_curve if self.chain is not None else None,
+            model=self.model_curve or (1.0,),
+            passes=None if self.guesses is None else self.guesses.passes,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    """One row's part of a step, as planned: who drafts, how many drafts at most, which look-up."""
+
+    drafter: DrafterName  # who drafts: the look-up, the grammar or the model
+    proposal: Proposal  # a look-up's or the grammar's drafts (a tree where the plan verifies one)
+    k: int  # drafts planned (a tree's nodes; for the draft model, the most it drafts); 0: plain decoding
+    uses_model: bool  # the draft model drafts them
+    curve: Sequence[float]  # E(0..n) as planned
+    planned_tree: bool = False  # a look-up's tree the plan picked (its branches are calibrated)
+
+
+NO_PLAN = RowPlan(drafter=MODEL, proposal=NO_DRAFTS, k=0, uses_model=False, curve=(1.0,))  # plain decoding
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafts:
+    """What one row verifies this step: its plan's look-up as planned, or the draft model's chain as the
+    draft loop left it (stopped early, or widened into a tree of its runners-up)."""
+
+    proposal: Proposal  # the drafts, a chain or a tree
+    # The draft model's distributions over its chain's drafts [chain, vocab] (a tree's runners-up come
+    # after the chain and are walked, never rejection-sampled); None: a look-up's, one-hot.
+    probs: torch.Tensor | None = None
+    confidences: DraftConfidences | None = None  # the draft's confidence in its chain, where measured
+
+    @property
+    def k(self) -> int:
+        """Drafts verified (a tree's nodes)."""
+        return len(self.proposal.token_ids)
+
+
+NO_DRAFTS_TO_VERIFY = Drafts(NO_DRAFTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """Every row's plan, in batch order, and the draft model's stop rule (None: it drafts the ks)."""
+
+    rows: tuple[RowPlan, ...]
+    keep_drafting: Callable[[int, dict], bool] | None = None
+
+    @property
+    def ks(self) -> list[int]:
+        return [row.k for row in self.rows]
 
     @property
     def width(self) -> int:
-        """The most drafts any row verifies: the verify pass covers them and the pending token."""
-        return max(self.ks, default=0)
+        """The most drafts a row may verify."""
+        return max((row.k for row in self.rows), default=0)
+
+    @classmethod
+    def plain(cls, num_rows: int) -> StepPlan:
+        """No row drafts."""
+        return cls((NO_PLAN,) * num_rows)
 
 
-def plan_batch(
-    offers: Sequence[Offer],
-    step_seconds: Callable[[int, float, bool], float],
-    explore: bool = False,
-) -> BatchPlan:
-    """Each row's drafts this step: the plan with the most expected tokens per second for the batch.
-
-    A step costs one verify pass as wide as its widest row (every row pays that width: the runner
-    pads to it) and, where any row drafts with the model, the draft passes of its most drafts (each
-    pass runs over every row the draft model holds). So the plan is a width w and a number of model
-    drafts d <= w: a row then verifies its look-up's first w drafts or d model drafts, whichever
-    promises more, and the step costs step_seconds(widest row, draft passes, trees). Every (w, d) is
-    priced, and k = 0 for every row (plain decoding) wins unless speculation is strictly faster:
-    under load, where a batch already shares one read of the weights, the planner backs off.
-
-    Args:
-        offers: per row, what it can draft.
-        step_seconds: (width, draft passes, trees) -> seconds of the step, from the cost table;
-            trees: whether any row verifies a tree (a custom attention mask).
-        explore: draft even where it does not pay (w >= 1), to learn the acceptance.
-    """
-    assert offers
-    max_model = max(len(offer.model) - 1 for offer in offers)
-    max_lookup = max(max(len(offer.lookup), len(offer.tree or ())) - 1 for offer in offers)
-    with_trees = (False, True) if any(offer.tree is not None for offer in offers) else (False,)
-    if not explore and max(max_model, max_lookup):
-        plain = _plain_if_bound(offers, max_lookup, max_model, with_trees, step_seconds)
-        if plain is not None:
-            return plain
-    best: BatchPlan | None = None
-    explored: BatchPlan | None = None
-    for trees in with_trees:
-        # Per row: the look-up this pass verifies (its tree, where trees are verified) and its model
-        # curve, taken out of the offers once: the loops below run every step, for every row.
-        rows = [
-            (offer.tree, offer.model, offer.passes, True)
-            if trees and offer.tree is not None
-            else (offer.lookup, offer.model, offer.passes, False)
-            for offer in offers
-        ]
-        for drafts in range(max_model + 1):
-            for width in range(drafts, max(drafts, max_lookup) + 1):
-                plan = _priced(rows, width, drafts, step_seconds)
-                if plan.width == 0 and (width or drafts):
-                    continue  # nothing to draft: the same as plain decoding
-                rate = plan.tokens / plan.seconds
-                # A relative margin, so that rounding never breaks a tie in favour of drafting.
-                if best is None or rate > best.tokens / best.seconds * (1.0 + 1e-9):
-                    best = plan
-                if plan.width and (explored is None or rate > explored.tokens / explored.seconds * (1.0 + 1e-9)):
-                    explored = plan
-    assert best is not None
-    return explored if explore and best.width == 0 and explored is not None else best
-
-
-def _plain_if_bound(
-    offers: Sequence[Offer],
-    max_lookup: int,
-    max_model: int,
-    with_trees: tuple[bool, ...],
-    step_seconds: Callable[[int, float, bool], float],
-) -> BatchPlan | None:
-    """Plain decoding where no plan can beat it, checked from bounds, else None.
-
-    A plan that drafts gives at most each row's best expected tokens (its look-up's alone where no
-    row drafts with the model), and costs at least the cheapest verify pass of a width it can have,
-    with one draft pass where a row drafts with the model (`step_seconds` never takes seconds off
-    for more passes, and a model draft takes at least one). Where both bounds are no faster than
-    plain decoding, neither is any plan: a batch that has stopped drafting under load plans in
-    O(rows + widths) rather than O(rows x plans), and a step's own time matters most where the
-    passes are fast, on a GPU.
-    """
-    num_rows = len(offers)
-    plain_seconds = step_seconds(0, 0.0, False)
-    plain_rate = num_rows / plain_seconds * (1.0 + 1e-9)
-    if max_lookup:
-        most_tokens = sum(max(offer.lookup[-1], offer.tree[-1] if offer.tree else 1.0) for offer in offers)
-        least_seconds = min(step_seconds(w, 0.0, trees) for trees in with_trees for w in range(1, max_lookup + 1))
-        if most_tokens / least_seconds > plain_rate:
-            return None
-    if max_model:
-        most_tokens = sum(
-            max(offer.lookup[-1], offer.model[-1], offer.tree[-1] if offer.tree else 1.0) for offer in offers
-        )
-        widths = range(1, max(max_lookup, max_model) + 1)
-        least_seconds = min(step_seconds(w, 1.0, trees) for trees in with_trees for w in widths)
-        if most_tokens / least_seconds > plain_rate:
-            return None
-    return BatchPlan((0,) * num_rows, (False,) * num_rows, False, 0.0, float(num_rows), plain_seconds)
-
-
-# Per row, for `_priced`: the look-up's curve it verifies, its model curve, its passes, whether the look-up is a tree.
-_Row = tuple[Sequence[float], Sequence[float], Callable[[int], float] | None, bool]
-
-
-def _priced(rows: list[_Row], width: int, drafts: int, step_seconds: Callable[[int, float, bool], float]) -> BatchPlan:
-    """The plan of width `width` and `drafts` model drafts: each row's better way, and the step's cost."""
-    ks, uses_model, tokens, passes, any_tree = [], [], 0.0, 0.0, False
-    for lookup, model, row_passes, is_tree in rows:
-        num_lookup = min(width, len(lookup) - 1)
-        num_model = min(drafts, len(model) - 1)
-        if num_model and model[num_model] > lookup[num_lookup]:
-            ks.append(num_model)
-            uses_model.append(True)
-            tokens += model[num_model]
-            needed = row_passes(num_model) if row_passes else float(num_model)
-            if needed > passes:
-                passes = needed
-        else:
-            ks.append(num_lookup)
-            uses_model.append(False)
-            tokens += lookup[num_lookup]
-            any_tree = any_tree or (is_tree and num_lookup > 0)
-    seconds = step_seconds(max(ks), passes, any_tree)
-    return BatchPlan(tuple(ks), tuple(uses_model), any_tree, passes, tokens, seconds)
-
-
-class ConfidenceStop:
-    """Decides, draft by draft, whether the draft model drafts one more token for the batch.
-
-    After each draft pass, each drafting row's survival (the chance that all its drafts
-    so far are accepted) is multiplied by its calibrated acceptance of the token just
-    drafted, and the expected tokens of the step grow by that survival. One more draft
-    pays when it raises the step's expected tokens per second:
-
-        gain / extra_seconds > tokens / seconds,
-
-    where gain is the sum over rows of survival x the row's acceptance of a draft not yet
-    seen, and extra_seconds is one more draft pass and one more verified column. The
-    decision looks at the drafts only, never at the target, so the output stays the
-    target's whatever it decides.
-    """
+class Planner:
+    """Prices steps with a cost table and decides each row's drafts (`plan`)."""
 
     def __init__(
         self,
-        calibrations: Sequence[ConfidenceCalibration],
-        next_acceptances: Sequence[float],
-        max_drafts: int,
-        other_tokens: float,
-        step_seconds: Callable[[int], float],
+        cost_table,
+        estimates: Estimates,
+        model_drafter=None,
+        *,
+        draft_confidence: bool = False,
+        draft_guesses: bool = False,
+        outcome_check: OutcomeCheck | None = None,
     ) -> None:
+        self.cost_table = cost_table
+        self.estimates = estimates
+        self.model_drafter = model_drafter
+        self.draft_confidence = draft_confidence
+        self.draft_guesses = draft_guesses
+        self.outcome_check = outcome_check
+
+    def guesses_for(self, row: Row) -> GuessRate | None:
+        """The row's guess rate where its model drafts are guessed (a hybrid row), else None."""
+        return row.guess_rate if self.draft_guesses and row.drafter == HYBRID else None
+
+    def pass_seconds(self, batch_size: int, width: int, num_draft_passes: float, trees: bool = False) -> float:
+        """The cost table's seconds for a step: a target pass over `width` drafts and the pending
+        token (a tree pass at its measured premium), after `num_draft_passes` draft-model passes.
+
+        A draft pass runs over every row the draft model holds, and its first pass also feeds the
+        tokens each row committed since it last drafted: after steps without model drafts that
+        pass is wider, priced by the target's cost of that width (the draft has no table of its own).
         """
+        table = self.cost_table
+        seconds = table.target_seconds(batch_size, width + 1)
+        if trees and isinstance(table, RunningCostTable):
+            seconds *= table.tree_factor
+        if num_draft_passes:
+            draft_rows = max(1, self.model_drafter.num_rows)
+            one_pass = table.draft_seconds(draft_rows)
+            catch_up = self.model_drafter.max_pending
+            first_pass = one_pass * table.target_seconds(draft_rows, catch_up) / table.target_seconds(draft_rows, 1)
+            seconds += first_pass + max(0.0, num_draft_passes - 1) * one_pass
+        return seconds
+
+    def step_seconds(self, batch_size: int) -> Callable[[int, bool], float] | None:
+        """(k, drafts with the model) -> the cost table's seconds for a step of the batch; None without a table."""
+        if self.cost_table is None:
+            return None
+        return lambda k, model: self.pass_seconds(batch_size, k, k if model else 0)
+
+    def _fill_share(self, row: Row, model_curve: Sequence[float]) -> float:
+        """The seconds per step of the draft model's prefill of a row it has not drafted for (`fill`):
+        priced by the target's cost of that width (the draft has no table of its own), and spread
+        over the steps the row has left at its cap's expected tokens, as the prefill serves them all."""
+        num_tokens = self.model_drafter.unfilled_tokens(row.request_id)
+        if not num_tokens:
+            return 0.0
+        table = self.cost_table
+        seconds = table.draft_seconds(1) * table.target_seconds(1, num_tokens) / table.target_seconds(1, 1)
+        steps_left = max(1.0, row.remaining / model_curve[-1])
+        return seconds / steps_left
+
+    def plan(self, rows: list[Row], options: list[RowOptions], num_steps: int) -> StepPlan:
+        """Each row's drafter, k and tree this step, priced for the whole batch: the one place they are decided.
+
+        A row's look-ups compete first (`choose`: the hybrid rule); its best then competes with the
+        draft model across the batch (`_batch_plan`). Where the draft's confidence stops it, a row that
+        drafts with the model plans its cap, and the stop rule (`keep_drafting`) says how far it goes.
+        """
+        step_seconds = self.step_seconds(len(rows))
+        choices = [_choose_lookup(option, step_seconds) for option in options]
+        batch = self._batch_plan(rows, choices, num_steps)
+        # The plan says whether to draft; the draft's confidence says how far (`_confidence_stop`).
+        to_cap = bool(batch.draft_passes) and self.draft_confidence
+        plans = []
+        for choice, k, uses_model in zip(choices, batch.ks, batch.uses_model):
+            if uses_model or choice.lookup_drafter is None:
+                curve = choice.model_curve or (1.0,)
+                if uses_model and to_cap:
+                    k = len(curve) - 1
+                plans.append(RowPlan(drafter=MODEL, proposal=NO_DRAFTS, k=k, uses_model=uses_model, curve=curve))
+                continue
+            lookup, curve = choice.lookup, choice.lookup_curve
+            if choice.chain is not None and not batch.trees:
+                lookup, curve = choice.chain, choice.chain_curve
+            plans.append(
+                RowPlan(
+                    drafter=choice.lookup_drafter,
+                    proposal=lookup.prefix(k),
+                    k=k,
+                    uses_model=False,
+                    curve=curve,
+                    planned_tree=choice.lookup.is_tree,
+                )
+            )
+        return StepPlan(tuple(plans), self._confidence_stop(rows, plans))
+
+    def _batch_plan(self, rows: list[Row], choices: list[_Choice], num_steps: int) -> BatchPlan:
+        """Without a cost table every row drafts its cap: with its look-up where it found one, else the
+        model. With one, `plan_batch` prices each width and number of model drafts.
+        """
+        if self.cost_table is None:
+            uses_model = [choice.lookup_drafter is None and choice.model_curve is not None for choice in choices]
+            ks = [
+                len(choice.model_curve) - 1 if model else len(choice.lookup.token_ids)
+                for choice, model in zip(choices, uses_model)
+            ]
+            return BatchPlan(
+                ks=tuple(ks), uses_model=tuple(uses_model), trees=True, draft_passes=0.0, tokens=0.0, seconds=0.0
+            )
+        offers = [choice.offer() for choice in choices]
+        # Until the pool has seen a few steps of a way to draft, nothing says whether it pays: draft.
+        estimated = {MODEL for choice in choices if choice.model_curve is not None}
+        estimated |= {choice.lookup_drafter for choice in choices if choice.lookup_drafter is not None}
+        explore = self.estimates.exploring(estimated)
+        batch_size = len(rows)
+
+        # A row the draft model has not drafted for yet must be prefilled first: priced as a whole, with
+        # the plan where such rows do not draft with the model as the alternative.
+        fill = [
+            self._fill_share(row, choice.model_curve) if choice.model_curve is not None else 0.0
+            for row, choice in zip(rows, choices)
+        ]
+
+        priced: dict[tuple[int, float, bool], float] = {}  # the plans below ask for the same shapes
+
+        def pass_seconds(width: int, passes: float, trees: bool) -> float:
+            seconds = priced.get((width, passes, trees))
+            if seconds is None:
+                seconds = priced[width, passes, trees] = self.pass_seconds(batch_size, width, passes, trees)
+            return seconds
+
+        def seconds_with(fill_seconds: float) -> Callable[[int, float, bool], float]:
+            return lambda width, passes, trees: pass_seconds(width, passes, trees) + (fill_seconds if passes else 0.0)
+
+        # The same offers where a row the draft has not prefilled cannot draft with the model.
+        filled_only = (
+            [dataclasses.replace(offer, model=(1.0,)) if share else offer for share, offer in zip(fill, offers)]
+            if any(fill)
+            else offers
+        )
+        plan = plan_batch(offers, seconds_with(sum(fill)), explore)
+        # While the pool learns the acceptance, the plan drafts, a prefill included. Where no row the
+        # draft holds could draft with it, the alternative's plans are all plans above, none dearer.
+        filled_model_rows = any(not share and choice.model_curve is not None for share, choice in zip(fill, choices))
+        if any(fill) and filled_model_rows and not explore:
+            without = plan_batch(filled_only, seconds_with(0.0))
+            if without.tokens / without.seconds > plan.tokens / plan.seconds * (1.0 + 1e-9):
+                plan = without
+        for row, k, offer in zip(rows, plan.ks, offers):
+            if k == 0 and max(len(offer.lookup), len(offer.model)) > 1:
+                row.stats.fell_back = True
+        if self.outcome_check is not None:
+            drafts = self.outcome_check.arm(batch_bucket(batch_size), plan.width > 0, num_steps)
+            if drafts and not plan.width:
+                # Only rows the draft already holds: a step run to learn must not prefill the batch.
+                plan = plan_batch(filled_only, seconds_with(0.0), explore=True)
+            elif plan.width and not drafts:
+                # Speculation gives way; the tokens a grammar forces are certain, and stay.
+                forced = [
+                    offer if choice.lookup_drafter == PROPOSER_GRAMMAR else Offer()
+                    for choice, offer in zip(choices, offers)
+                ]
+                return plan_batch(forced, seconds_with(0.0))
+        return plan
+
+    def _confidence_stop(self, rows: list[Row], plans: list[RowPlan]) -> Callable[[int, dict], bool] | None:
+        """The draft model's stop rule this step (`ConfidenceStop`), or None: it drafts its rows' ks."""
+        model_slots = [slot for slot, plan in enumerate(plans) if plan.uses_model and plan.k > 0]
+        if not (self.draft_confidence and self.cost_table is not None and model_slots):
+            return None
+        batch_size = len(rows)
+        others = [slot for slot in range(batch_size) if slot not in model_slots]
+        other_width = max((plans[slot].k for slot in others), default=0)
+
+        # The batch drafts until its slowest row has its drafts: the row whose drafts are guessed least.
+        rates = [self.guesses_for(rows[slot]) or GuessRate() for slot in model_slots]
+        slowest = min(rates, key=lambda rate: rate.rate)
+
+        def step_seconds(num_drafts: int) -> float:
+            return self.pass_seconds(batch_size, max(num_drafts, other_width), slowest.passes(num_drafts))
+
+        calibrations = [self.estimates.calibrations[rows[slot].request.sampling.is_greedy] for slot in model_slots]
+        stop = ConfidenceStop(
+            calibrations,
+            [calibration.mean_acceptance for calibration in calibrations],
+            max(plans[slot].k for slot in model_slots),
+            planned_tokens([plans[slot] for slot in others]),
+            step_seconds,
+        )
+        ids = [rows[slot].request_id for slot in model_slots]
+        return lambda num_drafted, confidences: stop(num_drafted, [confidences[i] for i in ids])
+
+    def runners_up(
+        self,
+        rows: list[Row],
+        plans: Sequence[RowPlan],
+        chains: dict[int, tuple[int, Sequence[float], Sequence[tuple[int, float]]]],
+        eligible: Sequence[int],
+        max_nodes: Sequence[int],
+    ) -> dict[int, tuple[list[int], dict[int, float]]]:
+        """Where the draft's runners-up join its greedy chains as siblings (`choose_runners_up`).
+
         Args:
-            calibrations: per drafting row, the calibration of its kind of request.
-            next_acceptances: per drafting row, its acceptance of a draft whose confidence is unknown.
-            max_drafts: the most drafts any row may take this step.
-            other_tokens: the expected tokens of the step's other rows (look-ups, plain decoding).
-            step_seconds: n -> seconds of the step when the draft model drafts n tokens.
+            rows, plans: the step's rows and their plans.
+            chains: slot -> (drafts, their confidences, the runner-up (token, probability) at each) for
+                every row the draft model drafted for.
+            eligible: the slots whose chain may take runners-up; `max_nodes`: the most nodes each may have.
+
+        Returns:
+            slot -> (the chain positions that take their runner-up, position -> the runner-up's share of
+            what the draft left to other tokens there), for the eligible rows that take any.
         """
-        assert len(calibrations) == len(next_acceptances) and max_drafts >= 1
-        self.calibrations = calibrations
-        self.next_acceptances = next_acceptances
-        self.max_drafts = max_drafts
-        self.step_seconds = step_seconds
-        self.survival = [1.0] * len(calibrations)
-        # Each drafting row emits at least one token (the recovered or bonus one).
-        self.tokens = other_tokens + len(calibrations)
+        batch_size = len(rows)
+        num_drafted = {slot: chain[0] for slot, chain in chains.items()}
+        num_draft_passes = max(num_drafted.values())
+        width = max(num_drafted.get(slot, plans[slot].k) for slot in range(batch_size))
+        calibrations = self.estimates.calibrations
+        # Each model row's calibrated acceptance of each of its drafts, and the step's expected tokens.
+        chain_acceptances = {
+            slot: [calibrations[rows[slot].request.sampling.is_greedy].acceptance(c) for c in confidences]
+            for slot, (_, confidences, _) in chains.items()
+        }
+        tokens = planned_tokens([plans[slot] for slot in range(batch_size) if slot not in chains])
+        tokens += sum(chain_expected_tokens(acceptances) for acceptances in chain_acceptances.values())
+        runner_up_acceptances, shares = [], []
+        for slot in eligible:
+            _, confidences, runners_up = chains[slot]
+            # The runner-up's share of what the draft left to tokens other than its draft.
+            row_shares = [prob / max(1.0 - c, 1e-6) for (_, prob), c in zip(runners_up, confidences)]
+            shares.append(row_shares)
+            runner_up_acceptances.append(
+                [self.estimates.runner_up_calibration.acceptance(share) for share in row_shares]
+            )
 
-    def __call__(self, num_drafted: int, confidences: Sequence[float]) -> bool:
-        """Takes the confidences of the rows' latest drafts; True: draft one more token."""
-        assert len(confidences) == len(self.survival), (len(confidences), len(self.survival))
-        for row, (calibration, confidence) in enumerate(zip(self.calibrations, confidences)):
-            self.survival[row] *= calibration.acceptance(confidence)
-            self.tokens += self.survival[row]
-        if num_drafted >= self.max_drafts:
-            return False
-        gain = sum(s * a for s, a in zip(self.survival, self.next_acceptances))
-        seconds = self.step_seconds(num_drafted)
-        extra = self.step_seconds(num_drafted + 1) - seconds
-        return gain * seconds > self.tokens * extra
+        def step_seconds(step_width: int) -> float:
+            return self.pass_seconds(batch_size, step_width, num_draft_passes)
+
+        acceptances = [chain_acceptances[slot] for slot in eligible]
+        chosen = choose_runners_up(acceptances, runner_up_acceptances, max_nodes, width, tokens, step_seconds)
+        return {
+            slot: (positions, {position: row_shares[position] for position in positions})
+            for slot, positions, row_shares in zip(eligible, chosen, shares)
+            if positions
+        }
 
 
-def chain_expected_tokens(acceptances: Sequence[float]) -> float:
-    """A chain's expected tokens from each draft's acceptance: 1 + the chance of reaching past each draft."""
-    tokens, survival = 1.0, 1.0
-    for acceptance in acceptances:
-        survival *= acceptance
-        tokens += survival
-    return tokens
+def _choose_lookup(option: RowOptions, step_seconds: Callable[[int, bool], float] | None) -> _Choice:
+    """A row's best look-up (`choose`) with its first-choice chain where it is a tree."""
+    if not option.candidates:
+        return _Choice(lookup=NO_DRAFTS, model_curve=option.model_curve, guesses=option.guesses)
+    best = choose(option.candidates, step_seconds)
+    chain, chain_curve = None, None
+    if best.lookup.is_tree:
+        chain, chain_curve = first_choice_chain(best.lookup, best.curve)
+    return _Choice(
+        lookup=best.lookup,
+        lookup_drafter=best.drafter,
+        lookup_curve=list(best.curve),
+        chain=chain,
+        chain_curve=chain_curve,
+        model_curve=option.model_curve,
+        guesses=option.guesses,
+    )
 
 
-def choose_runners_up(
-    acceptances: Sequence[Sequence[float]],
-    runner_up_acceptances: Sequence[Sequence[float]],
-    max_nodes: Sequence[int],
-    width: int,
-    tokens: float,
-    step_seconds: Callable[[int], float],
-) -> list[list[int]]:
-    """Where the draft model's runner-up joins its chain as a sibling leaf (`handler.tree`).
+def choose(candidates: Sequence[Candidate], step_seconds: Callable[[int, bool], float] | None) -> Candidate:
+    """The hybrid rule: the candidate with the most expected tokens per second (ties: the earlier one).
 
-    A runner-up at chain position j is reached when drafts 0..j-1 are accepted and draft j
-    is not; the target then takes it with its own chance, and the step emits one more
-    token (the runner-up, then the target's token after it). Runners-up are added best
-    first while each raises the step's expected tokens per second: gain / extra_seconds >
-    tokens / seconds, where only a wider pass costs more.
+    With a cost table, a candidate's worth is its best E(k) / seconds(k) over k, where a look-up's step
+    costs one verification of width k + 1 and the model's adds k draft passes. Without one, the
+    look-up with the most expected accepted drafts wins. The choice looks at drafts and estimates,
+    never at the target's draws, so the output stays the target's whichever candidate wins.
 
     Args:
-        acceptances: per row, the estimated acceptance of each chain draft.
-        runner_up_acceptances: per row and position, the chance that the target takes the
-            runner-up there once it has refused the draft.
-        max_nodes: per row, the most nodes its tree may hold (chain included).
-        width: the step's widest row in drafts, before any runner-up.
-        tokens: the step's expected tokens without runners-up.
-        step_seconds: width in drafts -> seconds of the step.
-
-    Returns:
-        per row, the chain positions that take their runner-up, in increasing order.
+        candidates: in order of preference; candidates with max_k 0 never win over others.
+        step_seconds: (k, drafts with the model) -> seconds of a step verifying k drafts;
+            None when no cost table was measured.
     """
-    gains = []
-    for row, (chain, seconds) in enumerate(zip(acceptances, runner_up_acceptances)):
-        reach = 1.0
-        for position, (acceptance, runner_up) in enumerate(zip(chain, seconds)):
-            gains.append((reach * (1.0 - acceptance) * runner_up, row, position))
-            reach *= acceptance
-    nodes = [len(chain) for chain in acceptances]
-    chosen: list[list[int]] = [[] for _ in acceptances]
-    for gain, row, position in sorted(gains, reverse=True):
-        if gain <= 0.0 or nodes[row] >= max_nodes[row]:
-            continue
-        new_width = max(width, nodes[row] + 1)
-        seconds = step_seconds(width)
-        if gain * seconds <= tokens * (step_seconds(new_width) - seconds):
-            continue
-        chosen[row].append(position)
-        nodes[row] += 1
-        tokens += gain
-        width = new_width
-    return [sorted(positions) for positions in chosen]
+    assert candidates
+    live = [c for c in candidates if c.max_k > 0] or list(candidates)
+    if step_seconds is None:
+        lookups = [c for c in live if c.drafter != MODEL]
+        if lookups:
+            return max(lookups, key=lambda c: c.curve[c.max_k] - 1.0)
+        return live[0]
+
+    def rate(candidate: Candidate) -> float:
+        model = candidate.drafter == MODEL
+        return max(candidate.curve[k] / step_seconds(k, model) for k in range(1, candidate.max_k + 1))
+
+    return max(live, key=rate) if live[0].max_k > 0 else live[0]
+
+
+def planned_tokens(plans: Sequence[RowPlan]) -> float:
+    """The expected tokens of these rows this step, from their curves at their planned k."""
+    return sum(plan.curve[min(plan.k, len(plan.curve) - 1)] for plan in plans)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handler.planning.estimators import MIN_STEPS_BEFORE_FALLBACK, PROBE_INTERVAL
-from handler.planning.cost_table import CostModel
 from handler.config import SamplingParams
 from handler.drafters import Proposal
 from handler.engine import GenerationRequest
+from handler.planning.cost_table import CostModel
+from handler.planning.trackers import MIN_STEPS_BEFORE_FALLBACK, PROBE_INTERVAL
 
 from .conftest import make_engine
 from .test_engine import GREEDY, PROMPTS, encode, reference_greedy
@@ -177,7 +177,9 @@ def test_look_ups_propose_up_to_their_own_cap_and_stay_exact(tiny_pair, drafter,
     monkeypatch.setattr(lookup, "add", lambda prompts, **kw: indexed_rows.extend(prompts) or index(prompts, **kw))
     if drafter == "hybrid":
         monkeypatch.setattr(engine.suffix_drafter, "lookup", lambda request_id, cap, tree=False: Proposal([]))
-    monkeypatch.setattr(engine.model_drafter, "propose", lambda rows: model_ks.append(rows) or propose(rows))
+    monkeypatch.setattr(
+        engine.model_drafter, "propose", lambda rows, *a, **kw: model_ks.append(rows) or propose(rows, *a, **kw)
+    )
     monkeypatch.setattr(
         engine.model_drafter, "add", lambda prompts, **kw: fed_rows.extend(prompts) or add(prompts, **kw)
     )

@@ -15,10 +15,10 @@ import re
 import jsonschema
 import pytest
 
-from handler.planning.cost_table import CostModel
 from handler.config import SamplingParams
 from handler.constraints import Constraint
 from handler.engine import PROPOSER_GRAMMAR, EngineOptions, GenerationRequest, SpeculativeEngine
+from handler.planning.cost_table import CostModel
 from handler.runtime.loading import collect_eos_token_ids
 
 PERSON = {
@@ -136,8 +136,8 @@ def test_planned_steps_keep_constrained_output_exact(tiny_pair, engine_for, draf
 def test_where_the_outcome_check_stops_speculation_the_grammars_forced_tokens_stay(tiny_pair, eos_ids, monkeypatch):
     """The check of drafting against plain decoding (a CPU's, with running costs) vetoes speculation; the
     tokens a grammar forces are certain, so they are still verified as drafts, and are no sample of it."""
-    from handler.planning.estimators import OutcomeCheck
     from handler.planning.cost_table import CostTable
+    from handler.planning.trackers import OutcomeCheck
 
     target, draft, tokenizer = tiny_pair
     # About the tiny pair's own seconds, so that the running correction keeps the table's shape.

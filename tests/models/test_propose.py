@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from handler.config import SamplingParams
+from handler.drafters import DraftRow
 from handler.drafters.model import ModelDrafter
 from handler.engine import GenerationRequest
+from handler.sampler import SamplingBatch
 
 from .conftest import make_engine
 from .test_engine import CONFIDENT_COSTS, GREEDY, PROMPTS, SAMPLED, encode, reference_greedy
@@ -35,21 +37,55 @@ def settings(temperature: float, seed: int, k: int = K) -> tuple[float, int, flo
     return (temperature, 0, 1.0, uniforms)
 
 
+class Guesses:
+    """A guesser (`ModelDrafter.guesser`) from per-row functions f(drafts so far, most tokens)."""
+
+    def __init__(self, by_row: dict) -> None:
+        self.by_row = by_row
+
+    def continuation(self, request_id, drafts, max_tokens: int) -> list[int]:
+        return list(self.by_row[request_id](drafts, max_tokens))
+
+
+def propose(drafter: ModelDrafter, sampling: dict, guesses: dict | None = None, shapers: dict | None = None) -> dict:
+    """The drafter's proposals for the rows of `sampling` (request id -> `settings`), by request id;
+    `guesses`, `shapers`: per row, its guesses of its next drafts and its rules on the draft's logits."""
+    ids = list(sampling)
+    params = [SamplingParams(temperature=t, top_k=top_k, top_p=top_p) for t, top_k, top_p, _ in sampling.values()]
+    uniforms = torch.zeros(len(ids), max(len(setting[3]) for setting in sampling.values()), dtype=torch.float64)
+    for slot, setting in enumerate(sampling.values()):
+        uniforms[slot, : len(setting[3])] = setting[3]
+    batch = SamplingBatch.from_params(params, drafter.device).with_uniforms(uniforms)
+    drafter.guesser = Guesses(guesses) if guesses else None
+    rows = [
+        DraftRow(
+            rid,
+            len(sampling[rid][3]),
+            slot,
+            shape=(shapers or {}).get(rid),
+            guess=bool(guesses) and rid in guesses,
+            measure_confidence=True,
+        )
+        for slot, rid in enumerate(ids)
+    ]
+    return dict(zip(ids, drafter.propose(rows, batch)))
+
+
 def two_steps(drafter: ModelDrafter, sampling: dict, guesses=None, commit=2) -> list[dict]:
     """Two proposals, the first `commit` drafts of each row committed between them (and one more token)."""
     proposals = []
     for _ in range(2):
-        proposal = drafter.propose(sampling, guesses=guesses(proposals) if guesses else None)
+        proposal = propose(drafter, sampling, guesses=guesses(proposals) if guesses else None)
         proposals.append((proposal, drafter.last_num_passes))
-        drafter.observe({rid: [*p.token_ids[:commit].tolist(), 7] for rid, p in proposal.items()})
+        drafter.observe({rid: [*p.token_ids[:commit], 7] for rid, p in proposal.items()})
     return proposals
 
 
 def assert_same_drafts(expected: dict, actual: dict) -> None:
     assert expected.keys() == actual.keys()
     for rid in expected:
-        assert actual[rid].token_ids.tolist() == expected[rid].token_ids.tolist(), rid
-        torch.testing.assert_close(actual[rid].probs, expected[rid].probs, rtol=1e-4, atol=1e-5)
+        assert actual[rid].token_ids == expected[rid].token_ids, rid
+        torch.testing.assert_close(actual[rid].draft_probs, expected[rid].draft_probs, rtol=1e-4, atol=1e-5)
         assert actual[rid].confidences == pytest.approx(expected[rid].confidences, rel=1e-4, abs=1e-6)
         assert [t for t, _ in actual[rid].runners_up] == [t for t, _ in expected[rid].runners_up]
 
@@ -63,7 +99,7 @@ def test_right_guesses_take_one_pass_and_change_no_draft(tiny_pair, temperature)
     assert [passes for _, passes in plain] == [K, K]
 
     def oracle(done):  # the drafts the plain drafter drew at this step
-        drafts = plain[len(done)][0]["a"].token_ids.tolist()
+        drafts = plain[len(done)][0]["a"].token_ids
         return {"a": lambda so_far, most: drafts[len(so_far) : len(so_far) + most]}
 
     guessed = two_steps(drafter_for(tiny_pair, prompts), sampling, oracle)
@@ -79,7 +115,7 @@ def test_wrong_guesses_cost_passes_not_drafts(tiny_pair):
     plain = two_steps(drafter_for(tiny_pair, prompts), sampling)
 
     def half_wrong(done):  # right up to draft 3, then a token the draft never drew there
-        drafts = plain[len(done)][0]["a"].token_ids.tolist()
+        drafts = plain[len(done)][0]["a"].token_ids
         wrong = [*drafts[:3], drafts[3] + 1, *drafts[4:]]
         return {"a": lambda so_far, most: wrong[len(so_far) : len(so_far) + most]}
 
@@ -111,7 +147,7 @@ def test_a_batch_of_rows_running_ahead_apart_drafts_as_one_pass_at_a_time(tiny_p
     plain = two_steps(drafter_for(tiny_pair, prompts), sampling, commit=3)
 
     def mixed(done):
-        drafts = {rid: p.token_ids.tolist() for rid, p in plain[len(done)][0].items()}
+        drafts = {rid: p.token_ids for rid, p in plain[len(done)][0].items()}
         return {
             "a": lambda so_far, most: drafts["a"][len(so_far) : len(so_far) + most],
             "b": lambda so_far, most: [*drafts["b"][len(so_far) : len(so_far) + 2], 9, 9][:most],
@@ -140,10 +176,10 @@ def test_a_shaped_row_takes_no_guesses_and_its_shaper_follows_its_drafts(tiny_pa
 
         return shape
 
-    plain = drafter_for(tiny_pair, prompts).propose(sampling, shapers={"a": shaper(False)})
-    drafts = {rid: p.token_ids.tolist() for rid, p in plain.items()}
+    plain = propose(drafter_for(tiny_pair, prompts), sampling, shapers={"a": shaper(False)})
+    drafts = {rid: p.token_ids for rid, p in plain.items()}
     guesses = {rid: (lambda so_far, most, rid=rid: drafts[rid][len(so_far) : len(so_far) + most]) for rid in drafts}
-    guessed = drafter_for(tiny_pair, prompts).propose(sampling, shapers={"a": shaper(True)}, guesses=guesses)
+    guessed = propose(drafter_for(tiny_pair, prompts), sampling, guesses=guesses, shapers={"a": shaper(True)})
     assert_same_drafts(plain, guessed)
     assert max(drafts["a"]) < 100
     assert calls[True] == calls[False] == [None, *drafts["a"][:-1]]
@@ -164,7 +200,7 @@ def count_passes(engine, monkeypatch) -> list[tuple[int, int]]:
 
     def counted(*args, **kwargs):
         proposals = real(*args, **kwargs)
-        seen.append((engine.model_drafter.last_num_passes, max(len(p.token_ids) for p in proposals.values())))
+        seen.append((engine.model_drafter.last_num_passes, max(len(p.token_ids) for p in proposals)))
         return proposals
 
     monkeypatch.setattr(engine.model_drafter, "propose", counted)
@@ -218,3 +254,24 @@ def test_guesses_under_a_cost_table_and_the_confidence_stop(tiny_pair):
     sampled = SamplingParams(temperature=0.8)
     seeded = [engine.generate([GenerationRequest(prompts[1], 20, sampled, k, seed=3)])[0].token_ids for k in (0, 8)]
     assert seeded[0] == seeded[1]
+
+
+def test_the_draft_draws_from_its_distribution_after_min_p_as_the_target_is_warped(tiny_pair):
+    """One batch of settings serves the draft and the verify pass: the draft's distribution loses the
+    tokens that min-p takes from the target's, and its draws come from what is left."""
+    tokenizer = tiny_pair[2]
+    uniforms = torch.rand(1, K, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    proposals = {}
+    for min_p in (0.0, 0.9):
+        drafter = drafter_for(tiny_pair, {"a": encode(tokenizer, PROMPTS[0])})
+        params = [SamplingParams(temperature=1.0, min_p=min_p)]
+        batch = SamplingBatch.from_params(params, drafter.device).with_uniforms(uniforms)
+        [proposals[min_p]] = drafter.propose([DraftRow("a", K, 0)], batch)
+    unfiltered, filtered = proposals[0.0].draft_probs, proposals[0.9].draft_probs  # [K, vocab]
+    assert (unfiltered > 0).all()
+    kept = filtered > 0
+    assert (kept.sum(dim=-1) < filtered.shape[-1]).all()
+    top = filtered.amax(dim=-1, keepdim=True).expand_as(filtered)
+    assert (filtered[kept] >= 0.9 * top[kept] - 1e-6).all()
+    drafted = torch.tensor(proposals[0.9].token_ids)
+    assert kept[torch.arange(K), drafted].all()

@@ -7,11 +7,11 @@ import logging
 import pytest
 import torch
 
-from handler.planning.cost_table import CostModel
+from handler.caches.kv_cache import RaggedCache, prefill, tree_attention_error
 from handler.config import SamplingParams
 from handler.drafters import Proposal
 from handler.engine import GenerationRequest
-from handler.caches.kv_cache import RaggedCache, prefill, tree_attention_error
+from handler.planning.cost_table import CostModel
 from handler.tree import ROOT, chain_with_siblings, chunk_attention
 
 from .conftest import make_engine
@@ -46,6 +46,9 @@ class OracleTrees:
     def remove(self, request_ids, sequences=None) -> None:
         for request_id in request_ids:
             self.rows.pop(request_id, None)
+
+    def propose(self, rows, sampling=None, keep_drafting=None) -> list[Proposal]:
+        return [self.lookup(row.request_id, row.max_tokens, tree=row.tree) for row in rows]
 
     def lookup(self, request_id, max_tokens: int, tree: bool = False) -> Proposal:
         answer, emitted = self.rows[request_id]
@@ -288,9 +291,12 @@ def test_without_a_cost_table_the_draft_measures_no_confidence(tiny_pair, monkey
     engine = make_engine(target, draft, tokenizer, draft_confidence=True)
     calls = []
     propose = engine.model_drafter.propose
-    monkeypatch.setattr(
-        engine.model_drafter, "propose", lambda *a, **k: calls.append(k["with_confidence"]) or propose(*a, **k)
-    )
+
+    def measured(rows, *args, **kwargs):
+        calls.append(any(row.measure_confidence for row in rows))
+        return propose(rows, *args, **kwargs)
+
+    monkeypatch.setattr(engine.model_drafter, "propose", measured)
     prompt_ids = encode(tokenizer, PROMPTS[0])
     result = engine.generate([GenerationRequest(prompt_ids, 20, GREEDY, 4)])[0]
     assert result.token_ids == reference_greedy(target, prompt_ids, 20)

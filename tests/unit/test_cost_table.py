@@ -9,7 +9,7 @@ import pytest
 
 from handler.planning.cost_table import MAX_SCALE, MIN_OBSERVATIONS, CostTable, RunningCostTable, sparse_grid
 from handler.planning.measure import COST_TABLE_DIR_ENV, _cache_path, cost_table_cache_dir
-from handler.planning.planner import Offer, expected_tokens, plan_batch
+from handler.planning.pricing import Offer, geometric_tokens, plan_batch
 
 # Batch 1 and 4; widths 1, 2, 4: verification costs grow with width and batch.
 TABLE = CostTable(
@@ -115,7 +115,7 @@ def test_the_running_table_starts_as_measured_and_follows_the_median_of_what_it_
 
 def planned_k(acceptance: float, max_k: int, costs, with_model: bool) -> int:
     """One row's drafts as `plan_batch` plans them on `costs`: the draft model's, or a free look-up's."""
-    curve = [expected_tokens(acceptance, k) for k in range(max_k + 1)]
+    curve = [geometric_tokens(acceptance, k) for k in range(max_k + 1)]
     offer = Offer(model=curve) if with_model else Offer(lookup=curve)
 
     def seconds(width, passes, trees):

@@ -1,5 +1,5 @@
 """The planner: plan_batch (every row's drafts, priced for the whole batch by an injected cost table),
-the expected-tokens formula, the confidence stop and the runners-up."""
+the expected-tokens formula, the confidence stop, the runners-up, and the hybrid rule."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import itertools
 
 import pytest
 
+from handler.drafters import MODEL, NGRAM, SUFFIX, Proposal
 from handler.planning.cost_table import CostModel, CostTable
-from handler.planning.planner import Offer, expected_tokens, plan_batch
+from handler.planning.planner import Candidate, choose
+from handler.planning.pricing import Offer, geometric_tokens, plan_batch
 
 # Draft costs 0.2 of a target pass; verifying extra tokens is free (the GPU-like case).
 CHEAP_DRAFT = CostModel(draft_step=0.2, target_step=1.0, target_per_extra_token=0.0)
@@ -37,11 +39,11 @@ def step_seconds(costs: CostTable, batch_size: int, tree_factor: float = 1.0):
 
 
 def model(acceptance: float, cap: int = 8) -> Offer:
-    return Offer(model=[expected_tokens(acceptance, k) for k in range(cap + 1)])
+    return Offer(model=[geometric_tokens(acceptance, k) for k in range(cap + 1)])
 
 
 def lookup(acceptance: float, num: int) -> Offer:
-    return Offer(lookup=[expected_tokens(acceptance, k) for k in range(num + 1)])
+    return Offer(lookup=[geometric_tokens(acceptance, k) for k in range(num + 1)])
 
 
 def plan(offers, costs: CostTable, **options):
@@ -98,7 +100,7 @@ def test_under_load_the_plan_backs_off_where_the_same_rows_draft_alone():
 
 
 def test_a_hybrid_row_takes_the_look_up_or_the_model_by_the_batchs_price():
-    both = Offer(lookup=[expected_tokens(0.95, k) for k in range(9)], model=model(0.5).model)
+    both = Offer(lookup=[geometric_tokens(0.95, k) for k in range(9)], model=model(0.5).model)
     costly_draft = table(lambda width: 1.0 + 0.01 * (width - 1), draft=0.5)
     chosen = plan([both], costly_draft)
     assert chosen.ks == (8,) and chosen.uses_model == (False,) and chosen.draft_passes == 0
@@ -162,7 +164,7 @@ def test_the_bound_that_skips_planning_never_changes_the_plan(monkeypatch):
     (width, drafts) pair, over random batches where plain decoding wins and where it loses."""
     import random
 
-    from handler.planning import planner
+    from handler.planning import pricing
 
     rng = random.Random(7)
     cases = []
@@ -180,16 +182,16 @@ def test_the_bound_that_skips_planning_never_changes_the_plan(monkeypatch):
         cases.append((offers, step_seconds(costs, len(offers), tree_factor=rng.uniform(0.9, 1.5))))
 
     fired = []
-    original = planner._plain_if_bound
+    original = pricing._plain_if_bound
 
     def counted(*args):
         plan = original(*args)
         fired.append(plan is not None)
         return plan
 
-    monkeypatch.setattr(planner, "_plain_if_bound", counted)
+    monkeypatch.setattr(pricing, "_plain_if_bound", counted)
     bounded = [plan_batch(offers, seconds) for offers, seconds in cases]
-    monkeypatch.setattr(planner, "_plain_if_bound", lambda *args: None)
+    monkeypatch.setattr(pricing, "_plain_if_bound", lambda *args: None)
     priced = [plan_batch(offers, seconds) for offers, seconds in cases]
     assert [(p.ks, p.uses_model, p.trees) for p in bounded] == [(p.ks, p.uses_model, p.trees) for p in priced]
     assert 20 <= sum(fired) <= len(fired) - 20, sum(fired)  # both kinds of batch occurred
@@ -197,10 +199,10 @@ def test_the_bound_that_skips_planning_never_changes_the_plan(monkeypatch):
 
 
 def test_expected_tokens_matches_the_geometric_series():
-    assert expected_tokens(0.0, 4) == 1.0
-    assert expected_tokens(1.0, 4) == 5.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
-    assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8**5) / 0.2)
+    assert geometric_tokens(0.0, 4) == 1.0
+    assert geometric_tokens(1.0, 4) == 5.0
+    assert geometric_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert geometric_tokens(0.8, 4) == pytest.approx((1 - 0.8**5) / 0.2)
 
 
 def test_linear_cost_model_as_a_cost_table():
@@ -215,8 +217,8 @@ def linear_step_seconds(draft_step: float, per_column: float):
 
 
 def test_confidence_stop_drafts_on_while_one_more_draft_pays():
-    from handler.planning.estimators import ConfidenceCalibration
-    from handler.planning.planner import ConfidenceStop
+    from handler.planning.pricing import ConfidenceStop
+    from handler.planning.trackers import ConfidenceCalibration
 
     calibration = ConfidenceCalibration()  # acceptance = confidence (its prior)
     step_seconds = linear_step_seconds(draft_step=0.1, per_column=0.0)
@@ -238,8 +240,8 @@ def test_confidence_stop_drafts_on_while_one_more_draft_pays():
 
 
 def test_confidence_stop_weighs_the_whole_batch():
-    from handler.planning.estimators import ConfidenceCalibration
-    from handler.planning.planner import ConfidenceStop
+    from handler.planning.pricing import ConfidenceStop
+    from handler.planning.trackers import ConfidenceCalibration
 
     calibration = ConfidenceCalibration()
     step_seconds = linear_step_seconds(draft_step=0.1, per_column=0.0)
@@ -253,7 +255,7 @@ def test_confidence_stop_weighs_the_whole_batch():
 
 
 def test_runners_up_join_best_first_while_a_wider_pass_pays():
-    from handler.planning.planner import choose_runners_up
+    from handler.planning.pricing import choose_runners_up
 
     # Row 0: a sure first draft, an unsure second; row 1: an unsure first draft.
     acceptances = [[0.9, 0.3, 0.8], [0.2, 0.9]]
@@ -283,8 +285,38 @@ def test_runners_up_join_best_first_while_a_wider_pass_pays():
 
 
 def test_chain_expected_tokens_is_the_geometric_series_for_one_rate():
-    from handler.planning.planner import chain_expected_tokens
+    from handler.planning.pricing import chain_expected_tokens
 
     assert chain_expected_tokens([]) == 1.0
-    assert chain_expected_tokens([0.8] * 4) == pytest.approx(expected_tokens(0.8, 4))
+    assert chain_expected_tokens([0.8] * 4) == pytest.approx(geometric_tokens(0.8, 4))
     assert chain_expected_tokens([0.5, 1.0, 0.0, 1.0]) == pytest.approx(1 + 0.5 + 0.5)
+
+
+# --------------------------------------------------------------------------- the hybrid rule
+
+
+def candidate(drafter: str, curve: list[float]) -> Candidate:
+    max_k = len(curve) - 1
+    lookup = Proposal([]) if drafter == MODEL else Proposal(list(range(max_k)))
+    return Candidate(drafter, lookup, max_k, curve)
+
+
+def test_without_a_cost_table_the_look_up_expecting_most_wins_and_the_model_drafts_elsewhere():
+    suffix, ngram = candidate(SUFFIX, [1, 1.5, 1.7]), candidate(NGRAM, [1, 1.9, 2.7])
+    model = candidate(MODEL, [1, 2, 3])
+    assert choose([suffix, ngram, model], None) is ngram
+    assert choose([suffix, model], None) is suffix
+    assert choose([candidate(SUFFIX, [1]), model], None) is model  # nothing found: the model
+    assert choose([candidate(SUFFIX, [1])], None).max_k == 0
+
+
+def test_with_a_cost_table_the_most_tokens_per_second_wins():
+    def seconds(k: int, model: bool) -> float:
+        return 1.0 + 0.05 * k + (0.3 * k if model else 0.0)
+
+    look_up = candidate(SUFFIX, [1, 1.6, 2.0, 2.2])
+    strong_model = candidate(MODEL, [1, 1.95, 2.85, 3.7])
+    # look-up: best 2.0 / 1.1 = 1.82 tokens/s; model: best 1.95 / 1.35 = 1.44.
+    assert choose([look_up, strong_model], seconds) is look_up
+    cheap_draft = lambda k, model: 1.0 + 0.05 * k + (0.02 * k if model else 0.0)  # noqa: E731
+    assert choose([look_up, strong_model], cheap_draft) is strong_model

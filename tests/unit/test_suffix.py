@@ -1,11 +1,10 @@
-"""The suffix drafter: its own tree and the shared one, counts, bounds, eviction, who sees what; the hybrid rule."""
+"""The suffix drafter: its own tree and the shared one, counts, bounds, eviction, who sees what."""
 
 from __future__ import annotations
 
 import pytest
 
-from handler.drafters import MODEL, NGRAM, NO_DRAFTS, SUFFIX, Proposal
-from handler.drafters.hybrid import Candidate, choose
+from handler.drafters import NO_DRAFTS
 from handler.drafters.suffix import SuffixDrafter, SuffixOptions, SuffixTreeStats
 
 ANSWER = [20, 21, 22, 23, 24, 25, 26, 27]  # an earlier request's output
@@ -142,36 +141,6 @@ def test_remove_forgets_the_request_but_keeps_its_output():
     assert "a" not in drafter.rows and drafter.stats == SuffixTreeStats(1, len(ANSWER))
     drafter.observe({"a": [1, 2]})  # a late observation of a gone row is ignored
     assert drafter.stats == SuffixTreeStats(1, len(ANSWER))
-
-
-# --------------------------------------------------------------------------- the hybrid rule
-
-
-def candidate(proposer: str, curve: list[float]) -> Candidate:
-    max_k = len(curve) - 1
-    lookup = Proposal([]) if proposer == MODEL else Proposal(list(range(max_k)))
-    return Candidate(proposer, lookup, max_k, curve)
-
-
-def test_without_a_cost_table_the_look_up_expecting_most_wins_and_the_model_drafts_elsewhere():
-    suffix, ngram = candidate(SUFFIX, [1, 1.5, 1.7]), candidate(NGRAM, [1, 1.9, 2.7])
-    model = candidate(MODEL, [1, 2, 3])
-    assert choose([suffix, ngram, model], None) is ngram
-    assert choose([suffix, model], None) is suffix
-    assert choose([candidate(SUFFIX, [1]), model], None) is model  # nothing found: the model
-    assert choose([candidate(SUFFIX, [1])], None).max_k == 0
-
-
-def test_with_a_cost_table_the_most_tokens_per_second_wins():
-    def seconds(k: int, model: bool) -> float:
-        return 1.0 + 0.05 * k + (0.3 * k if model else 0.0)
-
-    look_up = candidate(SUFFIX, [1, 1.6, 2.0, 2.2])
-    strong_model = candidate(MODEL, [1, 1.95, 2.85, 3.7])
-    # look-up: best 2.0 / 1.1 = 1.82 tokens/s; model: best 1.95 / 1.35 = 1.44.
-    assert choose([look_up, strong_model], seconds) is look_up
-    cheap_draft = lambda k, model: 1.0 + 0.05 * k + (0.02 * k if model else 0.0)  # noqa: E731
-    assert choose([look_up, strong_model], cheap_draft) is strong_model
 
 
 def test_a_continuation_guesses_past_uncommitted_drafts_from_both_trees():

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from handler.planning.estimators import (
+from handler.planning.pricing import geometric_tokens
+from handler.planning.trackers import (
     EXPLORE_BURST,
     EXPLORE_CLOSE,
     EXPLORE_FAR,
@@ -16,7 +17,6 @@ from handler.planning.estimators import (
     OutcomeCheck,
     batch_bucket,
 )
-from handler.planning.planner import expected_tokens
 
 
 def test_tracker_estimates_acceptance_from_runs():
@@ -36,7 +36,7 @@ def test_tracker_estimates_acceptance_from_runs():
 def test_a_fresh_tracker_plans_like_the_geometric_model():
     tracker = AcceptanceTracker()
     curve = tracker.expected_curve(6)
-    assert curve == pytest.approx([expected_tokens(0.5, k) for k in range(7)])
+    assert curve == pytest.approx([geometric_tokens(0.5, k) for k in range(7)])
 
 
 def test_per_position_acceptance_values_long_copied_runs():
@@ -44,7 +44,7 @@ def test_per_position_acceptance_values_long_copied_runs():
     tracker = AcceptanceTracker()
     for step in range(40):
         tracker.update(16 if step % 2 else 0, 16)
-    geometric = expected_tokens(tracker.acceptance, 16)
+    geometric = geometric_tokens(tracker.acceptance, 16)
     curve = tracker.expected_curve(16)
     # The truth is 1 + 16 / 2 = 9 tokens per step: the per-position estimate comes close;
     # the geometric model, with the same overall rate (0.94), overshoots.
@@ -55,7 +55,7 @@ def test_per_position_acceptance_values_long_copied_runs():
 
 
 def test_confidence_calibration_starts_at_its_prior_and_learns_only_judged_drafts():
-    from handler.planning.estimators import CONFIDENCE_BINS, ConfidenceCalibration
+    from handler.planning.trackers import CONFIDENCE_BINS, ConfidenceCalibration
 
     calibration = ConfidenceCalibration()
     # Before any draft: each bin's mean confidence.
@@ -74,7 +74,7 @@ def test_confidence_calibration_starts_at_its_prior_and_learns_only_judged_draft
 
 
 def test_confidence_calibration_mean_acceptance_follows_every_judged_draft():
-    from handler.planning.estimators import ConfidenceCalibration
+    from handler.planning.trackers import ConfidenceCalibration
 
     calibration = ConfidenceCalibration()
     assert calibration.mean_acceptance == 0.5
@@ -105,7 +105,7 @@ def test_branch_calibration_scales_by_what_was_seen_and_relaxes_without_evidence
 
 
 def test_guess_rate_starts_at_one_pass_per_draft_and_follows_the_free_drafts():
-    from handler.planning.estimators import GuessRate
+    from handler.planning.trackers import GuessRate
 
     rate = GuessRate()
     assert rate.passes(0) == 0 and rate.passes(1) == 1 and rate.passes(6) == pytest.approx(6)

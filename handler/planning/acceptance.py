@@ -2,18 +2,17 @@
 
 A row's expected tokens for its first n drafts, E(0..n), come from acceptance trackers (its
 own, or the pool's of every request), a suffix look-up's own tree probabilities, and the draft
-model's calibrated confidences (`handler.planning.planner`). After each step `Estimates.learn` teaches
-them what the target did.
+model's calibrated confidences (`handler.planning.pricing`). After each step `Estimates.learn` teaches
+them what the target did with a row's `handler.planning.planner.Drafts`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from handler.drafters import NGRAM, SUFFIX, Proposal
-from handler.engine.row import PROPOSERS, Row
-from handler.planning.estimators import (
+from handler.drafters import NGRAM, PROPOSERS, SUFFIX, Proposal
+from handler.planning.trackers import (
     MIN_STEPS_BEFORE_FALLBACK,
     POOL_DECAY,
     PROBE_INTERVAL,
@@ -23,12 +22,15 @@ from handler.planning.estimators import (
 )
 from handler.tree import depths, first_choice_path, off_first_choice, order_best_first
 
+if TYPE_CHECKING:
+    from handler.engine.row import Row
+
 # How the planner estimates a suffix look-up's acceptance per position: from the tree's
 # probabilities, or from the row's running acceptance tracker like the other drafters.
 SUFFIX_ESTIMATES = ("tree", "tracker")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class DraftConfidences:
     """What the draft model drafted for one row this step, for the calibrations."""
 
@@ -45,7 +47,7 @@ class Estimates:
         assert suffix_estimate in SUFFIX_ESTIMATES, suffix_estimate
         self.suffix_estimate = suffix_estimate
         # Every request's acceptance per proposer together: the estimate of a row too new to have
-        # its own, or one that has not drafted for a while (`handler.planning.planner`, PROBE_INTERVAL).
+        # its own, or one that has not drafted for a while (`handler.planning.pricing`, PROBE_INTERVAL).
         self.pool_trackers = {name: AcceptanceTracker(POOL_DECAY) for name in PROPOSERS}
         # The draft's confidence -> the target's acceptance, for greedy (True) and sampled rows; and for
         # greedy rows, the runner-up's share of the rest -> the chance the target takes it (`handler.tree`).
@@ -97,13 +99,13 @@ class Estimates:
             lookup = Proposal(token_ids, scores, parents)
         return lookup, _curve(scores)
 
-    def learn(self, row: Row, plan, num_accepted: int, path: list[int]) -> None:
+    def learn(self, row: Row, plan, drafts, num_accepted: int, path: list[int]) -> None:
         """Teaches the trackers and calibrations what the target did with a row's drafts this step.
 
-        `plan`: the row's `handler.engine.plan.RowPlan` as verified; `path`: the chunk columns of
-        its pending token and accepted drafts.
+        `plan`: the row's `handler.planning.planner.RowPlan`; `drafts`: its `Drafts`, what it verified;
+        `path`: the chunk columns of its pending token and accepted drafts.
         """
-        proposer, proposal, k = plan.proposer, plan.proposal, plan.k
+        proposer, proposal, k = plan.drafter, drafts.proposal, drafts.k
         # Drafts reached: the accepted ones, and one more where the walk stopped at a node with children.
         reached = k
         if proposal.is_tree:
@@ -116,8 +118,8 @@ class Estimates:
             self._calibrate_suffix(plan.curve, k, num_accepted)
         if plan.planned_tree and proposer in self.branch_calibrations:
             self._calibrate_branches(proposer, proposal, path)
-        if plan.confidences is not None:
-            self._calibrate(row, plan.confidences, path)
+        if drafts.confidences is not None:
+            self._calibrate(row, drafts.confidences, path)
 
     def _calibrate(self, row: Row, drafts: DraftConfidences, path: list[int]) -> None:
         """Teaches the calibrations what the target did with a row's model drafts (`path`: its walk)."""

@@ -3,7 +3,7 @@
 - `AcceptanceTracker`: a request's (or the pool's) decayed acceptance, overall and per draft
   position, and from it E(0..n), the expected tokens of a step with n drafts.
 - `ConfidenceCalibration`: the draft model's confidence in a draft -> the chance the target
-  accepts it (`handler.planning.planner.ConfidenceStop` prices one more draft with it).
+  accepts it (`handler.planning.pricing.ConfidenceStop` prices one more draft with it).
 - `BranchCalibration`: how far a look-up tree's guesses about its branches hold.
 - `GuessRate`: the share of a row's model drafts that came free (guessed drafting).
 - `OutcomeCheck`: drafting against plain decoding, as the steps actually ran.
