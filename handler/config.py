@@ -13,13 +13,12 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from handler.drafters import CROSS_VOCAB_GREEDY, DRAFTERS, MODEL_FREE
-from handler.drafters.suffix import SuffixOptions
-
 # The request's types live in handler.types (torch-free); they are named here as before.
 from handler.types import (  # noqa: F401 - re-exported
+    DRAFTERS,
     LOGIT_BIAS_RANGE,
     MAX_REPETITION_PENALTY,
+    MODEL_FREE,
     PENALTY_RANGE,
     SAMPLING_NUMBER_FIELDS,
     SamplingParams,
@@ -37,12 +36,22 @@ RUNNER_MODES = ("auto", "dynamic", "static")
 # auto, then handler.api.openai.tool_formats.FORMAT_NAMES (vLLM's parser names; a unit test keeps them equal).
 TOOL_CALL_PARSERS = ("auto", "hermes", "mistral", "llama3_json", "json")
 # Who proposes drafts (handler.drafters): DRAFTERS, of which MODEL_FREE need no draft model.
+# How a draft from another family drafts for greedy rows (`handler.drafters.cross_vocab`): its whole
+# vocabulary with its text re-tokenized, or the shared tokens only.
+SLEM = "slem"
+TLI = "tli"
+CROSS_VOCAB_GREEDY = (SLEM, TLI)
 # Longest n-gram the look-up matches; longer suffixes rarely add matches.
 MAX_PROMPT_LOOKUP = 16
 # Largest K the engine supports; a config may lower it, never raise it.
 MAX_K = 32
 # Deepest suffix tree: a proposal never outgrows the tree's depth.
 MAX_SUFFIX_DEPTH = 64
+# The suffix drafter's defaults: vLLM's for `method: suffix`, and the bounds of the tree of recent outputs.
+DEFAULT_MAX_DEPTH = 24
+DEFAULT_MIN_TOKEN_PROB = 0.1
+DEFAULT_MAX_CACHED_REQUESTS = 1024
+DEFAULT_MAX_CACHED_TOKENS = 262_144
 # The units of a byte count written as a string: SI (powers of 1000) and IEC (powers of 1024).
 BYTE_UNITS = {
     "B": 1,
@@ -129,6 +138,17 @@ def sampling_params_from_dict(raw: Any, section: str = "handler.sampling.") -> S
     if problem:
         raise ValueError(f"model-config.yaml: {section}{problem}")
     return SamplingParams(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class SuffixOptions:
+    """The suffix drafter's settings (model-config.yaml's `suffix_*` keys, `handler.drafters.suffix`)."""
+
+    max_depth: int = DEFAULT_MAX_DEPTH
+    min_token_prob: float = DEFAULT_MIN_TOKEN_PROB
+    share_across_requests: bool = True
+    max_cached_requests: int = DEFAULT_MAX_CACHED_REQUESTS
+    max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS
 
 
 @dataclasses.dataclass(frozen=True)

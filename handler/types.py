@@ -6,6 +6,9 @@
 - `Engine`: what serving asks of an engine, which `handler.engine.SpeculativeEngine` and the
   tests' fake both are (a test checks).
 
+- the drafters' names (`MODEL`, `NGRAM`, `SUFFIX`, `HYBRID`), which requests and the config name
+  and `handler.drafters` implements.
+
 Nothing here imports torch, transformers or the drafters.
 """
 
@@ -19,8 +22,16 @@ from typing import TYPE_CHECKING, Callable, Hashable, Protocol, runtime_checkabl
 if TYPE_CHECKING:
     from handler.constraints import Constraint
 
-# The default drafter's name (handler.drafters.MODEL), spelled here to keep this module torch-free.
-DRAFTER_MODEL = "model"
+# The drafters a request or the config may name (handler.drafters implements them).
+MODEL = "model"
+NGRAM = "ngram"
+SUFFIX = "suffix"
+HYBRID = "hybrid"
+DRAFTERS = (MODEL, NGRAM, SUFFIX, HYBRID)
+# The drafters that need no draft model.
+MODEL_FREE = (NGRAM, SUFFIX)
+# The default drafter's name.
+DRAFTER_MODEL = MODEL
 
 
 # OpenAI's ranges for the penalties and the logit bias; a repetition penalty (a multiplier)

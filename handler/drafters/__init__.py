@@ -33,20 +33,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Hashable, Mapping, Protocol, Sequence
 
+# The names live below the drafters, where the config and the requests can read them; re-exported.
+from handler.config import CROSS_VOCAB_GREEDY, SLEM, TLI  # noqa: F401 - re-exported
 from handler.tree import is_chain
-
-MODEL = "model"
-NGRAM = "ngram"
-SUFFIX = "suffix"
-HYBRID = "hybrid"
-DRAFTERS = (MODEL, NGRAM, SUFFIX, HYBRID)
-# The drafters that need no draft model.
-MODEL_FREE = (NGRAM, SUFFIX)
-# How a draft from another family drafts for greedy rows (`handler.drafters.cross_vocab`): its whole
-# vocabulary with its text re-tokenized, or the shared tokens only.
-SLEM = "slem"
-TLI = "tli"
-CROSS_VOCAB_GREEDY = (SLEM, TLI)
+from handler.types import DRAFTERS, HYBRID, MODEL, MODEL_FREE, NGRAM, SUFFIX  # noqa: F401 - re-exported
 
 
 @dataclasses.dataclass(frozen=True)
