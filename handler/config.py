@@ -194,7 +194,7 @@ class HandlerConfig:
     # prefix (handler.caches.prefix_cache, docs/prefix-caching.md).
     prefix_cache: bool = True
     # Bytes the prefix cache holds, both models together. 0 = automatic: a quarter of the
-    # memory available at start-up (handler.caches.memory_budget). YAML may write "4GiB" or "2GB".
+    # memory available at start-up (handler.runtime.memory_budget). YAML may write "4GiB" or "2GB".
     prefix_cache_max_bytes: int = 0
     # The Responses route's store of responses (previous_response_id): in memory, least recently
     # used out first, bounded in responses and in bytes (their conversations' JSON). 0 responses: none kept.

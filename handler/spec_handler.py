@@ -22,7 +22,6 @@ from ts.torch_handler.base_handler import BaseHandler
 
 from handler.api.openai.responses import ResponseStore
 from handler.api.openai.routes import Route, route_from_url_path
-from handler.caches.memory_budget import describe, prefix_cache_budget
 from handler.config import handler_config_from_yaml_config
 from handler.constraints import compiler_for
 from handler.engine import SpeculativeEngine
@@ -37,6 +36,7 @@ from handler.metrics import (
 from handler.planning.measure import measure_for_config
 from handler.runners import config_runner
 from handler.runtime.loading import load_models
+from handler.runtime.memory_budget import describe, prefix_cache_budget
 from handler.schema import RequestError
 from handler.serving import ContinuousBatcher, Reply, StaticBatch, parse_entry
 

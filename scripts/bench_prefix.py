@@ -42,11 +42,11 @@ import statistics
 
 import yaml
 
-from handler.caches.memory_budget import prefix_cache_budget
 from handler.config import handler_config_from_yaml_config
 from handler.engine import GenerationRequest, GenerationResult, SpeculativeEngine
 from handler.planning.measure import measure_for_config
 from handler.runtime.loading import load_models
+from handler.runtime.memory_budget import prefix_cache_budget
 from scripts.bench_common import (
     DEFAULT_CONFIG,
     DEFAULT_DRAFT,

@@ -16,7 +16,6 @@ import torch
 
 from handler import runners
 from handler.caches.kv_cache import tree_attention_error
-from handler.caches.memory_budget import prefix_cache_budget
 from handler.caches.prefix_cache import PrefixCacheStats
 from handler.config import SPECULATIVE_TREE_MODES, HandlerConfig
 from handler.drafters import DRAFTERS, MODEL, MODEL_FREE, NGRAM, SUFFIX, TLI
@@ -32,6 +31,7 @@ from handler.engine.row import Row
 from handler.engine.verify import StepUniforms, Verifier
 from handler.planning.cost_table import RunningCostTable
 from handler.planning.estimators import OutcomeCheck
+from handler.runtime.memory_budget import prefix_cache_budget
 from handler.types import GenerationRequest, GenerationResult, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ class SpeculativeEngine:
 
 def config_arguments(models, config: HandlerConfig, overrides: dict) -> dict:
     """The constructor's keyword arguments from a handler config, then `overrides` (a benchmark's
-    `options`). The prefix cache's budget comes from the config (`handler.caches.memory_budget`) unless
+    `options`). The prefix cache's budget comes from the config (`handler.runtime.memory_budget`) unless
     they give `prefix_cache_max_bytes`; the runner is the config's (`auto` timed now,
     `handler.runners.config_runner`) unless they give `runner`."""
     arguments = {
