@@ -23,13 +23,18 @@ engine serves a changing batch of requests:
   (see `handler.drafters.model`).
 - `generate(requests)` is the static batch: add all, step until done.
 
+The engine is built in one place, `build` (`build_engine`, `engine_from_config`): the runners, the
+drafters, the prefix caches, the cost table and the planner, from a handler config or a test's
+keywords; `SpeculativeEngine` receives them built (`EngineParts`).
+
 A seeded sampled request is verified by coupling (`handler.sampler.coupled_verify`): its output
 depends on its seed and the target alone, so neither the plan nor the rows beside it can change it.
 
 Nothing here imports TorchServe.
 """
 
-from handler.engine.engine import EngineOptions, SpeculativeEngine
+from handler.engine.build import EngineSettings, build_engine, engine_from_config, engine_settings
+from handler.engine.engine import EngineOptions, EngineParts, SpeculativeEngine
 from handler.engine.record import StepRecord
 from handler.engine.row import PROPOSER_GRAMMAR
 from handler.types import GenerationRequest, GenerationResult, SpeculativeStats, StepOutput, TokenLogprob
@@ -37,6 +42,8 @@ from handler.types import GenerationRequest, GenerationResult, SpeculativeStats,
 __all__ = [
     "PROPOSER_GRAMMAR",
     "EngineOptions",
+    "EngineParts",
+    "EngineSettings",
     "GenerationRequest",
     "GenerationResult",
     "SpeculativeEngine",
@@ -44,4 +51,7 @@ __all__ = [
     "StepOutput",
     "StepRecord",
     "TokenLogprob",
+    "build_engine",
+    "engine_from_config",
+    "engine_settings",
 ]

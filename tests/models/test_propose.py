@@ -154,7 +154,7 @@ def guessing(tiny_pair):
     """The target drafts for itself: the suffix trees, which hold its outputs, then guess its drafts
     (the tiny random draft agrees with the target too rarely for them to guess its drafts)."""
     target, _, tokenizer = tiny_pair
-    return make_engine(target, target, tokenizer, default_drafter="hybrid", draft_guesses=True)
+    return make_engine(target, target, tokenizer, drafter="hybrid", draft_guesses=True)
 
 
 def count_passes(engine, monkeypatch) -> list[tuple[int, int]]:
@@ -208,7 +208,7 @@ def test_guesses_keep_a_seeded_request_on_its_seed(tiny_pair, guessing):
 def test_guesses_under_a_cost_table_and_the_confidence_stop(tiny_pair):
     target, draft, tokenizer = tiny_pair
     engine = make_engine(
-        target, draft, tokenizer, default_drafter="hybrid", draft_guesses=True,
+        target, draft, tokenizer, drafter="hybrid", draft_guesses=True,
         cost_table=CONFIDENT_COSTS, draft_confidence=True,
     )  # fmt: skip
     prompts = [encode(tokenizer, prompt) for prompt in PROMPTS]
