@@ -35,7 +35,6 @@ SPECULATIVE_TREE_MODES = ("auto", "off")
 RUNNER_MODES = ("auto", "dynamic", "static")
 # auto, then handler.api.openai.tool_formats.FORMAT_NAMES (vLLM's parser names; a unit test keeps them equal).
 TOOL_CALL_PARSERS = ("auto", "hermes", "mistral", "llama3_json", "json")
-# Who proposes drafts (handler.drafters): DRAFTERS, of which MODEL_FREE need no draft model.
 # How a draft from another family drafts for greedy rows (`handler.drafters.cross_vocab`): its whole
 # vocabulary with its text re-tokenized, or the shared tokens only.
 SLEM = "slem"
