@@ -74,7 +74,8 @@ def engine_for(tiny_pair, eos_ids):
             cost_table = CostModel(draft_step=0.2, target_step=1.0, target_per_extra_token=0.05) if planned else None
             engines[planned] = build_engine(
                 # The hand-made costs stand as given: planned by them, not by this machine's timing.
-                LoadedModels.of(target, draft, tokenizer, eos_token_ids=eos_ids), cost_table=cost_table,
+                LoadedModels.of(target, draft, tokenizer, eos_token_ids=eos_ids),
+                cost_table=cost_table,
                 options=EngineOptions(running_costs=False),
             )
         return engines[planned]
