@@ -13,13 +13,12 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from handler.drafters import CROSS_VOCAB_GREEDY, DRAFTERS, MODEL_FREE
-from handler.drafters.suffix import SuffixOptions
-
 # The request's types live in handler.types (torch-free); they are named here as before.
 from handler.types import (  # noqa: F401 - re-exported
+    DRAFTERS,
     LOGIT_BIAS_RANGE,
     MAX_REPETITION_PENALTY,
+    MODEL_FREE,
     PENALTY_RANGE,
     SAMPLING_NUMBER_FIELDS,
     SamplingParams,
@@ -36,7 +35,11 @@ SPECULATIVE_TREE_MODES = ("auto", "off")
 RUNNER_MODES = ("auto", "dynamic", "static")
 # auto, then handler.api.openai.tool_formats.FORMAT_NAMES (vLLM's parser names; a unit test keeps them equal).
 TOOL_CALL_PARSERS = ("auto", "hermes", "mistral", "llama3_json", "json")
-# Who proposes drafts (handler.drafters): DRAFTERS, of which MODEL_FREE need no draft model.
+# How a draft from another family drafts for greedy rows (`handler.drafters.cross_vocab`): its whole
+# vocabulary with its text re-tokenized, or the shared tokens only.
+SLEM = "slem"
+TLI = "tli"
+CROSS_VOCAB_GREEDY = (SLEM, TLI)
 # Longest n-gram the look-up matches; longer suffixes rarely add matches.
 MAX_PROMPT_LOOKUP = 16
 # Largest K the engine supports; a config may lower it, never raise it.
@@ -51,6 +54,11 @@ _SUB_MINUTE_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0)
 DEFAULT_LATENCY_BUCKETS_S = _SUB_MINUTE_BUCKETS_S + (60.0, 90.0, 120.0, 180.0, 300.0, 600.0)
 # Each bucket is one counter series, and an observation one worker-log line per bucket at or above it.
 MAX_LATENCY_BUCKETS = 32
+# The suffix drafter's defaults: vLLM's for `method: suffix`, and the bounds of the tree of recent outputs.
+DEFAULT_MAX_DEPTH = 24
+DEFAULT_MIN_TOKEN_PROB = 0.1
+DEFAULT_MAX_CACHED_REQUESTS = 1024
+DEFAULT_MAX_CACHED_TOKENS = 262_144
 # The units of a byte count written as a string: SI (powers of 1000) and IEC (powers of 1024).
 BYTE_UNITS = {
     "B": 1,
@@ -152,6 +160,17 @@ def sampling_params_from_dict(raw: Any, section: str = "handler.sampling.") -> S
 
 
 @dataclasses.dataclass(frozen=True)
+class SuffixOptions:
+    """The suffix drafter's settings (model-config.yaml's `suffix_*` keys, `handler.drafters.suffix`)."""
+
+    max_depth: int = DEFAULT_MAX_DEPTH
+    min_token_prob: float = DEFAULT_MIN_TOKEN_PROB
+    share_across_requests: bool = True
+    max_cached_requests: int = DEFAULT_MAX_CACHED_REQUESTS
+    max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS
+
+
+@dataclasses.dataclass(frozen=True)
 class HandlerConfig:
     target_model: str = "target"
     draft_model: str | None = "draft"
@@ -196,7 +215,7 @@ class HandlerConfig:
     # prefix (handler.caches.prefix_cache, docs/prefix-caching.md).
     prefix_cache: bool = True
     # Bytes the prefix cache holds, both models together. 0 = automatic: a quarter of the
-    # memory available at start-up (handler.caches.memory_budget). YAML may write "4GiB" or "2GB".
+    # memory available at start-up (handler.runtime.memory_budget). YAML may write "4GiB" or "2GB".
     prefix_cache_max_bytes: int = 0
     # The Responses route's store of responses (previous_response_id): in memory, least recently
     # used out first, bounded in responses and in bytes (their conversations' JSON). 0 responses: none kept.

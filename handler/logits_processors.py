@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from handler.config import SamplingParams
+    from handler.types import SamplingParams
 
 
 def token_counts(

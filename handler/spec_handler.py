@@ -23,10 +23,9 @@ from ts.torch_handler.base_handler import BaseHandler
 from handler.api.openai.requests import sampling_defaults
 from handler.api.openai.responses import ResponseStore
 from handler.api.openai.routes import Route, route_from_url_path
-from handler.caches.memory_budget import describe, prefix_cache_budget
 from handler.config import handler_config_from_yaml_config
 from handler.constraints import compiler_for
-from handler.engine import SpeculativeEngine
+from handler.engine import engine_from_config
 from handler.metrics import (
     CostScaleTally,
     MetricsRecorder,
@@ -35,8 +34,7 @@ from handler.metrics import (
     ResponseStoreTally,
     SuffixTreeTally,
 )
-from handler.planning.measure import cost_table_cache_dir, measure_for_config
-from handler.runners import config_runner
+from handler.planning.measure import cost_table_cache_dir
 from handler.runtime.loading import load_models
 from handler.schema import RequestError
 from handler.serving import ContinuousBatcher, Reply, StaticBatch, parse_entry
@@ -55,28 +53,14 @@ class SpeculativeHandler(BaseHandler):
         self.config = handler_config_from_yaml_config(context.model_yaml_config)
         self.models = load_models(self.config, properties.get("model_dir"), properties.get("gpu_id"))
         self.device = self.models.device
-        # Measured now, with the models loaded and before anything else takes memory.
-        budget = prefix_cache_budget(self.config, next(self.models.target.parameters()).device)
-        logger.info("prefix cache: %s", describe(budget))
-        runner = config_runner(self.config, self.models)
-        cost_table = None
-        if self.config.adaptive_k:
-            # Measured here, on the device and dtype that serve, and cached in the model dir or $SPEC_COST_TABLE_DIR.
-            cost_table = measure_for_config(
-                self.models,
-                self.config,
-                int((context.model_yaml_config or {}).get("batchSize", 1)),
-                cache_dir=cost_table_cache_dir(properties.get("model_dir")),
-                model_identity=f"{context.model_name}/{(self.manifest or {}).get('model', {}).get('modelVersion', '')}",
-                runner=runner,
-            )
-            logger.info("adaptive k: measured cost table\n%s", cost_table.format())
-        self.engine = SpeculativeEngine.from_config(
+        # The prefix cache's budget, the runner and (adaptive_k) the cost table are worked out now, on the
+        # device and dtype that serve; the table is cached in the model dir.
+        self.engine = engine_from_config(
             self.models,
             self.config,
-            cost_table,
-            prefix_cache_max_bytes=None if budget is None else budget.num_bytes,
-            runner=runner,
+            max_batch_size=int((context.model_yaml_config or {}).get("batchSize", 1)),
+            cache_dir=cost_table_cache_dir(properties.get("model_dir")),
+            model_identity=f"{context.model_name}/{(self.manifest or {}).get('model', {}).get('modelVersion', '')}",
         )
         self.prefix_cache_tally = PrefixCacheTally()
         self.suffix_tree_tally = SuffixTreeTally()

@@ -7,6 +7,9 @@
 - `Engine`: what serving asks of an engine, which `handler.engine.SpeculativeEngine` and the
   tests' fake both are (a test checks).
 
+- the drafters' names (`MODEL`, `NGRAM`, `SUFFIX`, `HYBRID`), which requests and the config name
+  and `handler.drafters` implements.
+
 Nothing here imports torch, transformers or the drafters.
 """
 
@@ -33,8 +36,16 @@ class DrafterName(enum.StrEnum):
     GRAMMAR = "grammar"  # not a request's choice: the tokens a constraint's grammar forces
 
 
+# The drafters a request or the config may name (handler.drafters implements them).
+MODEL = DrafterName.MODEL
+NGRAM = DrafterName.NGRAM
+SUFFIX = DrafterName.SUFFIX
+HYBRID = DrafterName.HYBRID
+DRAFTERS = (MODEL, NGRAM, SUFFIX, HYBRID)
+# The drafters that need no draft model.
+MODEL_FREE = (NGRAM, SUFFIX)
 # The default drafter's name.
-DRAFTER_MODEL = DrafterName.MODEL
+DRAFTER_MODEL = MODEL
 
 
 # OpenAI's ranges for the penalties and the logit bias; a repetition penalty (a multiplier)

@@ -98,7 +98,14 @@ import yaml
 
 from handler.config import handler_config_from_yaml_config
 from handler.drafters import HYBRID, MODEL, NGRAM, SUFFIX
-from handler.engine import EngineOptions, GenerationRequest, SpeculativeEngine, SpeculativeStats
+from handler.engine import (
+    EngineOptions,
+    GenerationRequest,
+    SpeculativeEngine,
+    SpeculativeStats,
+    build_engine,
+    engine_settings,
+)
 from handler.planning.cost_table import CostTable
 from handler.runtime.loading import load_models
 from scripts import bench_common, bench_runner
@@ -883,14 +890,14 @@ def main(argv=None) -> int:
             cost_table = skew_draft(cost_table, args.draft_cost_skew)
             print(f"Draft step multiplied by {args.draft_cost_skew:g} (--draft-cost-skew)", flush=True)
     estimate = {} if args.suffix_estimate is None else {"suffix_estimate": args.suffix_estimate}
+    settings = engine_settings(models, config)
 
     def new_engine(prefix_cache: bool = False, running_costs: bool = True) -> SpeculativeEngine:
         """A fresh engine; with `prefix_cache`, the config's own prefix cache (its budget), else none;
         `running_costs`: the engine's running correction of the cost table (its default) or none."""
         cache = {} if prefix_cache else {"prefix_cache_max_bytes": None}
-        return SpeculativeEngine.from_config(
-            models, config, cost_table, options=EngineOptions(running_costs=running_costs, **estimate), **cache
-        )
+        options = EngineOptions(running_costs=running_costs, **estimate)
+        return build_engine(models, settings, cost_table=cost_table, options=options, **cache)
 
     methods = row_methods(args.methods, config)
     reference_engine = new_engine()

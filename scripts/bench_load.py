@@ -66,9 +66,15 @@ import time
 
 from handler.config import SamplingParams
 from handler.drafters import HYBRID, MODEL, NGRAM, SUFFIX
-from handler.engine import GenerationRequest, SpeculativeEngine, StepRecord
+from handler.engine import (
+    EngineSettings,
+    GenerationRequest,
+    SpeculativeEngine,
+    StepRecord,
+    build_engine,
+    engine_settings,
+)
 from handler.planning.cost_table import CostTable
-from handler.runners import config_runner
 from handler.runtime.loading import load_models
 from scripts import bench_common, bench_runner
 from scripts.bench_common import fmt, machine_info, percentile, start_up_cost_table
@@ -172,8 +178,8 @@ def figures(traffic: Traffic) -> dict:
 class Bench:
     """The loaded models, the cost table and one engine per row."""
 
-    def __init__(self, models, config, cost_table: CostTable | None, runner: str, args) -> None:
-        self.models, self.config, self.cost_table, self.runner = models, config, cost_table, runner
+    def __init__(self, models, config, cost_table: CostTable | None, settings: EngineSettings, args) -> None:
+        self.models, self.config, self.cost_table, self.settings = models, config, cost_table, settings
         self.max_new_tokens = args.max_new_tokens
         self.warm_tokens = args.warm_tokens or args.max_new_tokens
         self.warm_concurrency = args.concurrency if args.warm_tokens else [1]
@@ -185,13 +191,11 @@ class Bench:
         """The row's engine; a new one first serves `warm_prompts` (a closed loop at each of
         `warm_concurrency`), as a server has served traffic before it is measured."""
         if row.key not in self.engines:
-            config = dataclasses.replace(self.config, adaptive_k=row.planned)
-            engine = SpeculativeEngine.from_config(
+            engine = build_engine(
                 self.models,
-                config,
-                self.cost_table if row.planned else None,
+                self.settings,
+                cost_table=self.cost_table if row.planned else None,
                 prefix_cache_max_bytes=None,
-                runner=self.runner,
             )
             for concurrency in self.warm_concurrency:
                 num = max(4, 2 * concurrency)
@@ -438,13 +442,13 @@ def main(argv=None) -> int:
     machine = machine_info()
     logger.info("machine: %s", machine["description"])
     batch_room = max(args.max_in_flight, *args.concurrency)
-    runner_kind = config_runner(config, models)
+    settings = engine_settings(models, config)
     # Measured afresh, as the handler measures it at start-up, up to the batch this run reaches.
-    cost_table = start_up_cost_table(models, config, batch_room, runner=runner_kind)
+    cost_table = start_up_cost_table(models, config, batch_room, runner=settings.runner)
     num_prompts = max(args.open_requests, args.min_requests, max(args.concurrency) * args.requests_per_client)
     prompts = coding_prompts(models.tokenizer, num_prompts)
     rows = [row_spec(key, config) for key in ROWS if key in args.rows]
-    runner = Bench(models, config, cost_table, runner_kind, args)
+    runner = Bench(models, config, cost_table, settings, args)
     closed = [(f"C={c}", float(c)) for c in args.concurrency]
     results = run_all(runner, rows, closed, prompts, args)
     rates = args.rates

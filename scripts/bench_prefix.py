@@ -42,9 +42,8 @@ import statistics
 
 import yaml
 
-from handler.caches.memory_budget import prefix_cache_budget
 from handler.config import handler_config_from_yaml_config
-from handler.engine import GenerationRequest, GenerationResult, SpeculativeEngine
+from handler.engine import GenerationRequest, GenerationResult, SpeculativeEngine, build_engine, engine_settings
 from handler.planning.measure import measure_for_config
 from handler.runtime.loading import load_models
 from scripts.bench_common import (
@@ -438,11 +437,11 @@ def main(argv=None) -> int:
     batch_size = int(raw_config.get("batchSize", 1))  # TorchServe's batch: the rows decoding together
     models = load_models(config, None)
     machine = machine_info()
-    # As the handler takes it: after loading, before anything else takes memory.
-    cache_bytes = (
-        int(args.cache_gib * GIB)
-        or prefix_cache_budget(dataclasses.replace(config, prefix_cache=True), models.device).num_bytes
-    )
+    # As the handler takes it: after loading, before anything else takes memory; --cache-gib 0 is the
+    # config's automatic budget.
+    cache_config = dataclasses.replace(config, prefix_cache=True, prefix_cache_max_bytes=int(args.cache_gib * GIB))
+    settings = engine_settings(models, cache_config)
+    cache_bytes = settings.prefix_cache_max_bytes
     logger.info("machine: %s", machine["description"])
     cost_table = None
     if config.adaptive_k:  # as the handler measures it at start-up
@@ -450,7 +449,7 @@ def main(argv=None) -> int:
 
     def engine(mode: str) -> SpeculativeEngine:
         budget = cache_bytes if mode == "on" else None
-        return SpeculativeEngine.from_config(models, config, cost_table, prefix_cache_max_bytes=budget)
+        return build_engine(models, settings, cost_table=cost_table, prefix_cache_max_bytes=budget)
 
     route, tools = ChatRoute(config, models), TOOLS[: args.num_tools]
     system, shared = system_prompt(route, args.system_tokens, tools), system_prompt(route, args.shared_tokens, [])

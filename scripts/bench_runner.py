@@ -20,7 +20,15 @@ from handler.api.openai.requests import parse_openai_request
 from handler.api.openai.routes import ROUTE_CHAT
 from handler.config import HandlerConfig, SamplingParams, handler_config_from_yaml_config
 from handler.drafters import HYBRID, MODEL, NGRAM
-from handler.engine import GenerationRequest, GenerationResult, SpeculativeEngine, StepRecord
+from handler.engine import (
+    EngineSettings,
+    GenerationRequest,
+    GenerationResult,
+    SpeculativeEngine,
+    StepRecord,
+    build_engine,
+    engine_settings,
+)
 from handler.runtime.loading import LoadedModels
 from handler.types import SpeculativeStats
 
@@ -136,15 +144,21 @@ class Runner:
         self.config = config
         self.cost_table = cost_table
         self.engines: dict[tuple[bool, bool], SpeculativeEngine] = {}
+        self.settings: EngineSettings | None = None  # the config's, resolved with the first engine
 
     def engine(self, planned: bool, confidence: bool = True) -> SpeculativeEngine:
         key = planned, confidence and self.config.draft_confidence
         if key not in self.engines:
+            if self.settings is None:
+                self.settings = engine_settings(self.models, self.config)
             # No prefix cache: each prompt runs several times, and later runs would skip the prefill
             # that the Hugging Face baselines pay for.
-            config = dataclasses.replace(self.config, draft_confidence=key[1])
-            self.engines[key] = SpeculativeEngine.from_config(
-                self.models, config, self.cost_table if planned else None, prefix_cache_max_bytes=None
+            self.engines[key] = build_engine(
+                self.models,
+                self.settings,
+                cost_table=self.cost_table if planned else None,
+                prefix_cache_max_bytes=None,
+                draft_confidence=key[1],
             )
         return self.engines[key]
 

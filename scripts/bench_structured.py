@@ -41,7 +41,14 @@ import yaml
 from handler.api.openai.tools import tool_format_for, tool_plan
 from handler.config import SamplingParams, handler_config_from_yaml_config
 from handler.constraints import Constraint, compiler_for
-from handler.engine import PROPOSER_GRAMMAR, EngineOptions, GenerationRequest, SpeculativeEngine
+from handler.engine import (
+    PROPOSER_GRAMMAR,
+    EngineOptions,
+    GenerationRequest,
+    SpeculativeEngine,
+    build_engine,
+    engine_settings,
+)
 from handler.planning.measure import measure_for_config
 from handler.runtime.loading import load_models
 from handler.types import SpeculativeStats
@@ -308,6 +315,7 @@ def main(argv=None) -> int:
     cost_table = None
     if config.adaptive_k:
         cost_table = measure_for_config(models, config, 8)
+    settings = engine_settings(models, config)
     tokenizer = models.tokenizer
     cases = build_cases(tokenizer)
     for case in cases:
@@ -315,10 +323,10 @@ def main(argv=None) -> int:
 
     def engine(grammar_drafts: bool) -> SpeculativeEngine:
         # No prefix cache: each case runs several times, and later runs would skip their prefill.
-        return SpeculativeEngine.from_config(
+        return build_engine(
             models,
-            config,
-            cost_table,
+            settings,
+            cost_table=cost_table,
             options=EngineOptions(grammar_drafts=grammar_drafts),
             prefix_cache_max_bytes=None,
         )

@@ -57,9 +57,10 @@ import torch
 
 from handler import runners
 from handler.config import SamplingParams
-from handler.engine import EngineOptions, GenerationRequest, SpeculativeEngine
+from handler.engine import EngineOptions, GenerationRequest, SpeculativeEngine, build_engine
 from handler.planning.pricing import chain_expected_tokens
 from handler.runners.static import StaticRunner
+from handler.runtime.loading import LoadedModels
 
 logger = logging.getLogger("gpu_check")
 
@@ -172,17 +173,13 @@ def make_engine(
     target, draft, tokenizer, runner: str, vocab_map=None, cross_vocab_greedy: str = "slem"
 ) -> SpeculativeEngine:
     """Drafts its fixed k (no cost table), chains only, no stop token: every step the same shape."""
-    return SpeculativeEngine(
-        target,
-        draft,
-        tokenizer,
-        (),
-        0,
+    models = LoadedModels.of(target, draft, tokenizer, eos_token_ids=(), pad_token_id=0, vocab_map=vocab_map)
+    return build_engine(
+        models,
         runner=runner,
         speculative_tree="off",
-        options=EngineOptions(running_costs=False),
-        vocab_map=vocab_map,
         cross_vocab_greedy=cross_vocab_greedy,
+        options=EngineOptions(running_costs=False),
     )
 
 

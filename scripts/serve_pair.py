@@ -308,27 +308,13 @@ def scaling(
 
 def in_process(pair: Pair, config: dict, gpu_id: int | None):
     """The pair loaded and the engine built from `config` as the handler's `initialize` builds them."""
-    from handler.caches.memory_budget import prefix_cache_budget
     from handler.config import handler_config_from_yaml_config
-    from handler.engine import SpeculativeEngine
-    from handler.planning.measure import measure_for_config
-    from handler.runners import config_runner
+    from handler.engine import engine_from_config
     from handler.runtime.loading import load_models
 
     handler_config = handler_config_from_yaml_config(config)
     models = load_models(handler_config, str(pair.folder), gpu_id)
-    budget = prefix_cache_budget(handler_config, next(models.target.parameters()).device)
-    runner = config_runner(handler_config, models)
-    cost_table = None
-    if handler_config.adaptive_k:
-        cost_table = measure_for_config(models, handler_config, int(config.get("batchSize", 1)), runner=runner)
-    engine = SpeculativeEngine.from_config(
-        models,
-        handler_config,
-        cost_table,
-        prefix_cache_max_bytes=None if budget is None else budget.num_bytes,
-        runner=runner,
-    )
+    engine = engine_from_config(models, handler_config, max_batch_size=int(config.get("batchSize", 1)))
     return models, handler_config, engine
 
 

@@ -36,27 +36,16 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Callable, Hashable, Mapping, Protocol, Sequence
 
+# The names live below the drafters, where the config and the requests can read them; re-exported.
+from handler.config import CROSS_VOCAB_GREEDY, SLEM, TLI  # noqa: F401 - re-exported
 from handler.tree import is_chain
-from handler.types import DrafterName
+from handler.types import DRAFTERS, HYBRID, MODEL, MODEL_FREE, NGRAM, SUFFIX, DrafterName  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
     import torch
 
     from handler.sampler import SamplingBatch
 
-MODEL = DrafterName.MODEL
-NGRAM = DrafterName.NGRAM
-SUFFIX = DrafterName.SUFFIX
-HYBRID = DrafterName.HYBRID
-# The drafters a request may pick.
-DRAFTERS = (MODEL, NGRAM, SUFFIX, HYBRID)
-# The drafters that need no draft model.
-MODEL_FREE = (NGRAM, SUFFIX)
-# How a draft from another family drafts for greedy rows (`handler.drafters.cross_vocab`): its whole
-# vocabulary with its text re-tokenized, or the shared tokens only.
-SLEM = "slem"
-TLI = "tli"
-CROSS_VOCAB_GREEDY = (SLEM, TLI)
 # Not a drafter a request picks: the tokens a constraint's grammar forces, proposed as drafts.
 PROPOSER_GRAMMAR = DrafterName.GRAMMAR
 # Whoever proposes a row's drafts in a step: a drafter, or the grammar.

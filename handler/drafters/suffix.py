@@ -35,18 +35,15 @@ import dataclasses
 import functools
 from typing import Hashable, Mapping, Sequence
 
+from handler.config import SuffixOptions  # noqa: F401 - re-exported: the settings are the config's
 from handler.drafters import NO_DRAFTS, SUFFIX, DraftRow, Proposal
 from handler.tree import ROOT, order_best_first
 
-# vLLM's defaults for `method: suffix`.
-DEFAULT_MAX_DEPTH = 24
-DEFAULT_MIN_TOKEN_PROB = 0.1
 # A proposal is at most as long as the context it matched (times 1, plus 0): a 1-token match
 # proposes 1 token. vLLM's defaults again (max_spec_factor, max_spec_offset).
 SPEC_FACTOR = 1.0
 SPEC_OFFSET = 0.0
-DEFAULT_MAX_CACHED_REQUESTS = 1024
-DEFAULT_MAX_CACHED_TOKENS = 262_144
+DEFAULT_OPTIONS = SuffixOptions()
 
 
 def _suffix_tree_class():
@@ -59,17 +56,6 @@ def _suffix_tree_class():
             "which needs a C++20 compiler (g++ 10 or newer)"
         ) from error
     return SuffixTree
-
-
-@dataclasses.dataclass(frozen=True)
-class SuffixOptions:
-    """The suffix drafter's settings (model-config.yaml's `suffix_*` keys)."""
-
-    max_depth: int = DEFAULT_MAX_DEPTH
-    min_token_prob: float = DEFAULT_MIN_TOKEN_PROB
-    share_across_requests: bool = True
-    max_cached_requests: int = DEFAULT_MAX_CACHED_REQUESTS
-    max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +81,7 @@ class SuffixDrafter:
 
     name = SUFFIX
 
-    def __init__(self, options: SuffixOptions = SuffixOptions()) -> None:
+    def __init__(self, options: SuffixOptions = DEFAULT_OPTIONS) -> None:
         assert options.max_depth >= 1 and 0.0 <= options.min_token_prob <= 1.0, options
         self.options = options
         # The C++ trees are made on first use: a deployment that never drafts from suffix trees

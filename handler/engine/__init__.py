@@ -27,6 +27,10 @@ engine serves a changing batch of requests:
   (see `handler.drafters.model`).
 - `generate(requests)` is the static batch: add all, step until done.
 
+The engine is built in one place, `build` (`build_engine`, `engine_from_config`): the runners, the
+drafters, the prefix caches, the cost table and the planner, from a handler config or a test's
+keywords; `SpeculativeEngine` receives them built (`EngineParts`).
+
 A seeded sampled request is verified by coupling (`handler.sampler.coupled_verify`): its output
 depends on its seed and the target alone, so neither the plan nor the rows beside it can change it.
 
@@ -34,13 +38,16 @@ Nothing here imports TorchServe.
 """
 
 from handler.drafters import PROPOSER_GRAMMAR
-from handler.engine.engine import EngineOptions, SpeculativeEngine
+from handler.engine.build import EngineSettings, build_engine, engine_from_config, engine_settings
+from handler.engine.engine import EngineOptions, EngineParts, SpeculativeEngine
 from handler.engine.record import StepRecord
 from handler.types import GenerationRequest, GenerationResult, SpeculativeStats, StepOutput, TokenLogprob
 
 __all__ = [
     "PROPOSER_GRAMMAR",
     "EngineOptions",
+    "EngineParts",
+    "EngineSettings",
     "GenerationRequest",
     "GenerationResult",
     "SpeculativeEngine",
@@ -48,4 +55,7 @@ __all__ = [
     "StepOutput",
     "StepRecord",
     "TokenLogprob",
+    "build_engine",
+    "engine_from_config",
+    "engine_settings",
 ]

@@ -15,29 +15,23 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from handler import runners
-from handler.caches.kv_cache import tree_attention_error
-from handler.caches.memory_budget import prefix_cache_budget
-from handler.caches.prefix_cache import PrefixCacheStats
-from handler.config import SPECULATIVE_TREE_MODES, HandlerConfig
-from handler.drafters import DRAFTERS, MODEL, MODEL_FREE, NGRAM, SUFFIX, TLI
+from handler.caches.prefix_cache import PrefixCache, PrefixCacheStats
+from handler.drafters import DRAFTERS, MODEL, MODEL_FREE, SUFFIX, Drafter
 from handler.drafters.model import ModelDrafter
-from handler.drafters.ngram import NgramDrafter
-from handler.drafters.suffix import SuffixDrafter, SuffixOptions, SuffixTreeStats
-from handler.engine.admission import Batch, split_prefix_cache
-from handler.engine.propose import Proposer, make_drafters
+from handler.drafters.suffix import SuffixDrafter, SuffixTreeStats
+from handler.engine.admission import Batch
+from handler.engine.propose import Proposer
 from handler.engine.record import StepLog
 from handler.engine.row import Row
 from handler.engine.verify import StepUniforms, Verifier
-from handler.planning.acceptance import SUFFIX_ESTIMATES, Estimates
+from handler.planning.acceptance import SUFFIX_ESTIMATES
 from handler.planning.cost_table import RunningCostTable
 from handler.planning.planner import NO_DRAFTS_TO_VERIFY, Planner, StepPlan
-from handler.planning.trackers import OutcomeCheck
+from handler.runtime.loading import LoadedModels
 from handler.sampler import SamplingBatch
 from handler.types import DrafterName, GenerationRequest, GenerationResult, StepOutput
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_SUFFIX_OPTIONS = SuffixOptions()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,125 +51,66 @@ class EngineOptions:
         assert self.suffix_estimate in SUFFIX_ESTIMATES, self.suffix_estimate
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineParts:
+    """What an engine runs with, built once from its settings (`handler.engine.build`)."""
+
+    # The pair, its tokenizer and special tokens, and the map between vocabularies of a draft from
+    # another family (`handler.vocab_map`).
+    models: LoadedModels
+    target_runner: runners.ModelRunner
+    # Every drafter by name (`handler.drafters.Drafter`); the model's only with a draft model.
+    drafters: dict[str, Drafter]
+    prefix_cache: PrefixCache | None  # the target's; the model drafter holds the draft's
+    # Prices each step with the cost table (None: every row drafts its cap), from the estimates.
+    planner: Planner
+    trees: bool  # whether look-ups may propose trees: the target's attention takes their mask
+    default_drafter: str  # the drafter of requests that name none
+    prompt_lookup_num_tokens: int  # the most drafts one look-up proposes (0: the request's k)
+    options: EngineOptions
+
+
 class SpeculativeEngine:
     """Lossless speculative decoding of a target Hugging Face causal LM, with pluggable drafters.
 
-    Args (the config keys of the same names are in the README):
-        target: the model whose output distribution is kept.
-        draft: the draft model, or None when only the look-up drafters are served.
-        default_drafter: the drafter of requests that name none; "model" with a draft, else "ngram".
-        cost_table: measured pass costs (`handler.planning.cost_table.CostTable`, or any object with
-            `target_seconds(batch_size, width)` and `draft_seconds(batch_size)`): each step's k is
-            planned for the batch; None: every row drafts its cap.
-        prompt_lookup_min, prompt_lookup_max, prompt_lookup_num_tokens: the n-gram drafter's suffix
-            lengths, and the most drafts one look-up proposes (0: the request's k).
-        prefix_cache_max_bytes: the prefix cache of both models together; None: none.
-        suffix: the suffix drafter's trees (`handler.drafters.suffix`).
-        speculative_tree: "auto": trees of candidates where the target's attention takes a 4D mask
-            with its cache (checked here); "off": chains only.
-        draft_confidence: with a cost table, the draft drafts until its calibrated confidence says
-            one more draft does not pay (`handler.planning.pricing.ConfidenceStop`).
-        draft_guesses: a hybrid row's suffix trees guess the draft's next drafts, checked in one pass.
-        runner: "dynamic" or "static" (`handler.runners`); None: `handler.runners.DEFAULT_RUNNER`.
-        vocab_map, cross_vocab_greedy: a draft from another family (`handler.vocab_map`,
-            `handler.drafters.cross_vocab`).
-        options: benchmark and test knobs (`EngineOptions`).
+    Built by `handler.engine.build` (`build_engine`, `engine_from_config`), which turns the config's
+    settings and the loaded models into the parts (`EngineParts`); the engine wires its step from them.
     """
 
-    def __init__(
-        self,
-        target,
-        draft,
-        tokenizer,
-        eos_token_ids: Sequence[int],
-        pad_token_id: int = 0,
-        *,
-        default_drafter: str | None = None,
-        cost_table=None,
-        prompt_lookup_min: int = 1,
-        prompt_lookup_max: int = 4,
-        prompt_lookup_num_tokens: int = 0,
-        prefix_cache_max_bytes: int | None = None,
-        suffix: SuffixOptions = DEFAULT_SUFFIX_OPTIONS,
-        speculative_tree: str = "auto",
-        draft_confidence: bool = False,
-        draft_guesses: bool = False,
-        runner: str | None = None,
-        vocab_map=None,
-        cross_vocab_greedy: str = TLI,
-        options: EngineOptions = EngineOptions(),
-    ) -> None:
-        assert speculative_tree in SPECULATIVE_TREE_MODES, speculative_tree
-        self.target = target
-        self.tokenizer = tokenizer
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.pad_token_id = pad_token_id
-        self.device = next(target.parameters()).device
-        self.vocab_size = target.config.get_text_config().vocab_size
-        self.vocab_map = vocab_map
-        self.runner_kind = runner or runners.DEFAULT_RUNNER  # make_runner refuses any other kind
-        self.target_runner = runners.make_runner(self.runner_kind, target)
-        self.cost_table = cost_table
+    def __init__(self, parts: EngineParts) -> None:
+        models = parts.models
+        self.target = models.target
+        self.tokenizer = models.tokenizer
+        self.eos_token_ids = frozenset(models.eos_token_ids)
+        self.pad_token_id = models.pad_token_id
+        self.device = next(self.target.parameters()).device
+        self.vocab_size = self.target.config.get_text_config().vocab_size
+        self.vocab_map = models.vocab_map
+        self.target_runner = parts.target_runner
+        self.runner_kind = parts.target_runner.kind
+        self.planner = parts.planner
+        self.estimates = parts.planner.estimates
+        self.cost_table = parts.planner.cost_table
         # Where the engine times its passes, it also checks the plan's choice to draft against plain
         # decoding as the steps ran (`handler.planning.trackers.OutcomeCheck`).
-        self.outcome_check: OutcomeCheck | None = None
-        if cost_table is not None and options.running_costs and self.device.type == "cpu":
-            self.cost_table = RunningCostTable(cost_table)
-            self.outcome_check = OutcomeCheck()
-        target_prefix_cache, draft_prefix_cache = split_prefix_cache(target, draft, prefix_cache_max_bytes)
-        # Every drafter by name (`handler.drafters.Drafter`); the model's only with a draft model.
-        self.drafter_map = make_drafters(
-            draft,
-            NgramDrafter(prompt_lookup_min, prompt_lookup_max),
-            SuffixDrafter(suffix),
-            draft_runner=None if draft is None else runners.make_runner(self.runner_kind, draft),
-            vocab_size=self.vocab_size,
-            pad_token_id=pad_token_id,
-            prefix_cache=draft_prefix_cache,
-            vocab_map=vocab_map,
-            cross_vocab_greedy=cross_vocab_greedy,
-        )
-        self.batch = Batch(target, self.target_runner, target_prefix_cache, pad_token_id, self.drafter_map)
-        self.trees = False
-        if speculative_tree == "auto":
-            error = tree_attention_error(target)
-            if error is not None:
-                logger.warning("speculative_tree: verifying chains only: %s", error)
-            self.trees = error is None
-        self.estimates = Estimates(options.suffix_estimate)
-        self.planner = Planner(
-            self.cost_table,
-            self.estimates,
-            self.model_drafter,
-            draft_confidence=draft_confidence and draft is not None,
-            # Guesses are the target's tokens, fed to the draft as its own: only for a shared vocabulary.
-            draft_guesses=draft_guesses and draft is not None and vocab_map is None,
-            outcome_check=self.outcome_check,
-        )
+        self.outcome_check = parts.planner.outcome_check
+        self.drafter_map = parts.drafters
+        self.batch = Batch(self.target, self.target_runner, parts.prefix_cache, self.pad_token_id, self.drafter_map)
+        self.trees = parts.trees
         self.proposer = Proposer(
             self.drafter_map,
             self.planner,
             trees=self.trees,
-            prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-            grammar_drafts=options.grammar_drafts,
+            prompt_lookup_num_tokens=parts.prompt_lookup_num_tokens,
+            grammar_drafts=parts.options.grammar_drafts,
         )
-        self.drafters = DRAFTERS if draft is not None else MODEL_FREE  # the names a request may pick
-        self.default_drafter = default_drafter or (MODEL if draft is not None else NGRAM)
+        self.drafters = DRAFTERS if MODEL in self.drafter_map else MODEL_FREE  # the names a request may pick
+        self.default_drafter = parts.default_drafter
         assert self.default_drafter in self.drafters, (self.default_drafter, self.drafters)
         self.verifier = Verifier(
-            self.batch, self.cost_table, vocab_size=self.vocab_size, pad_token_id=pad_token_id, device=self.device
+            self.batch, self.cost_table, vocab_size=self.vocab_size, pad_token_id=self.pad_token_id, device=self.device
         )
         self.steps = StepLog(self.outcome_check)
-
-    @classmethod
-    def from_config(cls, models, config: HandlerConfig, cost_table=None, **overrides) -> SpeculativeEngine:
-        """The engine that a handler config describes, on models loaded by `handler.runtime.loading.load_models`
-        (`overrides`: further keyword arguments of the constructor, `config_arguments`)."""
-        arguments = config_arguments(models, config, overrides)
-        target, draft, tokenizer = models.target, models.draft, models.tokenizer
-        return cls(
-            target, draft, tokenizer, models.eos_token_ids, models.pad_token_id, cost_table=cost_table, **arguments
-        )
 
     @property
     def model_drafter(self) -> ModelDrafter | None:
@@ -362,32 +297,6 @@ class SpeculativeEngine:
         # No drafter follows a plain row: nothing to observe.
         self.batch.drop([row for row in plain if row.finish_reason is not None])
         return outputs
-
-
-def config_arguments(models, config: HandlerConfig, overrides: dict) -> dict:
-    """The constructor's keyword arguments from a handler config, then `overrides` (a benchmark's
-    `options`). The prefix cache's budget comes from the config (`handler.caches.memory_budget`) unless
-    they give `prefix_cache_max_bytes`; the runner is the config's (`auto` timed now,
-    `handler.runners.config_runner`) unless they give `runner`."""
-    arguments = {
-        "default_drafter": config.drafter,
-        "prompt_lookup_min": config.prompt_lookup_min,
-        "prompt_lookup_max": config.prompt_lookup_max,
-        "prompt_lookup_num_tokens": config.prompt_lookup_num_tokens,
-        "suffix": config.suffix_options,
-        "speculative_tree": config.speculative_tree,
-        "draft_confidence": config.draft_confidence,
-        "draft_guesses": config.draft_guesses,
-        "vocab_map": models.vocab_map,
-        "cross_vocab_greedy": config.cross_vocab_greedy,
-        **overrides,
-    }
-    if arguments.get("runner") is None:
-        arguments["runner"] = runners.config_runner(config, models)
-    if "prefix_cache_max_bytes" not in arguments:
-        budget = prefix_cache_budget(config, next(models.target.parameters()).device)
-        arguments["prefix_cache_max_bytes"] = None if budget is None else budget.num_bytes
-    return arguments
 
 
 def _joined(first: list[StepOutput], outputs: list[StepOutput]) -> list[StepOutput]:

@@ -9,7 +9,7 @@ them what the target did with a row's `handler.planning.planner.Drafts`.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from handler.drafters import NGRAM, PROPOSERS, SUFFIX, Proposal
 from handler.planning.trackers import (
@@ -19,11 +19,9 @@ from handler.planning.trackers import (
     AcceptanceTracker,
     BranchCalibration,
     ConfidenceCalibration,
+    PlannedRow,
 )
 from handler.tree import depths, first_choice_path, off_first_choice, order_best_first
-
-if TYPE_CHECKING:
-    from handler.engine.row import Row
 
 # How the planner estimates a suffix look-up's acceptance per position: from the tree's
 # probabilities, or from the row's running acceptance tracker like the other drafters.
@@ -65,7 +63,7 @@ class Estimates:
             proposers = proposers - {SUFFIX}  # a suffix look-up comes with its own probabilities
         return any(self.pool_trackers[name].num_steps < MIN_STEPS_BEFORE_FALLBACK for name in proposers)
 
-    def tracker(self, row: Row, proposer: str) -> AcceptanceTracker:
+    def tracker(self, row: PlannedRow, proposer: str) -> AcceptanceTracker:
         """The acceptance estimate that plans a row: its own, or the pool's while it has drafted too
         little to have one, and again after PROBE_INTERVAL steps without drafts (a probe)."""
         own = row.trackers[proposer]
@@ -73,7 +71,7 @@ class Estimates:
             return self.pool_trackers[proposer]
         return own
 
-    def estimate(self, row: Row, proposer: str, lookup: Proposal) -> tuple[Proposal, list[float]]:
+    def estimate(self, row: PlannedRow, proposer: str, lookup: Proposal) -> tuple[Proposal, list[float]]:
         """A look-up's proposal, best draft first, and E(0..n) for its first n drafts.
 
         Each draft's estimate is the probability that it and its ancestors are accepted:
@@ -99,7 +97,7 @@ class Estimates:
             lookup = Proposal(token_ids, scores, parents)
         return lookup, _curve(scores)
 
-    def learn(self, row: Row, plan, drafts, num_accepted: int, path: list[int]) -> None:
+    def learn(self, row: PlannedRow, plan, drafts, num_accepted: int, path: list[int]) -> None:
         """Teaches the trackers and calibrations what the target did with a row's drafts this step.
 
         `plan`: the row's `handler.planning.planner.RowPlan`; `drafts`: its `Drafts`, what it verified;
@@ -121,7 +119,7 @@ class Estimates:
         if drafts.confidences is not None:
             self._calibrate(row, drafts.confidences, path)
 
-    def _calibrate(self, row: Row, drafts: DraftConfidences, path: list[int]) -> None:
+    def _calibrate(self, row: PlannedRow, drafts: DraftConfidences, path: list[int]) -> None:
         """Teaches the calibrations what the target did with a row's model drafts (`path`: its walk)."""
         num_chain = len(drafts.confidences)
         # Chain draft j sits at chunk column j + 1; the runners-up come after the chain.

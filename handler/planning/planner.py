@@ -12,7 +12,7 @@ verifying reads those.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -27,11 +27,8 @@ from handler.planning.pricing import (
     choose_runners_up,
     plan_batch,
 )
-from handler.planning.trackers import GuessRate, OutcomeCheck, batch_bucket
+from handler.planning.trackers import GuessRate, OutcomeCheck, PlannedRow, batch_bucket
 from handler.types import DrafterName
-
-if TYPE_CHECKING:
-    from handler.engine.row import Row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +148,7 @@ class Planner:
         self.draft_guesses = draft_guesses
         self.outcome_check = outcome_check
 
-    def guesses_for(self, row: Row) -> GuessRate | None:
+    def guesses_for(self, row: PlannedRow) -> GuessRate | None:
         """The row's guess rate where its model drafts are guessed (a hybrid row), else None."""
         return row.guess_rate if self.draft_guesses and row.drafter == HYBRID else None
 
@@ -181,7 +178,7 @@ class Planner:
             return None
         return lambda k, model: self.pass_seconds(batch_size, k, k if model else 0)
 
-    def _fill_share(self, row: Row, model_curve: Sequence[float]) -> float:
+    def _fill_share(self, row: PlannedRow, model_curve: Sequence[float]) -> float:
         """The seconds per step of the draft model's prefill of a row it has not drafted for (`fill`):
         priced by the target's cost of that width (the draft has no table of its own), and spread
         over the steps the row has left at its cap's expected tokens, as the prefill serves them all."""
@@ -193,7 +190,7 @@ class Planner:
         steps_left = max(1.0, row.remaining / model_curve[-1])
         return seconds / steps_left
 
-    def plan(self, rows: list[Row], options: list[RowOptions], num_steps: int) -> StepPlan:
+    def plan(self, rows: list[PlannedRow], options: list[RowOptions], num_steps: int) -> StepPlan:
         """Each row's drafter, k and tree this step, priced for the whole batch: the one place they are decided.
 
         A row's look-ups compete first (`choose`: the hybrid rule); its best then competes with the
@@ -228,7 +225,7 @@ class Planner:
             )
         return StepPlan(tuple(plans), self._confidence_stop(rows, plans))
 
-    def _batch_plan(self, rows: list[Row], choices: list[_Choice], num_steps: int) -> BatchPlan:
+    def _batch_plan(self, rows: list[PlannedRow], choices: list[_Choice], num_steps: int) -> BatchPlan:
         """Without a cost table every row drafts its cap: with its look-up where it found one, else the
         model. With one, `plan_batch` prices each width and number of model drafts.
         """
@@ -297,7 +294,7 @@ class Planner:
                 return plan_batch(forced, seconds_with(0.0))
         return plan
 
-    def _confidence_stop(self, rows: list[Row], plans: list[RowPlan]) -> Callable[[int, dict], bool] | None:
+    def _confidence_stop(self, rows: list[PlannedRow], plans: list[RowPlan]) -> Callable[[int, dict], bool] | None:
         """The draft model's stop rule this step (`ConfidenceStop`), or None: it drafts its rows' ks."""
         model_slots = [slot for slot, plan in enumerate(plans) if plan.uses_model and plan.k > 0]
         if not (self.draft_confidence and self.cost_table is not None and model_slots):
@@ -326,7 +323,7 @@ class Planner:
 
     def runners_up(
         self,
-        rows: list[Row],
+        rows: list[PlannedRow],
         plans: Sequence[RowPlan],
         chains: dict[int, tuple[int, Sequence[float], Sequence[tuple[int, float]]]],
         eligible: Sequence[int],

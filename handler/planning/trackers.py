@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Sequence
+from typing import Hashable, Protocol, Sequence
+
+from handler.types import GenerationRequest, SpeculativeStats
 
 # Weight of past steps in the acceptance estimate (about the last 10 steps count).
 DECAY = 0.9
@@ -274,3 +276,20 @@ class BranchCalibration:
         """A tree whose branches were all cut: no evidence, a step back toward the prior."""
         self.expected *= BRANCH_DECAY
         self.accepted *= BRANCH_DECAY
+
+
+class PlannedRow(Protocol):
+    """What the planner and the estimates read of a row in flight (`handler.engine.row.Row`), so that
+    planning needs nothing from the engine above it."""
+
+    request_id: Hashable
+    request: GenerationRequest
+    drafter: str
+    trackers: dict[str, AcceptanceTracker]  # by proposer
+    steps_without_drafts: int
+    guess_rate: GuessRate
+    stats: SpeculativeStats
+
+    @property
+    def remaining(self) -> int:
+        """How many tokens the row may still emit."""

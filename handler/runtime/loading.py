@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -33,6 +33,34 @@ class LoadedModels:
     # A draft from another family: the map between the vocabularies (`handler.vocab_map.VocabMap`);
     # None where the draft shares the target's tokenizer.
     vocab_map: Any = None
+
+    @classmethod
+    def of(
+        cls,
+        target,
+        draft,
+        tokenizer,
+        *,
+        eos_token_ids: Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        vocab_map=None,
+    ) -> LoadedModels:
+        """Models loaded elsewhere (a test's tiny pair, a benchmark's shapes), described as `load_models`
+        describes its own; `eos_token_ids` and `pad_token_id` default to the target's."""
+        if eos_token_ids is None:
+            eos_token_ids = collect_eos_token_ids(tokenizer, target.generation_config)
+        parameter = next(target.parameters())
+        return cls(
+            target=target,
+            draft=draft,
+            tokenizer=tokenizer,
+            eos_token_ids=tuple(eos_token_ids),
+            pad_token_id=default_pad_token_id(tokenizer, eos_token_ids) if pad_token_id is None else pad_token_id,
+            device=parameter.device,
+            dtype=parameter.dtype,
+            max_context=max_context(target, draft),
+            vocab_map=vocab_map,
+        )
 
 
 def select_device(gpu_id: Any) -> torch.device:
@@ -121,6 +149,22 @@ def collect_eos_token_ids(tokenizer, generation_config) -> tuple[int, ...]:
             if token_id is not None and token_id not in ids:
                 ids.append(int(token_id))
     return tuple(ids)
+
+
+def default_pad_token_id(tokenizer, eos_token_ids: Sequence[int]) -> int:
+    """The tokenizer's padding token, else the first EOS token, else 0 (padding is masked out anyway)."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return eos_token_ids[0] if eos_token_ids else 0
+
+
+def max_context(target, draft) -> int:
+    """The longest context both models take (their `max_position_embeddings`, where they say)."""
+    return min(
+        getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2**31 - 1
+        for model in (target, draft)
+        if model is not None
+    )
 
 
 def check_vocabularies(
@@ -285,23 +329,15 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
     eos_token_ids = collect_eos_token_ids(tokenizer, target.generation_config)
     if not eos_token_ids:
         logger.warning("the target has no EOS token; requests stop only at max_new_tokens or a stop string")
-    pad_token_id = tokenizer.pad_token_id
-    if pad_token_id is None:
-        pad_token_id = eos_token_ids[0] if eos_token_ids else 0
-    max_context = min(
-        getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2**31 - 1
-        for model in (target, draft)
-        if model is not None
-    )
     return LoadedModels(
         target=target,
         draft=draft,
         tokenizer=tokenizer,
         eos_token_ids=eos_token_ids,
-        pad_token_id=pad_token_id,
+        pad_token_id=default_pad_token_id(tokenizer, eos_token_ids),
         device=device,
         dtype=dtype,
-        max_context=max_context,
+        max_context=max_context(target, draft),
         draft_quantization=draft_quantization,
         vocab_map=vocab_map,
     )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handler.engine import EngineOptions, SpeculativeEngine
-from handler.runtime.loading import collect_eos_token_ids
+from handler.engine import EngineOptions, SpeculativeEngine, build_engine
+from handler.runtime.loading import LoadedModels
 
 
 @pytest.fixture(scope="session")
@@ -19,17 +19,19 @@ def tiny_pair(tiny_models_dir):
     return target, draft, tokenizer
 
 
-def make_engine(target, draft, tokenizer, eos_token_ids=None, **arguments) -> SpeculativeEngine:
-    """`arguments`: further keyword arguments of SpeculativeEngine (a cost table, draft_confidence).
+def make_engine(
+    target, draft, tokenizer, eos_token_ids=None, vocab_map=None, cost_table=None, options=None, **settings
+) -> SpeculativeEngine:
+    """The pair's engine through the builder (`handler.engine.build_engine`); `settings`: fields of
+    `handler.engine.EngineSettings` (draft_confidence, runner, prefix_cache_max_bytes, ...).
 
     A hand-made cost table stands as given unless the test's `options` ask for `running_costs`: the
     tiny models' passes take milliseconds, and rescaling the table by them would plan by the
     machine's timing instead of by the costs the test chose.
     """
-    if eos_token_ids is None:
-        eos_token_ids = collect_eos_token_ids(tokenizer, target.generation_config)
-    arguments.setdefault("options", EngineOptions(running_costs=False))
-    return SpeculativeEngine(target, draft, tokenizer, eos_token_ids, tokenizer.pad_token_id, **arguments)
+    models = LoadedModels.of(target, draft, tokenizer, eos_token_ids=eos_token_ids, vocab_map=vocab_map)
+    options = options or EngineOptions(running_costs=False)
+    return build_engine(models, cost_table=cost_table, options=options, **settings)
 
 
 def cross_vocab_pair(out, device: str = "cpu"):

@@ -17,9 +17,9 @@ import pytest
 
 from handler.config import SamplingParams
 from handler.constraints import Constraint
-from handler.engine import PROPOSER_GRAMMAR, EngineOptions, GenerationRequest, SpeculativeEngine
+from handler.engine import PROPOSER_GRAMMAR, EngineOptions, GenerationRequest, SpeculativeEngine, build_engine
 from handler.planning.cost_table import CostModel
-from handler.runtime.loading import collect_eos_token_ids
+from handler.runtime.loading import LoadedModels, collect_eos_token_ids
 
 PERSON = {
     "type": "object",
@@ -72,9 +72,10 @@ def engine_for(tiny_pair, eos_ids):
     def get(planned: bool = False) -> SpeculativeEngine:
         if planned not in engines:
             cost_table = CostModel(draft_step=0.2, target_step=1.0, target_per_extra_token=0.05) if planned else None
-            engines[planned] = SpeculativeEngine(
+            engines[planned] = build_engine(
                 # The hand-made costs stand as given: planned by them, not by this machine's timing.
-                target, draft, tokenizer, eos_ids, tokenizer.pad_token_id, cost_table=cost_table,
+                LoadedModels.of(target, draft, tokenizer, eos_token_ids=eos_ids),
+                cost_table=cost_table,
                 options=EngineOptions(running_costs=False),
             )
         return engines[planned]
@@ -144,7 +145,7 @@ def test_where_the_outcome_check_stops_speculation_the_grammars_forced_tokens_st
     widths = (1, 2, 4, 8)
     row = tuple(0.002 * (1.0 + 0.05 * (width - 1)) for width in widths)
     costs = CostTable(widths=widths, batch_sizes=(1, 2), target=(row, row), draft=(0.0004, 0.0004))
-    engine = SpeculativeEngine(target, draft, tokenizer, eos_ids, tokenizer.pad_token_id, cost_table=costs)
+    engine = build_engine(LoadedModels.of(target, draft, tokenizer, eos_token_ids=eos_ids), cost_table=costs)
     assert engine.outcome_check is not None
     monkeypatch.setattr(OutcomeCheck, "arm", lambda self, bucket, planned, step: False)
     observed = []

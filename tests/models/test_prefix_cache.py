@@ -11,9 +11,9 @@ import random
 import pytest
 import torch
 
-from handler.engine import GenerationRequest, SpeculativeEngine
+from handler.engine import GenerationRequest, SpeculativeEngine, build_engine
 from handler.caches.kv_cache import RaggedCache
-from handler.runtime.loading import collect_eos_token_ids
+from handler.runtime.loading import LoadedModels
 from handler.caches.prefix_cache import prefill_with_cache
 
 from .test_engine import GREEDY
@@ -25,8 +25,7 @@ MIB = 2**20
 
 def make(tiny_pair, max_bytes: int | None) -> SpeculativeEngine:
     target, draft, tokenizer = tiny_pair
-    eos = collect_eos_token_ids(tokenizer, target.generation_config)
-    return SpeculativeEngine(target, draft, tokenizer, eos, tokenizer.pad_token_id, prefix_cache_max_bytes=max_bytes)
+    return build_engine(LoadedModels.of(target, draft, tokenizer), prefix_cache_max_bytes=max_bytes)
 
 
 def random_tokens(rng: random.Random, length: int) -> tuple[int, ...]:

@@ -203,9 +203,10 @@ def test_a_seeded_request_is_unchanged_by_the_tree_and_its_size(tiny_pair, oracl
 
 def test_trees_off_in_the_engine_verifies_chains(tiny_pair):
     target, draft, tokenizer = tiny_pair
-    from handler.engine import SpeculativeEngine
+    from handler.engine import build_engine
+    from handler.runtime.loading import LoadedModels
 
-    engine = SpeculativeEngine(target, draft, tokenizer, [], tokenizer.pad_token_id, speculative_tree="off")
+    engine = build_engine(LoadedModels.of(target, draft, tokenizer, eos_token_ids=()), speculative_tree="off")
     oracle = OracleTrees(target.config.vocab_size)
     engine.drafter_map["suffix"] = oracle
     prompt_ids = encode(tokenizer, PROMPTS[0])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handler.caches import memory_budget
-from handler.caches.memory_budget import AUTO_FRACTION, MemoryBudget, describe, prefix_cache_budget
 from handler.config import HandlerConfig
+from handler.runtime import memory_budget
+from handler.runtime.memory_budget import AUTO_FRACTION, MemoryBudget, describe, prefix_cache_budget
 
 GIB = 2**30
 MEMINFO = """MemTotal:       32000000 kB
