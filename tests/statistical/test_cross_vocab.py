@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import handler.drafters.model as model_drafter_module
 from handler.sampler import sample_from_probs
 from tests.models.conftest import cross_vocab_pair, make_engine
 
@@ -56,6 +57,6 @@ def test_the_check_catches_drafts_drawn_from_the_unrestricted_distribution(pair,
         return text[0] if text else 0  # a padded row of the draft's head: any token will do
 
     monkeypatch.setattr(vocab_map, "to_target_logits", keep_draft_logits)
-    monkeypatch.setattr(drafter, "_draw", unrestricted_draw)
+    monkeypatch.setattr(model_drafter_module, "sample_from_probs", unrestricted_draw)
     sampling = SETTINGS[0]
     assert min(p_values(pair, sampling, sample_two_tokens(pair, sampling, seeded=False))) < BUG_P_VALUE
