@@ -74,7 +74,12 @@ def engine_for(tiny_pair, eos_ids):
             cost_table = CostModel(draft_step=0.2, target_step=1.0, target_per_extra_token=0.05) if planned else None
             engines[planned] = SpeculativeEngine(
                 # The hand-made costs stand as given: planned by them, not by this machine's timing.
-                target, draft, tokenizer, eos_ids, tokenizer.pad_token_id, cost_table=cost_table,
+                target,
+                draft,
+                tokenizer,
+                eos_ids,
+                tokenizer.pad_token_id,
+                cost_table=cost_table,
                 options=EngineOptions(running_costs=False),
             )
         return engines[planned]
@@ -146,7 +151,7 @@ def test_where_the_outcome_check_stops_speculation_the_grammars_forced_tokens_st
     costs = CostTable(widths=widths, batch_sizes=(1, 2), target=(row, row), draft=(0.0004, 0.0004))
     engine = SpeculativeEngine(target, draft, tokenizer, eos_ids, tokenizer.pad_token_id, cost_table=costs)
     assert engine.outcome_check is not None
-    monkeypatch.setattr(OutcomeCheck, "arm", lambda self, bucket, planned, step: False)
+    monkeypatch.setattr(OutcomeCheck, "arm", lambda self, bucket, planned, step, gain=1.0: False)
     observed = []
     monkeypatch.setattr(OutcomeCheck, "observe", lambda self, bucket, drafted, rate: observed.append(drafted))
     constraint = CONSTRAINTS["tool_call"]
