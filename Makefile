@@ -34,7 +34,7 @@ TORCH_SPEC_FILE := $(VENV)/.torch-spec
 TINY_MODELS := models/tiny
 
 .PHONY: help install check-java test test-fast test-static test-gpu gpu-check lint tiny-models package serve dev-serve register \
-	unregister stop loadtest demo install-demo bench bench-agentic bench-load bench-prefix clean FORCE
+	unregister stop loadtest demo install-demo bench bench-agentic bench-load bench-prefix bench-own-time clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [VAR=value ...]"
@@ -167,6 +167,13 @@ BENCH_PREFIX_ARGS ?=
 
 bench-prefix: install-demo ## Benchmark the prefix cache, off against on (BENCH_PREFIX_ARGS)
 	$(PY) -m scripts.bench_prefix $(BENCH_PREFIX_ARGS)
+
+# The engine's own time a step (step wall time minus the models' forwards), the tiny pair in float32,
+# draft == target, k = 0 against k = 4 at batch 1 and 16 (BENCH_OWN_TIME_ARGS); prints a table.
+BENCH_OWN_TIME_ARGS ?=
+
+bench-own-time: install ## Benchmark the engine's own time a step, plain against drafting (BENCH_OWN_TIME_ARGS)
+	$(PY) -m scripts.bench_own_time $(BENCH_OWN_TIME_ARGS)
 
 clean: ## Remove the tiny models, archives and no-archive folders in model_store/, and logs
 	rm -rf $(TINY_MODELS) logs

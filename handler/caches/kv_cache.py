@@ -27,6 +27,7 @@ do not, the model gets one mask per layer type.
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -156,21 +157,75 @@ def tree_attention_error(model: torch.nn.Module) -> str | None:
     return None
 
 
+def model_name(model: torch.nn.Module) -> str:
+    """The model's class and, where it was loaded from one, its path or hub id: for messages."""
+    path = getattr(model.config, "name_or_path", "") or ""
+    return f"{type(model).__name__} ({path})" if path else type(model).__name__
+
+
+# Tokens a layout probe prefills: more than one, so that a layer that does not keep one column per
+# token shows it.
+PROBE_TOKENS = 3
+# Each probed model's layout (`cache_layout`), for as long as the model lives.
+_LAYOUTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
+
+
+def cache_layout(model: torch.nn.Module) -> tuple[tuple[int, int, int, int, int] | None, ...]:
+    """Each layer's KV as a prefill's cache holds it: (key heads, key head dim, value heads, value
+    head dim, columns held after `PROBE_TOKENS` tokens), or None for a layer the prefill left empty.
+
+    Read from the model, not from its config: a config may carry keys its modeling code ignores
+    (GPT-BigCode and Falcon cache one KV head and OPT and GPT-J every head, whatever
+    `num_key_value_heads` says). One prefill of a few tokens per model, remembered.
+    """
+    layout = _LAYOUTS.get(model)
+    if layout is None:
+        with torch.inference_mode():
+            cache = prefill(model, [list(range(PROBE_TOKENS))], 0).cache
+        layout = tuple(
+            (
+                layer.keys.shape[1],
+                layer.keys.shape[3],
+                layer.values.shape[1],
+                layer.values.shape[3],
+                layer.keys.shape[2],
+            )
+            if layer.is_initialized
+            else None
+            for layer in cache.layers
+        )
+        _LAYOUTS[model] = layout
+    return layout
+
+
 def kv_layout(model: torch.nn.Module) -> tuple[int, int, int]:
-    """The model's cache layout: (layers, key-value heads, head dim)."""
-    config = model.config.get_text_config()
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    return config.num_hidden_layers, num_kv_heads, head_dim
+    """The model's cache layout as a prefill's cache holds it: (layers, key-value heads, head dim).
+
+    Raises ValueError where no one such layout holds every layer: keys and values of one shape, the
+    same in every layer, one column per token.
+    """
+    layout = cache_layout(model)
+    first = layout[0] if layout else None
+    if first is None or any(shape != first for shape in layout) or first[:2] != first[2:4] or first[4] != PROBE_TOKENS:
+        raise ValueError(
+            f"{model_name(model)} caches KV in no one layout (per layer, a prefill of {PROBE_TOKENS} tokens "
+            f"held key heads, key head dim, value heads, value head dim, columns: {list(layout)}); "
+            "a layout of slots needs one shape for keys and values in every layer, one column a token"
+        )
+    num_kv_heads, head_dim = first[:2]
+    return len(layout), num_kv_heads, head_dim
 
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of keys and values one token takes in the model's cache, over all layers."""
-    num_layers, num_kv_heads, head_dim = kv_layout(model)
+    """Bytes of keys and values one token takes in the model's cache, over all layers (as a prefill's
+    cache holds them)."""
+    elements = sum(
+        key_heads * key_dim + value_heads * value_dim
+        for key_heads, key_dim, value_heads, value_dim, _ in filter(None, cache_layout(model))
+    )
     # The model's dtype, not a parameter's: an int8-quantised model still caches in its float dtype.
     element_size = torch.empty((), dtype=model.dtype).element_size()
-    return num_layers * 2 * num_kv_heads * head_dim * element_size
+    return elements * element_size
 
 
 def left_pad(token_lists: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -80,9 +80,10 @@ class StepLog:
         previous = self.recent_steps[-1] if self.recent_steps else None
         speculated = any(k and row.drafter != PROPOSER_GRAMMAR for row, k in zip(plan.rows, ks))
         fair = not drafted or (speculated and previous is not None and previous.width > 1)
-        if self.outcome_check is not None and ended > started and fair:
+        if self.outcome_check is not None and ended > started and fair and plan.expected_rate > 0:
             tokens = sum(len(output.new_token_ids) for output in outputs)
-            rate = tokens / (ended - started) / len(ks)
+            # As it ran over as priced: drafts of every kind then weigh alike (`OutcomeCheck`).
+            rate = tokens / (ended - started) / plan.expected_rate
             self.outcome_check.observe(batch_bucket(len(ks)), drafted, rate)
         self.recent_steps.append(record)
         self.num_steps += 1

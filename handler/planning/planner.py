@@ -112,6 +112,7 @@ class StepPlan:
 
     rows: tuple[RowPlan, ...]
     keep_drafting: Callable[[int, dict], bool] | None = None
+    expected_rate: float = 0.0  # the batch's tokens per second as priced (0: no cost table)
 
     @property
     def ks(self) -> list[int]:
@@ -223,7 +224,8 @@ class Planner:
                     planned_tree=choice.lookup.is_tree,
                 )
             )
-        return StepPlan(tuple(plans), self._confidence_stop(rows, plans))
+        expected_rate = batch.tokens / batch.seconds if batch.seconds > 0 else 0.0
+        return StepPlan(tuple(plans), self._confidence_stop(rows, plans), expected_rate)
 
     def _batch_plan(self, rows: list[PlannedRow], choices: list[_Choice], num_steps: int) -> BatchPlan:
         """Without a cost table every row drafts its cap: with its look-up where it found one, else the
@@ -281,10 +283,19 @@ class Planner:
             if k == 0 and max(len(offer.lookup), len(offer.model)) > 1:
                 row.stats.fell_back = True
         if self.outcome_check is not None:
-            drafts = self.outcome_check.arm(batch_bucket(batch_size), plan.width > 0, num_steps)
+            bucket = batch_bucket(batch_size)
+            # Only rows the draft already holds: a step run to learn must not prefill the batch.
+            drafting = plan if plan.width else None
+            ratio = self.outcome_check.ratio(bucket)
+            if drafting is None and ratio is not None and ratio > 1.0:
+                # Drafting ran better than priced: a drafting plan the table turned down may win.
+                drafting = plan_batch(filled_only, seconds_with(0.0), explore=True)
+            gain = 1.0
+            if drafting is not None and drafting.width:
+                gain = drafting.tokens / drafting.seconds * pass_seconds(0, 0.0, False) / batch_size
+            drafts = self.outcome_check.arm(bucket, plan.width > 0, num_steps, gain=gain)
             if drafts and not plan.width:
-                # Only rows the draft already holds: a step run to learn must not prefill the batch.
-                plan = plan_batch(filled_only, seconds_with(0.0), explore=True)
+                plan = drafting or plan_batch(filled_only, seconds_with(0.0), explore=True)
             elif plan.width and not drafts:
                 # Speculation gives way; the tokens a grammar forces are certain, and stay.
                 forced = [

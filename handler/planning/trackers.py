@@ -61,37 +61,52 @@ class OutcomeCheck:
     The plan prices steps with a cost table, and on a busy machine the table can be off by the
     10 to 20 % that separate drafting from plain decoding under load; there the plan would draft
     at a loss it cannot see. So the engine times every step, per batch size (its nearest grid
-    point) and per arm (a step that drafted, a step that did not), as tokens per second per row,
-    and the medians over a window give a verdict: the plan runs where its arm is the faster, and
-    the other arm runs one step in a few, enough to notice when the verdict changes. Drafting or
-    not never changes the output, so neither does the check.
+    point) and per arm (a step that drafted, a step that did not), as its tokens per second over
+    those its plan expected, and the medians over a window give a verdict: how drafting steps held
+    up against their price, relative to plain ones. A plan runs drafting where its expected gain
+    over plain decoding, discounted by that verdict, is above 1, and the other arm runs one step
+    in a few, enough to notice when the verdict changes.
+
+    The rates are relative to each plan's own expectation because the drafts differ from step to
+    step: a verdict formed on steps whose drafts were rarely taken (a look-up's guesses on a new
+    prompt) says little about a step whose drafts are near certain (the same look-up on a repeated
+    answer), while how far the table and the estimates fall short carries over. Drafting or not
+    never changes the output, so neither does the check.
     """
 
     def __init__(self) -> None:
         self.rates: dict[tuple[int, bool], list[float]] = {}
 
     def observe(self, bucket: int, drafted: bool, rate: float) -> None:
-        """A step of this batch-size bucket, that drafted or not, gave `rate` tokens per second per row."""
+        """A step of this batch-size bucket, that drafted or not, gave `rate` times the tokens per
+        second its plan expected."""
         window = self.rates.setdefault((bucket, drafted), [])
         window.append(rate)
         del window[:-OUTCOME_WINDOW]
 
     def ratio(self, bucket: int) -> float | None:
-        """Drafting's median rate over plain decoding's at this bucket; None while either has too few steps."""
+        """Drafting's median rate (as it ran over as planned) over plain decoding's at this bucket; None
+        while either has too few steps."""
         drafted, plain = self.rates.get((bucket, True), []), self.rates.get((bucket, False), [])
         if len(drafted) < OUTCOME_MIN_STEPS or len(plain) < OUTCOME_MIN_STEPS:
             return None
         return statistics.median(drafted) / statistics.median(plain)
 
-    def arm(self, bucket: int, planned: bool, step: int) -> bool:
-        """Whether step number `step` at this bucket drafts, given whether the plan drafts."""
+    def arm(self, bucket: int, planned: bool, step: int, gain: float = 1.0) -> bool:
+        """Whether step number `step` at this bucket drafts, given whether the plan drafts.
+
+        `gain`: the priced tokens per second of the drafting plan in question over plain decoding's
+        (the plan's own where it drafts; the best drafting plan's where it does not, at most 1).
+        """
         ratio = self.ratio(bucket)
         if ratio is None:
             # The arm with fewer steps takes a burst in every EXPLORE_UNSEEN, the plan the others.
             unseen = len(self.rates.get((bucket, True), [])) <= len(self.rates.get((bucket, False), []))
             return unseen if _burst(step, EXPLORE_UNSEEN) else planned
-        faster = ratio > 1.0  # the plan's choice gives way where it lost as it ran
-        every = EXPLORE_CLOSE if abs(math.log(ratio)) < math.log(1.0 + CLOSE_MARGIN) else EXPLORE_FAR
+        # The gain as drafting steps have run against their price: where it is lost, plain decoding runs.
+        expected = gain * ratio
+        faster = expected > 1.0
+        every = EXPLORE_CLOSE if abs(math.log(expected)) < math.log(1.0 + CLOSE_MARGIN) else EXPLORE_FAR
         return (not faster) if _burst(step, every) else faster
 
 

@@ -32,7 +32,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from handler.caches.kv_cache import RaggedCache, prefill
+from handler.caches.kv_cache import RaggedCache, model_name, prefill
 from handler.config import RUNNER_MODES
 
 logger = logging.getLogger(__name__)
@@ -147,11 +147,55 @@ def config_runner(config, models) -> str:
 
 
 def resolve_runner(mode: str, models: Sequence[torch.nn.Module | None], width: int) -> str:
-    """The runner a `runner:` setting names: itself, or for `auto` the one `choose_runner` times faster."""
+    """The runner a `runner:` setting names: itself, or for `auto` the one `choose_runner` times faster.
+
+    Raises ValueError, naming the model and the reason, where `static` is named and cannot hold one
+    of the models (`static_error`): at load, not in a request.
+    """
     if mode == AUTO:
         return choose_runner(models, width)
     assert mode in (DYNAMIC, STATIC), mode
+    if mode == STATIC:
+        for model in models:
+            error = None if model is None else static_error(model, width)
+            if error is not None:
+                raise ValueError(
+                    f"runner: static cannot hold {model_name(model)}: {error}; use runner: dynamic (or auto)"
+                )
     return mode
+
+
+def static_error(model: torch.nn.Module, width: int) -> str | None:
+    """Why the static runner cannot serve `model`, or None where it can.
+
+    The runner takes its KV layout from a prefill's cache (`handler.caches.kv_cache.kv_layout`); then
+    two rows of different lengths take a padded chunk of `width` tokens and a dense one-token pass
+    through it and through the dynamic runner, whose logits must agree. A model whose layout fits no
+    slots, or that ignores the positions or the mask the static pass gives it, fails here.
+    """
+    vocab = model.config.get_text_config().vocab_size
+    prompts = [[token % vocab for token in range(3, 9)], [9 % vocab, 10 % vocab]]
+    chunks = [
+        (torch.arange(11, 11 + 2 * width).view(2, width) % vocab, torch.ones((2, width), dtype=torch.long)),
+        (torch.tensor([[5 % vocab], [6 % vocab]]), torch.ones((2, 1), dtype=torch.long)),
+    ]
+    chunks[0][1][1, : width - 1] = 0  # the second row's chunk is one token, left-padded
+    try:
+        with torch.inference_mode():
+            batches = [make_runner(kind, model).adopt(prefill(model, prompts, 0)) for kind in (DYNAMIC, STATIC)]
+            for input_ids, chunk_mask in chunks:
+                expected, logits = (
+                    batch.forward(input_ids, chunk_mask, logits_to_keep=input_ids.shape[1]).float() for batch in batches
+                )
+                real = chunk_mask[:, :, None].bool().to(logits.device)  # padding columns' logits are nobody's
+                scale = float(expected.abs().max()) or 1.0
+                error = float(((logits - expected).abs() * real).max()) / scale
+                # Float32 differs by rounding only; half precision by a few ulps of the logits' scale.
+                if error > (1e-4 if model.dtype == torch.float32 else 5e-2):
+                    return f"its static passes' logits differ from the dynamic runner's by {error:.2g} of their scale"
+    except Exception as error:  # noqa: BLE001 - whatever fails here would fail a request
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def choose_runner(models: Sequence[torch.nn.Module | None], width: int, rounds: int = 3, repeats: int = 3) -> str:
@@ -160,18 +204,28 @@ def choose_runner(models: Sequence[torch.nn.Module | None], width: int, rounds: 
     Each round times every model at batch 1, for one token (a draft step, a plain decoding step)
     and for `width` tokens (a verify pass), under each runner in turn; the runner with the smaller
     median round total wins, and a tie keeps `dynamic`. Rounds alternate the runners, so that a
-    burst of load from another process does not fall on one of them alone.
+    burst of load from another process does not fall on one of them alone. Where the static runner
+    cannot serve a model (`static_error`), or fails while timed, `dynamic` serves, and the log says why.
     """
+    for model in models:
+        error = None if model is None else static_error(model, width)
+        if error is not None:
+            logger.warning("runner: auto chose dynamic: static cannot hold %s: %s", model_name(model), error)
+            return DYNAMIC
     totals: dict[str, list[float]] = {DYNAMIC: [], STATIC: []}
     built = {kind: [make_runner(kind, model) for model in models if model is not None] for kind in totals}
-    for _ in range(rounds):
-        for kind, kind_runners in built.items():
-            totals[kind].append(
-                sum(
-                    time_runner_pass(runner, 1, 1, 64, repeats) + time_runner_pass(runner, 1, width, 64, repeats)
-                    for runner in kind_runners
+    try:
+        for _ in range(rounds):
+            for kind, kind_runners in built.items():
+                totals[kind].append(
+                    sum(
+                        time_runner_pass(runner, 1, 1, 64, repeats) + time_runner_pass(runner, 1, width, 64, repeats)
+                        for runner in kind_runners
+                    )
                 )
-            )
+    except Exception as error:  # noqa: BLE001 - static passed its check; dynamic serves, as it would without auto
+        logger.warning("runner: auto chose dynamic: timing the runners failed: %s: %s", type(error).__name__, error)
+        return DYNAMIC
     medians = {kind: statistics.median(seconds) for kind, seconds in totals.items()}
     choice = STATIC if medians[STATIC] < medians[DYNAMIC] else DYNAMIC
     logger.info(

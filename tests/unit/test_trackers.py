@@ -165,3 +165,21 @@ def test_a_window_forgets_the_old_steps():
     for _ in range(64):
         check.observe(4, True, 2.0)
     assert check.ratio(4) == 2.0
+
+
+def test_the_verdict_discounts_the_plans_gain_instead_of_refusing_every_draft():
+    """Drafting ran at half its price against plain steps: a plan expecting 1.5x plain gives way, one
+    expecting 4x (certain drafts, no draft pass) still drafts; a plain plan whose best drafting plan
+    expects less than plain's rate stays plain."""
+    check = OutcomeCheck()
+    for _ in range(OUTCOME_MIN_STEPS):
+        check.observe(1, True, 0.5)
+        check.observe(1, False, 1.0)
+    assert check.ratio(1) == 0.5
+    # Outside the bursts that run the other arm (one in EXPLORE_FAR: the arms are far apart).
+    steps = [
+        step for step in range(4 * EXPLORE_FAR * EXPLORE_BURST) if step % (EXPLORE_FAR * EXPLORE_BURST) >= EXPLORE_BURST
+    ]
+    assert not any(check.arm(1, True, step, gain=1.5) for step in steps)
+    assert all(check.arm(1, True, step, gain=4.0) for step in steps)
+    assert not check.arm(1, False, EXPLORE_BURST, gain=0.9)

@@ -1,0 +1,205 @@
+"""The engine's own time per step: the step's wall time minus its models' forwards.
+
+The tiny pair in float32 (`scripts.make_tiny_models`), the draft being the target itself so that
+every draft is accepted, a fixed k (no cost table: every row drafts its cap), greedy rows of one
+prompt. For each batch size, plain decoding (k = 0) and drafting (k = 4) run in the same process,
+alternating over the repeats, and the table gives, per step (medians over the repeats):
+
+- ms a step, and the forwards' ms within it;
+- own ms, unsynchronised (each forward timed as its call returns) and synchronised (the device
+  waited for before and after each forward: on a CPU the same, on a GPU the host's share);
+- own ms per emitted token;
+- the ratios of own time a step and a token against plain decoding's at the same batch size.
+
+The forwards are timed by wrapping the models' `forward`, which every pass calls (the runners',
+the draft's, a joining row's prefill); steps that admit rows are not measured.
+
+    python -m scripts.bench_own_time                 # batch 1 and 16, 3 repeats of 32 steps
+    python -m scripts.bench_own_time --models models/tiny --batch-sizes 1 --steps 4
+
+Benchmarks are programs: take figures on a quiet machine, never in a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import pathlib
+import statistics
+import tempfile
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PROMPT = "def fibonacci(n):\n    "
+DRAFTING_K = 4
+
+
+class ForwardTimer:
+    """Wraps a model's `forward` and adds up the seconds its calls take (`synchronised`: the device
+    is waited for before and after each call, so that its queued work is counted as the model's)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.synchronised = False
+        self.seconds = 0.0
+        self.calls = 0
+        self._forward = model.forward
+        model.forward = self._timed  # nn.Module.__call__ reads the instance's forward
+
+    def _sync(self) -> None:
+        if self.synchronised and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _timed(self, *args, **kwargs):
+        self._sync()
+        start = time.perf_counter()
+        output = self._forward(*args, **kwargs)
+        self._sync()
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return output
+
+    def remove(self) -> None:
+        del self.model.forward
+
+
+def load_tiny_target(models: pathlib.Path | None, device: str):
+    """The tiny target in float32 and its tokenizer; built into a temporary folder where `models` is None."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with contextlib.ExitStack() as stack:
+        if models is None:
+            from scripts import make_tiny_models
+
+            models = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            make_tiny_models.build(models, seed=0, draft_noise=0.0)
+        tokenizer = AutoTokenizer.from_pretrained(models / "target")
+        target = AutoModelForCausalLM.from_pretrained(models / "target", dtype=torch.float32).eval().to(device)
+    return target, tokenizer
+
+
+def run_steps(engine, timer: ForwardTimer, prompt_ids, batch_size: int, k: int, warmup: int, steps: int) -> dict:
+    """Admits `batch_size` greedy rows of k drafts, runs `warmup` steps, then times `steps` steps."""
+    from handler.config import SamplingParams
+    from handler.engine import GenerationRequest
+
+    max_new_tokens = 2 * (warmup + steps + 2) * (k + 1)  # no row finishes inside the timed steps
+    for row in range(batch_size):
+        engine.add_request(row, GenerationRequest(prompt_ids, max_new_tokens, SamplingParams(), k))
+    engine.step()  # admission: the prefill is no step's own time
+    for _ in range(warmup):
+        engine.step()
+    wall = forwards = 0.0
+    tokens = 0
+    for _ in range(steps):
+        timer.seconds = 0.0
+        start = time.perf_counter()
+        outputs = engine.step()
+        if timer.device.type == "cuda":
+            torch.cuda.synchronize(timer.device)  # the step's queued work ends inside its wall time
+        wall += time.perf_counter() - start
+        forwards += timer.seconds
+        tokens += sum(len(output.new_token_ids) for output in outputs)
+        finished = [output.result.finish_reason for output in outputs if output.result is not None]
+        assert not finished, f"a row finished inside the timed steps: {finished}"
+    for row in range(batch_size):
+        engine.abort_request(row)
+    engine.step()  # frees the aborted rows
+    return {"step_ms": wall / steps * 1e3, "forward_ms": forwards / steps * 1e3, "tokens_per_step": tokens / steps}
+
+
+def measure(args) -> list[dict]:
+    from handler.engine import EngineOptions, build_engine
+    from handler.runtime.loading import LoadedModels
+
+    target, tokenizer = load_tiny_target(args.models, args.device)
+    # The draft is the target itself: every draft is accepted, and the step is all the machinery.
+    engine = build_engine(
+        LoadedModels.of(target, target, tokenizer, eos_token_ids=()),
+        runner=args.runner,
+        options=EngineOptions(running_costs=False),
+    )
+    timer = ForwardTimer(target)
+    prompt_ids = tuple(tokenizer(PROMPT)["input_ids"])
+    samples: dict[tuple[int, int, bool], list[dict]] = {}
+    try:
+        for _ in range(args.repeats):
+            for batch_size in args.batch_sizes:
+                for k in (0, DRAFTING_K):  # alternating, so that a burst of load falls on both
+                    for synchronised in (False, True):
+                        timer.synchronised = synchronised
+                        sample = run_steps(engine, timer, prompt_ids, batch_size, k, args.warmup, args.steps)
+                        samples.setdefault((batch_size, k, synchronised), []).append(sample)
+    finally:
+        timer.remove()
+    rows = []
+    for batch_size in args.batch_sizes:
+        for k in (0, DRAFTING_K):
+            row = {"batch": batch_size, "k": k}
+            for synchronised, tag in ((False, "unsync"), (True, "sync")):
+                runs = samples[batch_size, k, synchronised]
+                step_ms = statistics.median(run["step_ms"] for run in runs)
+                own_ms = statistics.median(run["step_ms"] - run["forward_ms"] for run in runs)
+                tokens = statistics.median(run["tokens_per_step"] for run in runs)
+                row[f"step_ms_{tag}"] = step_ms
+                row[f"forward_ms_{tag}"] = statistics.median(run["forward_ms"] for run in runs)
+                row[f"own_ms_{tag}"] = own_ms
+                row[f"own_ms_per_token_{tag}"] = own_ms / tokens / batch_size
+                row["tokens_per_row_step"] = tokens / batch_size
+            rows.append(row)
+    for row in rows:
+        plain = next(other for other in rows if other["batch"] == row["batch"] and other["k"] == 0)
+        row["own_ratio"] = row["own_ms_unsync"] / plain["own_ms_unsync"]
+        row["own_per_token_ratio"] = row["own_ms_per_token_unsync"] / plain["own_ms_per_token_unsync"]
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    header = (
+        "| batch | k | ms a step | forwards, ms | own ms (unsync) | own ms (sync) | tokens a row-step "
+        "| own ms a token | own vs plain, a step | own vs plain, a token |"
+    )
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for row in rows:
+        lines.append(
+            f"| {row['batch']} | {row['k']} | {row['step_ms_unsync']:.2f} | {row['forward_ms_unsync']:.2f} "
+            f"| {row['own_ms_unsync']:.2f} | {row['own_ms_sync']:.2f} | {row['tokens_per_row_step']:.2f} "
+            f"| {row['own_ms_per_token_unsync']:.3f} | {row['own_ratio']:.2f}x | {row['own_per_token_ratio']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=pathlib.Path, default=None, help="the tiny pair's folder (default: built now)")
+    parser.add_argument(
+        "--batch-sizes", type=lambda text: [int(x) for x in text.split(",")], default=[1, 16], help="e.g. 1,16"
+    )
+    parser.add_argument("--steps", type=int, default=32, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=4, help="steps before the timed ones")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each row, alternating")
+    parser.add_argument("--runner", choices=("dynamic", "static"), default="dynamic")
+    parser.add_argument("--device", default="cpu")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    args = parse_args(argv)
+    rows = measure(args)
+    from scripts.bench_common import machine_info
+
+    print(f"Own time: the tiny pair, float32, draft == target, greedy, {args.runner} runner, {args.device}")
+    print(f"{machine_info()['description']}")
+    print(f"medians of {args.repeats} runs of {args.steps} steps after {args.warmup}; ratios against k = 0 in this run")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,24 @@
+"""scripts.bench_own_time runs on the tiny pair and prints its table; no timing is asserted."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts import bench_own_time
+
+pytestmark = pytest.mark.models  # loads and runs the tiny pair: not in the fast tier
+
+
+def test_the_table_and_the_ratio_against_plain_come_out(tiny_models_dir, capsys):
+    argv = ["--models", str(tiny_models_dir), "--batch-sizes", "1,2", "--steps", "2", "--warmup", "1", "--repeats", "1"]
+    assert bench_own_time.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(index for index, line in enumerate(lines) if line.startswith("| batch | k |"))
+    assert "own ms (unsync)" in lines[header] and "own ms (sync)" in lines[header]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[header + 2 :]]
+    assert [(row[0], row[1]) for row in rows] == [("1", "0"), ("1", "4"), ("2", "0"), ("2", "4")]
+    for row in rows:
+        assert float(row[2]) >= float(row[3]) >= 0.0  # a step holds its forwards
+        assert row[8].endswith("x") and row[9].endswith("x")
+    assert [row[8] for row in rows if row[1] == "0"] == ["1.00x", "1.00x"]  # plain against itself
+    assert [float(row[6]) for row in rows] == [1.0, 5.0, 1.0, 5.0]  # draft == target: every draft is taken
