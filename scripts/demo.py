@@ -42,7 +42,8 @@ from urllib.parse import urlparse
 import psutil
 import requests
 
-from scripts import openai_demo, package_mar, torchserve
+from scripts.model_tools import package_mar
+from scripts.serving import openai_demo, torchserve
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,9 +131,9 @@ def step(number: int, text: str) -> None:
 
 
 def fetch_models() -> None:
-    result = subprocess.run([sys.executable, "-m", "scripts.fetch_demo_models", "--models-dir", "models"])
+    result = subprocess.run([sys.executable, "-m", "scripts.model_tools.fetch_demo_models", "--models-dir", "models"])
     if result.returncode != 0:
-        raise DemoError("scripts.fetch_demo_models failed (see its messages above)")
+        raise DemoError("scripts.model_tools.fetch_demo_models failed (see its messages above)")
 
 
 # ---------------------------------------------------------------------------

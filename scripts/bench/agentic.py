@@ -101,9 +101,10 @@ from handler.drafters import HYBRID, MODEL, NGRAM, SUFFIX
 from handler.engine import EngineOptions, GenerationRequest, SpeculativeEngine, SpeculativeStats
 from handler.planning.cost_table import CostTable
 from handler.runtime.loading import load_models
-from scripts import bench_common, bench_runner
-from scripts.bench_common import fmt, machine_info, start_up_cost_table
-from scripts.bench_runner import ChatRoute
+from scripts.bench import common as bench_common
+from scripts.bench import runner as bench_runner
+from scripts.bench.common import fmt, machine_info, start_up_cost_table
+from scripts.bench.runner import ChatRoute
 
 logger = logging.getLogger("bench_agentic")
 

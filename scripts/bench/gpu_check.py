@@ -157,7 +157,7 @@ def text_tokenizer():
     nothing), and no tokenizer of the real models can be fetched here."""
     from transformers import AutoTokenizer
 
-    from scripts.make_tiny_models import save_tokenizer
+    from scripts.model_tools.make_tiny_models import save_tokenizer
 
     folder = tempfile.mkdtemp(prefix="gpu-check-tokenizer-")
     save_tokenizer(pathlib.Path(folder))
@@ -480,7 +480,7 @@ def load_rows(setup: Setup, out_dir: str, max_new_tokens: int, exactness: bool =
     exactness: in float32 (models built afresh), where every row's outputs must equal plain
     decoding's under continuous batching; else in the setup's dtype (bf16 on a GPU), for speed.
     """
-    from scripts import bench_load
+    from scripts.bench import load as bench_load
 
     folder = pathlib.Path(tempfile.mkdtemp(prefix="gpu-check-load-"))
     on_gpu = setup.device.type == "cuda"

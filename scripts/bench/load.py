@@ -70,9 +70,10 @@ from handler.engine import GenerationRequest, SpeculativeEngine, StepRecord
 from handler.planning.cost_table import CostTable
 from handler.runners import config_runner
 from handler.runtime.loading import load_models
-from scripts import bench_common, bench_runner
-from scripts.bench_common import fmt, machine_info, percentile, start_up_cost_table
-from scripts.bench_runner import Traffic, drive, poisson_arrivals
+from scripts.bench import common as bench_common
+from scripts.bench import runner as bench_runner
+from scripts.bench.common import fmt, machine_info, percentile, start_up_cost_table
+from scripts.bench.runner import Traffic, drive, poisson_arrivals
 
 logger = logging.getLogger("bench_load")
 

@@ -51,8 +51,7 @@ import time
 
 from handler.drafters import HYBRID, MODEL, NGRAM
 from handler.runtime.loading import load_models
-from scripts import torchserve
-from scripts.bench_common import (
+from scripts.bench.common import (
     DEFAULT_CONFIG,
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
@@ -67,7 +66,7 @@ from scripts.bench_common import (
     start_up_cost_table,
     write_report,
 )
-from scripts.bench_runner import (
+from scripts.bench.runner import (
     Method,
     Run,
     Runner,
@@ -79,6 +78,7 @@ from scripts.bench_runner import (
     hf_prompt_lookup,
     hf_target_only,
 )
+from scripts.serving import torchserve
 
 # Hugging Face's two adaptive schedules, tried beside the constant ones of the sweep:
 # the default of transformers 5 (20 tokens, stop below 0.4 confidence) and the older heuristic.

@@ -27,8 +27,9 @@ import time
 
 from handler.drafters import NGRAM
 from handler.runtime.loading import load_models
-from scripts import bench_common, bench_runner
-from scripts.bench_common import machine_info
+from scripts.bench import common as bench_common
+from scripts.bench import runner as bench_runner
+from scripts.bench.common import machine_info
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ from handler.config import handler_config_from_yaml_config
 from handler.engine import GenerationRequest, GenerationResult, SpeculativeEngine
 from handler.planning.measure import measure_for_config
 from handler.runtime.loading import load_models
-from scripts.bench_common import (
+from scripts.bench.common import (
     DEFAULT_CONFIG,
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
@@ -58,7 +58,7 @@ from scripts.bench_common import (
     shown,
     write_json,
 )
-from scripts.bench_runner import ChatRoute, drive, poisson_arrivals
+from scripts.bench.runner import ChatRoute, drive, poisson_arrivals
 
 logger = logging.getLogger("bench_prefix")
 

@@ -45,8 +45,8 @@ from handler.engine import PROPOSER_GRAMMAR, EngineOptions, GenerationRequest, S
 from handler.planning.measure import measure_for_config
 from handler.runtime.loading import load_models
 from handler.types import SpeculativeStats
-from scripts.bench_common import write_json
-from scripts.bench_runner import timed_run
+from scripts.bench.common import write_json
+from scripts.bench.runner import timed_run
 
 logger = logging.getLogger("bench_structured")
 
@@ -293,7 +293,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    from scripts.bench_common import machine_info
+    from scripts.bench.common import machine_info
 
     with open(args.config, encoding="utf-8") as f:
         config = handler_config_from_yaml_config(yaml.safe_load(f))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import requests
 
-from scripts.torchserve import (
+from scripts.serving.torchserve import (
     DEFAULT_INFERENCE_URL,
     DEFAULT_KEY_FILE,
     DEFAULT_MODEL,

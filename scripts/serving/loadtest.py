@@ -52,8 +52,8 @@ from pathlib import Path
 
 import requests
 
-from scripts.bench_common import percentile
-from scripts.torchserve import (
+from scripts.bench.common import percentile
+from scripts.serving.torchserve import (
     DEFAULT_INFERENCE_URL,
     DEFAULT_KEY_FILE,
     DEFAULT_MODEL,

@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from scripts import package_mar, torchserve
+from scripts.model_tools import package_mar
+from scripts.serving import torchserve
 
 MESSAGES = [
     {"role": "system", "content": "You are a concise coding assistant."},

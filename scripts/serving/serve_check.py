@@ -29,7 +29,7 @@ import time
 
 import yaml
 
-from scripts import torchserve
+from scripts.serving import torchserve
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPTS = [
@@ -183,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ports = torchserve.free_ports(5)
     model_config, ts_config = write_configs(root, ports, model_store, args.max_new_tokens)
     package = [
-        sys.executable, "-m", "scripts.package_mar", "--model-name", args.name, "--target", str(args.target.resolve()),
-        "--config", str(model_config), "--export-path", str(model_store),
+        sys.executable, "-m", "scripts.model_tools.package_mar", "--model-name", args.name,
+        "--target", str(args.target.resolve()), "--config", str(model_config), "--export-path", str(model_store),
     ]  # fmt: skip
     subprocess.run(package, check=True, cwd=REPO_ROOT)
     env = {**os.environ, "LOG_LOCATION": str(root / "logs"), "METRICS_LOCATION": str(root / "logs")}

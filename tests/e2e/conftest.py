@@ -26,7 +26,7 @@ import pytest
 import requests
 import yaml
 
-from scripts import torchserve
+from scripts.serving import torchserve
 from tests.conftest import REPO_ROOT, run_module
 
 MODEL_NAME = "tiny-spec"
@@ -173,7 +173,7 @@ def model_archive(tiny_models_dir, tmp_path_factory) -> Path:
     write_model_config(model_config)
     model_store = root / "model_store"
     result = run_module(
-        "scripts.package_mar",
+        "scripts.model_tools.package_mar",
         *("--model-name", MODEL_NAME, "--config", str(model_config), "--export-path", str(model_store)),
         *("--target", str(tiny_models_dir / "target"), "--draft", str(tiny_models_dir / "draft")),
     )

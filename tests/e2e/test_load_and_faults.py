@@ -24,7 +24,7 @@ from collections import Counter
 import pytest
 import requests
 
-from scripts import loadtest, torchserve
+from scripts.serving import loadtest, torchserve
 from tests.conftest import run_module
 
 REQUEST_TIMEOUT_S = 60  # longest wait for the next bytes of one answer
@@ -118,7 +118,7 @@ def wait_for_new_worker(server, old_pid: int, deadline: float) -> tuple[int | No
 def test_loadtest_200_requests_no_errors_none_lost(server, tmp_path):
     report = tmp_path / "load.json"
     result = run_module(
-        "scripts.loadtest",
+        "scripts.serving.loadtest",
         *("--url", server.inference_url, "--model", server.model_name, "--no-auth", "--json-out", str(report)),
         *("--requests", "200", "--concurrency", "8", "--max-new-tokens", "12", "--timeout", str(REQUEST_TIMEOUT_S)),
     )

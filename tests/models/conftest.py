@@ -40,7 +40,7 @@ def cross_vocab_pair(out, device: str = "cpu"):
     from handler.runtime.loading import check_vocabularies
     from tests.conftest import run_module
 
-    run_module("scripts.make_tiny_models", "--out", str(out), "--cross-vocab", "20", check=True)
+    run_module("scripts.model_tools.make_tiny_models", "--out", str(out), "--cross-vocab", "20", check=True)
     tokenizer = AutoTokenizer.from_pretrained(out / "target")
     target, draft = (
         AutoModelForCausalLM.from_pretrained(out / name, dtype=torch.float32).eval().to(device)

@@ -16,7 +16,7 @@ import pytest
 
 from handler.drafters.suffix import SuffixDrafter, SuffixOptions
 from handler.planning.cost_table import CostTable
-from scripts import bench_agentic
+from scripts.bench import agentic as bench_agentic
 from tests.conftest import REPO_ROOT
 
 ENGINE_ROWS = (

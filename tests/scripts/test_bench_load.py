@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from scripts import bench_load
+from scripts.bench import load as bench_load
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.models  # loads and runs the tiny pair: not in the fast tier

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from scripts import bench_plain
+from scripts.bench import plain as bench_plain
 from tests.conftest import REPO_ROOT
 
 from .test_bench import FUNCTION, _prompt

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from scripts import bench_structured
+from scripts.bench import structured as bench_structured
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.models  # loads and runs the tiny pair: not in the fast tier

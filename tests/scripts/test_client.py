@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from scripts import client
+from scripts.serving import client
 
 
 def test_client_builds_the_request_body(tmp_path):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from scripts import demo
-from scripts.torchserve import Answer
+from scripts.serving.torchserve import Answer
 
 
 def _answer(tokens: int, seconds: float, drafter: str) -> Answer:

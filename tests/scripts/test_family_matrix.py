@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts import family_matrix
+from scripts.model_tools import family_matrix
 from tests.models import test_families
 
 pytestmark = pytest.mark.models  # builds the refused families' models

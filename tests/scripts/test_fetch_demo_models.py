@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import fetch_demo_models as fdm
+from scripts.model_tools import fetch_demo_models as fdm
 
 
 def _sha256(data: bytes) -> str:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from scripts import gpu_check
+from scripts.bench import gpu_check
 
 pytestmark = pytest.mark.models  # builds and runs models: not in the fast tier
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from scripts import loadtest
+from scripts.serving import loadtest
 
 
 def test_plan_mixes_requests_reproducibly():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from scripts import torchserve
+from scripts.serving import torchserve
 
 
 class FakeResponse:
