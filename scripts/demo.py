@@ -143,7 +143,7 @@ def fetch_models() -> None:
 def package_fingerprint() -> str:
     """Changes when the handler, the packaging script, the model config or a model file changes."""
     digest = hashlib.sha256()
-    sources = sorted(Path("handler").rglob("*.py")) + [Path("scripts/package_mar.py"), MODEL_CONFIG]
+    sources = sorted(Path("handler").rglob("*.py")) + [Path("scripts/model_tools/package_mar.py"), MODEL_CONFIG]
     for path in sources:
         digest.update(str(path).encode() + b"\0" + path.read_bytes())
     for model_dir in (TARGET_DIR, DRAFT_DIR):

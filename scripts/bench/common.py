@@ -10,7 +10,7 @@ import os
 import pathlib
 import platform
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_TARGET = REPO_ROOT / "models" / "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = REPO_ROOT / "models" / "qwen2.5-coder-0.5b-instruct"
 DEFAULT_CONFIG = REPO_ROOT / "model-config" / "qwen-coder.yaml"

@@ -231,7 +231,7 @@ def table(header: list[str], rows: list[list[Any]]) -> list[str]:
 def run_cuda_tests() -> tuple[dict[str, Any], list[str]]:
     started = time.perf_counter()
     command = [sys.executable, "-m", "pytest", "tests/cuda", "-q", "-ra", "-p", "no:cacheprovider"]
-    repository = pathlib.Path(__file__).resolve().parents[1]
+    repository = pathlib.Path(__file__).resolve().parents[2]
     process = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=repository)
     lines = process.stdout.strip().splitlines()
     summary = lines[-1] if lines else process.stderr.strip()[-500:]

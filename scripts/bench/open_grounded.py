@@ -481,7 +481,7 @@ def parse_args(argv):
     )
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="overrides the config")
     parser.add_argument("--draft-quantization", choices=["none", "int8", "auto"], help="overrides the config")
-    parser.add_argument("--prompts", default=str(REPO_ROOT / "scripts" / "bench_prompts.json"))
+    parser.add_argument("--prompts", default=str(REPO_ROOT / "scripts" / "bench" / "prompts.json"))
     parser.add_argument(
         "--sets", default=",".join(PROMPT_SETS), help=f"prompt sets, comma-separated: {', '.join(PROMPT_SETS)}"
     )

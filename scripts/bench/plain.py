@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--target", default=bench_common.DEFAULT_TARGET)
     parser.add_argument("--config", default=bench_common.DEFAULT_CONFIG)
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--prompts", default=str(bench_common.REPO_ROOT / "scripts" / "bench_prompts.json"))
+    parser.add_argument("--prompts", default=str(bench_common.REPO_ROOT / "scripts" / "bench" / "prompts.json"))
     parser.add_argument("--num-prompts", type=int, default=3, help="held-out prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--pairs", type=int, default=6, help="timed pairs per prompt, after one warm-up pair")

@@ -14,7 +14,7 @@ import argparse
 import pathlib
 import sys
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = REPO_ROOT / "docs" / "models.md"
 TIER = "tests/models/test_families.py"
 BEGIN, END = "<!-- family matrix: begin -->", "<!-- family matrix: end -->"

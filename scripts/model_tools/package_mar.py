@@ -39,7 +39,7 @@ from pathlib import Path
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 HANDLER_PACKAGE = REPO_ROOT / "handler"
 HANDLER_ENTRY = "spec_handler.py"
 MODEL_VERSION = "1.0"

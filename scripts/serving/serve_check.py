@@ -31,7 +31,7 @@ import yaml
 
 from scripts.serving import torchserve
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPTS = [
     "Write a Python function that returns the sum of a list of numbers.",
     "Explain in two sentences what a hash map is.",

@@ -264,7 +264,7 @@ def write_server_config(path: Path, model_store: Path, ports: Sequence[int]) -> 
     """The repository's config.properties, serving on 127.0.0.1 at `ports` (inference, management, metrics,
     gRPC inference, gRPC management) from `model_store`, with absolute paths: a private server beside
     any other on the machine (tests, checks)."""
-    repo_root = Path(__file__).resolve().parents[1]
+    repo_root = Path(__file__).resolve().parents[2]
     overrides = {
         "inference_address": f"http://127.0.0.1:{ports[0]}",
         "management_address": f"http://127.0.0.1:{ports[1]}",

@@ -40,7 +40,7 @@ def test_bench_writes_json_markdown_and_plot(tiny_models_dir, tmp_path):
     )
     out = tmp_path / "bench"
     # the real prompt file parses and has enough held-out prompts for the default run
-    sets = bench_common.load_prompt_sets(REPO_ROOT / "scripts" / "bench_prompts.json", 6, 1)
+    sets = bench_common.load_prompt_sets(REPO_ROOT / "scripts" / "bench" / "prompts.json", 6, 1)
     assert all(len(s["held_out"]) == 6 for s in sets.values())
     bench.main(
         [
