@@ -63,7 +63,6 @@ def cell(outcomes: dict[str, str], test: str, params: str) -> str:
 
 
 def matrix(outcomes: dict[str, str]) -> str:
-    sys.path.insert(0, str(REPO_ROOT))
     from handler.caches.kv_cache import check_cache_support
     from tests.models import test_families
 
