@@ -4,7 +4,7 @@
 Run by `make demo` (after `make install-demo`). Each step is skipped when its
 result is already there, so running it again is cheap:
 
-1. fetch and convert the two models into models/ (scripts.fetch_demo_models);
+1. fetch and convert the two models into models/ (scripts.model_tools.fetch_demo_models);
 2. package them with the handler into model_store/qwen-coder-spec/, an
    unpacked archive (--archive-format no-archive: TorchServe loads the
    folder in place, with no copy or unzip of ~4 GB at each registration);
@@ -15,7 +15,7 @@ result is already there, so running it again is cheap:
    sampled with a seed, a streamed chat) and an input-grounded code edit,
    whose answer copies much of its prompt, and print the four speeds side by
    side; then one streamed chat through the official `openai` client, on the
-   OpenAI-compatible route (scripts.openai_demo).
+   OpenAI-compatible route (scripts.serving.openai_demo).
 
 The server is left running; the end of the output says how to query and
 stop it. TorchServe's logs are in logs/.
@@ -393,14 +393,14 @@ TorchServe is still running, with {MODEL_NAME} registered. From this folder:
     -H 'Content-Type: application/json' \\
     -d '{{"prompt": "def quicksort(xs):", "max_new_tokens": 64}}'
 
-  .venv/bin/python -m scripts.client --url {inference_url} --stream "Merge two sorted lists in Python."
+  .venv/bin/python -m scripts.serving.client --url {inference_url} --stream "Merge two sorted lists in Python."
 
-  .venv/bin/python -m scripts.openai_demo --url {inference_url}
+  .venv/bin/python -m scripts.serving.openai_demo --url {inference_url}
 
-  .venv/bin/python -m scripts.loadtest --url {inference_url} --requests 8 --concurrency 4
+  .venv/bin/python -m scripts.serving.loadtest --url {inference_url} --requests 8 --concurrency 4
 
 The keys in key_file.json expire after token_expiration_min (config.properties);
-scripts.client says how to get a fresh one. Logs are in {LOG_DIR}/.
+scripts.serving.client says how to get a fresh one. Logs are in {LOG_DIR}/.
 Stop the server with: make stop""")
 
 

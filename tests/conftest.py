@@ -83,7 +83,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_models_dir(tmp_path_factory) -> pathlib.Path:
-    """A folder with `target/` and `draft/`, made by scripts.make_tiny_models once per session."""
+    """A folder with `target/` and `draft/`, made by scripts.model_tools.make_tiny_models once per session."""
     out = tmp_path_factory.mktemp("tiny-models")
     run_module("scripts.model_tools.make_tiny_models", "--out", str(out), check=True)
     return out

@@ -32,7 +32,7 @@ the tiny test pair's 1,024 tokens; the same seed draws the same requests
 either way.
 
 Every request is made by the OpenAI chat route's own parsing (chat template,
-tools, defaults; `scripts.bench_runner.ChatRoute`), greedy, up to
+tools, defaults; `scripts.bench.runner.ChatRoute`), greedy, up to
 --max-new-tokens. Conversations include earlier answers, so the trace is built
 once before timing: a reference pass runs every request in order with this
 engine at k=0 (plain decoding) and its answers become the assistant messages
@@ -71,9 +71,9 @@ the reference pass's when that row is not run): in float32 they must be equal,
 in bfloat16 a near-tie may flip a token. Outputs go to --out-dir: agentic.json
 (every figure) and agentic.md (the table).
 
-    python -m scripts.bench_agentic                    # the demo pair and its shipped config
-    python -m scripts.bench_agentic --methods hf_target_only,hybrid,shipped --runs 1
-    python -m scripts.bench_agentic --target models/tiny/target --draft models/tiny/draft \\
+    python -m scripts.bench.agentic                    # the demo pair and its shipped config
+    python -m scripts.bench.agentic --methods hf_target_only,hybrid,shipped --runs 1
+    python -m scripts.bench.agentic --target models/tiny/target --draft models/tiny/draft \\
         --config model-config/model-config.yaml --dtype float32 --compact --requests 8 --max-new-tokens 6 --runs 1
 
 With the defaults a run of the target-only row is 14 requests of up to 64

@@ -1,7 +1,7 @@
 """The GPU check: the CUDA tests, then the runners timed on random-weight models of real shapes.
 
-    python -m scripts.gpu_check OUT_DIR              # on a CUDA machine: Qwen2.5 0.5B / 1.5B / 7B shapes
-    python -m scripts.gpu_check OUT_DIR --device cpu # tiny shapes, to check the script itself
+    python -m scripts.bench.gpu_check OUT_DIR              # on a CUDA machine: Qwen2.5 0.5B / 1.5B / 7B shapes
+    python -m scripts.bench.gpu_check OUT_DIR --device cpu # tiny shapes, to check the script itself
 
 Timing does not depend on weight values, so the models are built from configs with
 random weights (nothing is downloaded): a Qwen2.5-0.5B-shaped draft and 1.5B- and
@@ -18,7 +18,7 @@ to OUT_DIR, section by section, so a run cut short keeps what it measured:
 5. HF assisted generation on the same models (draft = target, and the 0.5B draft);
 6. the predicted speedup E/(kc+1) at the acceptance the real pair shows on the CPU,
    chains against chain-with-siblings trees, from the measured verify costs;
-7. (`--sections load`) the load benchmark, `scripts.bench_load`, on the 1.5B target
+7. (`--sections load`) the load benchmark, `scripts.bench.load`, on the 1.5B target
    and the 0.5B draft saved to a temporary folder: the shipped config (its planner
    and a cost table measured at start on this device) against plain decoding and a
    fixed k = 2, closed loop at C 1..16 and Poisson arrivals. Its load.md, load.json
@@ -475,7 +475,7 @@ def compiled_passes(setup: Setup, passes: dict[str, dict[str, float]]) -> None:
 
 
 def load_rows(setup: Setup, out_dir: str, max_new_tokens: int, exactness: bool = False) -> None:
-    """Section 7: `scripts.bench_load` on the 1.5B target and the 0.5B draft, served on this device.
+    """Section 7: `scripts.bench.load` on the 1.5B target and the 0.5B draft, served on this device.
 
     exactness: in float32 (models built afresh), where every row's outputs must equal plain
     decoding's under continuous batching; else in the setup's dtype (bf16 on a GPU), for speed.
@@ -511,7 +511,7 @@ def load_rows(setup: Setup, out_dir: str, max_new_tokens: int, exactness: bool =
     bench_load.main(argv)
     with open(os.path.join(out_dir, name, "load.md"), encoding="utf-8") as file:
         lines = file.read().splitlines()
-    setup.report.section(f"Load ({name}, scripts.bench_load)", {"argv": argv}, lines)
+    setup.report.section(f"Load ({name}, scripts.bench.load)", {"argv": argv}, lines)
 
 
 # SmolLM2-135M's shape: a Llama with another vocabulary, the cross-family draft of
@@ -661,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         default="sweep,engine,profile,assisted",
         help="comma-separated, after the pass times: sweep (and the predicted speedups), engine, profile, "
         "assisted, compile (torch.compile of the static passes; minutes of compiling), "
-        "load (scripts.bench_load on the 1.5B target and 0.5B draft, bf16), load-fp32 (the same in float32: "
+        "load (scripts.bench.load on the 1.5B target and 0.5B draft, bf16), load-fp32 (the same in float32: "
         "outputs equal plain decoding's), cross (a draft from another family, SmolLM2-135M's shape), admission "
         "(the step that admits 16 requests, plain against drafting, timed and profiled)",
     )

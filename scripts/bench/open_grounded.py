@@ -4,7 +4,7 @@
 Everything is measured in one run, on one machine, with the same loaded
 models, and every speedup is a ratio to a baseline from the same run.
 
-Prompt sets (scripts/bench_prompts.json): `open` (coding and chat requests)
+Prompt sets (scripts/bench/prompts.json): `open` (coding and chat requests)
 and `grounded` (code edits whose answer copies much of the prompt). Each set
 has `tuning` prompts, on which a sweep picks the fixed k, Hugging Face's best
 assisted-generation schedule and the drafters' modes, and `held_out` prompts,

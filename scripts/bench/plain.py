@@ -11,8 +11,8 @@ Both sides run the same loaded target (packed as the engine loads it), greedy,
 with no prefix cache; each call is timed whole, prefill included. Outputs are
 compared: in bfloat16 a near-tie may flip a token (docs/benchmark.md).
 
-    python -m scripts.bench_plain                    # the demo pair's target, model-config/qwen-coder.yaml
-    python -m scripts.bench_plain --pairs 4 --max-new-tokens 32
+    python -m scripts.bench.plain                    # the demo pair's target, model-config/qwen-coder.yaml
+    python -m scripts.bench.plain --pairs 4 --max-new-tokens 32
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ the time in grammar masks as a share of the step at batch 1 and at batch 8,
 and the validation of sampled requests (T = 0.8, --validate-requests of them
 across the four schemas) against their schemas with `jsonschema`.
 
-    python -m scripts.bench_structured
-    python -m scripts.bench_structured --target models/tiny/target --draft models/tiny/draft \\
+    python -m scripts.bench.structured
+    python -m scripts.bench.structured --target models/tiny/target --draft models/tiny/draft \\
         --config model-config/model-config.yaml --runs 1 --validate-requests 8
 """
 

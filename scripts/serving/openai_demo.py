@@ -14,7 +14,8 @@ on, the client's api_key is TorchServe's inference key (sent as
 
 `scripts.demo` calls `run()`; on its own, against a running server:
 
-    python -m scripts.openai_demo [--url http://127.0.0.1:8080] [--model qwen-coder-spec] [--key-file key_file.json]
+    python -m scripts.serving.openai_demo [--url http://127.0.0.1:8080] [--model qwen-coder-spec] \\
+        [--key-file key_file.json]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Serves one model folder over a real TorchServe, with no draft model, and checks it as a user would.
 
-    python -m scripts.serve_check --target models/smollm2-135m-instruct --name smollm2
+    python -m scripts.serving.serve_check --target models/smollm2-135m-instruct --name smollm2
 
 1. packages the folder alone (drafter `ngram`; no draft model: the look-up drafters need none)
    with the repository's model-config.yaml, in float32, and serves it on free local ports;

@@ -3,10 +3,10 @@
 Every script (client, demo, load test, benchmark) and the end-to-end tests use
 it, and `make serve`, `make register` and `make stop` run its command line:
 
-    python -m scripts.torchserve start --ts-config model-config/config.properties [--disable-token-auth]
-    python -m scripts.torchserve register --model-name tiny-spec [--url tiny-spec.mar]
-    python -m scripts.torchserve unregister --model-name tiny-spec
-    python -m scripts.torchserve stop
+    python -m scripts.serving.torchserve start --ts-config model-config/config.properties [--disable-token-auth]
+    python -m scripts.serving.torchserve register --model-name tiny-spec [--url tiny-spec.mar]
+    python -m scripts.serving.torchserve unregister --model-name tiny-spec
+    python -m scripts.serving.torchserve stop
 
 Token authorization: TorchServe writes key_file.json in the folder it was
 started from. The inference key goes with inference calls (/ping and

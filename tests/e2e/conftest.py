@@ -1,8 +1,8 @@
 """A real TorchServe, started once per session on free loopback ports.
 
-The tiny model pair is packaged with scripts.package_mar into a temporary
+The tiny model pair is packaged with scripts.model_tools.package_mar into a temporary
 model store and registered through the management API, the way a user would,
-with scripts.torchserve (the client every script uses). The server runs with
+with scripts.serving.torchserve (the client every script uses). The server runs with
 the repository's config.properties, except for the ports and the model store,
 and with token authorization off (test only). Its logs, key and pid files stay
 in a temporary folder: TMPDIR is pointed there, since `torchserve` keeps its
@@ -167,7 +167,7 @@ def java_runtime() -> None:
 
 @pytest.fixture(scope="session")
 def model_archive(tiny_models_dir, tmp_path_factory) -> Path:
-    """The tiny pair packaged into a model store by scripts.package_mar."""
+    """The tiny pair packaged into a model store by scripts.model_tools.package_mar."""
     root = tmp_path_factory.mktemp("package")
     model_config = root / "model-config.yaml"
     write_model_config(model_config)
@@ -233,7 +233,7 @@ def server(java_runtime, model_archive, tmp_path_factory):
         torchserve.stop_server(started)
 
 
-OPENAI_MODEL_VERSION = "1.0"  # scripts/package_mar.py
+OPENAI_MODEL_VERSION = "1.0"  # scripts/model_tools/package_mar.py
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Load and fault tolerance against the real TorchServe of conftest.py (tiny pair, batchSize 4).
 
-- scripts.loadtest, 200 mixed requests at concurrency 8: no errors, none
+- scripts.serving.loadtest, 200 mixed requests at concurrency 8: no errors, none
   lost, every answer well-formed.
 - A greedy and a seeded sampled request give the same tokens under load as
   alone: batching with other requests does not change a request's output.

@@ -33,7 +33,7 @@ def make_engine(target, draft, tokenizer, eos_token_ids=None, **arguments) -> Sp
 
 
 def cross_vocab_pair(out, device: str = "cpu"):
-    """The tiny target and its cross draft (`scripts.make_tiny_models --cross-vocab 20`: the draft with its
+    """The tiny target and its cross draft (`scripts.model_tools.make_tiny_models --cross-vocab 20`: the draft with its
     own vocabulary), built into `out`, in float32 on `device`: (target, draft, target tokenizer, vocab map)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,4 +1,4 @@
-"""scripts.bench_agentic: the trace generator alone, then the whole benchmark on the tiny pair.
+"""scripts.bench.agentic: the trace generator alone, then the whole benchmark on the tiny pair.
 
 No timing is asserted (benchmarks are programs). What is checked: the seeded
 trace has every family, keeps each conversation's turns in order and asks the

@@ -1,4 +1,4 @@
-"""scripts.bench_plain runs end to end on the tiny pair: its table, and outputs equal in float32.
+"""scripts.bench.plain runs end to end on the tiny pair: its table, and outputs equal in float32.
 
 No timing is asserted: the figures live in docs/benchmark.md.
 """

@@ -1,4 +1,4 @@
-"""scripts.bench_prefix runs end to end on the tiny pair and reports what it measured.
+"""scripts.bench.prefix runs end to end on the tiny pair and reports what it measured.
 
 No timing is asserted (benchmarks are programs): what is checked is that both
 tables print, that with the cache on every turn after the first finds the

@@ -1,4 +1,4 @@
-"""scripts.bench_structured runs end to end on the tiny pair and reports what it measured.
+"""scripts.bench.structured runs end to end on the tiny pair and reports what it measured.
 
 No timing is asserted (benchmarks are programs): what is checked is the report's
 shape, and, in float32, that every method gives the constrained plain decoding's

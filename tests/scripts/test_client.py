@@ -1,4 +1,4 @@
-"""scripts.client's command line: the request body it builds."""
+"""scripts.serving.client's command line: the request body it builds."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""scripts.loadtest without a server: the request mix, percentiles, the report."""
+"""scripts.serving.loadtest without a server: the request mix, percentiles, the report."""
 
 from __future__ import annotations
 
