@@ -82,7 +82,7 @@ test-gpu: install ## Run the CUDA tests (tests/cuda; on a machine with a GPU and
 GPU_CHECK_OUT ?= bench_results/gpu
 
 gpu-check: install ## The GPU check: CUDA tests and the runners timed on Qwen2.5-shaped models (GPU_CHECK_OUT)
-	$(PY) -m scripts.gpu_check $(GPU_CHECK_OUT)
+	$(PY) -m scripts.bench.gpu_check $(GPU_CHECK_OUT)
 
 test-fast: install ## Run the unit tier only (under 30 s)
 	$(PY) -m pytest tests/unit tests/scripts -q -ra -m unit $(PYTEST_ARGS)
@@ -92,19 +92,19 @@ lint: install ## ruff: lint and formatting check
 	$(PY) -m ruff format --check .
 
 tiny-models: install ## Build the tiny random target/draft pair into models/tiny
-	$(PY) -m scripts.make_tiny_models --out $(TINY_MODELS)
+	$(PY) -m scripts.model_tools.make_tiny_models --out $(TINY_MODELS)
 
 package: install ## Package TARGET+DRAFT+CONFIG as model_store/MODEL_NAME.mar
 	@# The tiny pair is built on demand.
 	@if [[ "$(TARGET)" == $(TINY_MODELS)/* && ! -f "$(TARGET)/config.json" ]]; then \
 		$(MAKE) --no-print-directory tiny-models; fi
-	$(PY) -m scripts.package_mar --model-name $(MODEL_NAME) --target $(TARGET) \
+	$(PY) -m scripts.model_tools.package_mar --model-name $(MODEL_NAME) --target $(TARGET) \
 		--draft $(DRAFT) --config $(CONFIG) --export-path $(MODEL_STORE) \
 		--archive-format $(ARCHIVE_FORMAT) --force
 
-# scripts.torchserve starts the server in the background (console output in
+# scripts.serving.torchserve starts the server in the background (console output in
 # logs/console.log) and waits until it answers /ping.
-TS_START = $(PY) -m scripts.torchserve start --ts-config $(TS_CONFIG) --model-store $(MODEL_STORE)
+TS_START = $(PY) -m scripts.serving.torchserve start --ts-config $(TS_CONFIG) --model-store $(MODEL_STORE)
 
 serve: install ## Start TorchServe on 127.0.0.1 (token auth on; keys in key_file.json)
 	$(TS_START)
@@ -118,20 +118,20 @@ dev-serve: install ## Like serve, but with token auth OFF (local development onl
 	$(TS_START) --disable-token-auth
 
 register: $(INSTALL_STAMP) ## Register model_store/MODEL_NAME.mar with the running server
-	$(PY) -m scripts.torchserve register --model-name $(MODEL_NAME) --url $(ARCHIVE_NAME) \
+	$(PY) -m scripts.serving.torchserve register --model-name $(MODEL_NAME) --url $(ARCHIVE_NAME) \
 		--management-url $(MANAGEMENT_URL) --inference-url $(INFERENCE_URL)
 
 unregister: $(INSTALL_STAMP) ## Unregister MODEL_NAME from the running server
-	$(PY) -m scripts.torchserve unregister --model-name $(MODEL_NAME) \
+	$(PY) -m scripts.serving.torchserve unregister --model-name $(MODEL_NAME) \
 		--management-url $(MANAGEMENT_URL) --inference-url $(INFERENCE_URL)
 
 stop: $(INSTALL_STAMP) ## Stop TorchServe
-	$(PY) -m scripts.torchserve stop
+	$(PY) -m scripts.serving.torchserve stop
 
 LOADTEST_ARGS ?= --requests 50 --concurrency 4
 
 loadtest: $(INSTALL_STAMP) ## Load-test MODEL_NAME on the running server (LOADTEST_ARGS)
-	$(PY) -m scripts.loadtest --url $(INFERENCE_URL) --model $(MODEL_NAME) $(LOADTEST_ARGS)
+	$(PY) -m scripts.serving.loadtest --url $(INFERENCE_URL) --model $(MODEL_NAME) $(LOADTEST_ARGS)
 
 install-demo: install
 	$(PY) -m pip install -r requirements-demo.txt
@@ -146,34 +146,34 @@ BENCH_AGENTIC_ARGS ?=
 
 bench: install-demo ## Benchmark against HF generate (open, grounded, agentic) and under load (~3 h on 2 cores)
 	$(PY) -m scripts.bench $(BENCH_ARGS)
-	$(PY) -m scripts.bench_agentic $(BENCH_AGENTIC_ARGS)
-	$(PY) -m scripts.bench_load $(BENCH_LOAD_ARGS)
+	$(PY) -m scripts.bench.agentic $(BENCH_AGENTIC_ARGS)
+	$(PY) -m scripts.bench.load $(BENCH_LOAD_ARGS)
 
 # Concurrent requests, closed loop at C = 1..16 and Poisson arrivals: the shipped config against plain
 # decoding, fixed k and each drafter alone. Results in bench_results/load.json, load.md, load.png.
 BENCH_LOAD_ARGS ?=
 
 bench-load: install-demo ## Benchmark under load: shipped against plain decoding by concurrency (BENCH_LOAD_ARGS)
-	$(PY) -m scripts.bench_load $(BENCH_LOAD_ARGS)
+	$(PY) -m scripts.bench.load $(BENCH_LOAD_ARGS)
 
 # An agentic trace (SQL over one schema, coding tasks asked again, a tool loop, an edit
 # session), every drafter against HF generate. Results in bench_results/agentic.*.
 bench-agentic: install-demo ## Benchmark the agentic set alone (BENCH_AGENTIC_ARGS; ~45 min on 2 cores)
-	$(PY) -m scripts.bench_agentic $(BENCH_AGENTIC_ARGS)
+	$(PY) -m scripts.bench.agentic $(BENCH_AGENTIC_ARGS)
 
 # The prefix cache off against on, the demo pair with model-config/qwen-coder.yaml: multi-turn chat
 # and a shared system prompt under Poisson load. Results in bench_results/prefix.json.
 BENCH_PREFIX_ARGS ?=
 
 bench-prefix: install-demo ## Benchmark the prefix cache, off against on (BENCH_PREFIX_ARGS)
-	$(PY) -m scripts.bench_prefix $(BENCH_PREFIX_ARGS)
+	$(PY) -m scripts.bench.prefix $(BENCH_PREFIX_ARGS)
 
 # The engine's own time a step (step wall time minus the models' forwards), the tiny pair in float32,
 # draft == target, k = 0 against k = 4 at batch 1 and 16 (BENCH_OWN_TIME_ARGS); prints a table.
 BENCH_OWN_TIME_ARGS ?=
 
 bench-own-time: install ## Benchmark the engine's own time a step, plain against drafting (BENCH_OWN_TIME_ARGS)
-	$(PY) -m scripts.bench_own_time $(BENCH_OWN_TIME_ARGS)
+	$(PY) -m scripts.bench.own_time $(BENCH_OWN_TIME_ARGS)
 
 clean: ## Remove the tiny models, archives and no-archive folders in model_store/, and logs
 	rm -rf $(TINY_MODELS) logs

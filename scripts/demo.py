@@ -4,7 +4,7 @@
 Run by `make demo` (after `make install-demo`). Each step is skipped when its
 result is already there, so running it again is cheap:
 
-1. fetch and convert the two models into models/ (scripts.fetch_demo_models);
+1. fetch and convert the two models into models/ (scripts.model_tools.fetch_demo_models);
 2. package them with the handler into model_store/qwen-coder-spec/, an
    unpacked archive (--archive-format no-archive: TorchServe loads the
    folder in place, with no copy or unzip of ~4 GB at each registration);
@@ -15,7 +15,7 @@ result is already there, so running it again is cheap:
    sampled with a seed, a streamed chat) and an input-grounded code edit,
    whose answer copies much of its prompt, and print the four speeds side by
    side; then one streamed chat through the official `openai` client, on the
-   OpenAI-compatible route (scripts.openai_demo).
+   OpenAI-compatible route (scripts.serving.openai_demo).
 
 The server is left running; the end of the output says how to query and
 stop it. TorchServe's logs are in logs/.
@@ -42,7 +42,8 @@ from urllib.parse import urlparse
 import psutil
 import requests
 
-from scripts import openai_demo, package_mar, torchserve
+from scripts.model_tools import package_mar
+from scripts.serving import openai_demo, torchserve
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,9 +131,9 @@ def step(number: int, text: str) -> None:
 
 
 def fetch_models() -> None:
-    result = subprocess.run([sys.executable, "-m", "scripts.fetch_demo_models", "--models-dir", "models"])
+    result = subprocess.run([sys.executable, "-m", "scripts.model_tools.fetch_demo_models", "--models-dir", "models"])
     if result.returncode != 0:
-        raise DemoError("scripts.fetch_demo_models failed (see its messages above)")
+        raise DemoError("scripts.model_tools.fetch_demo_models failed (see its messages above)")
 
 
 # ---------------------------------------------------------------------------
@@ -142,7 +143,7 @@ def fetch_models() -> None:
 def package_fingerprint() -> str:
     """Changes when the handler, the packaging script, the model config or a model file changes."""
     digest = hashlib.sha256()
-    sources = sorted(Path("handler").rglob("*.py")) + [Path("scripts/package_mar.py"), MODEL_CONFIG]
+    sources = sorted(Path("handler").rglob("*.py")) + [Path("scripts/model_tools/package_mar.py"), MODEL_CONFIG]
     for path in sources:
         digest.update(str(path).encode() + b"\0" + path.read_bytes())
     for model_dir in (TARGET_DIR, DRAFT_DIR):
@@ -392,15 +393,15 @@ TorchServe is still running, with {MODEL_NAME} registered. From this folder:
     -H 'Content-Type: application/json' \\
     -d '{{"prompt": "def quicksort(xs):", "max_new_tokens": 64}}'
 
-  .venv/bin/python -m scripts.client --url {inference_url} --stream "Merge two sorted lists in Python."
+  .venv/bin/python -m scripts.serving.client --url {inference_url} --stream "Merge two sorted lists in Python."
 
-  .venv/bin/python -m scripts.openai_demo --url {inference_url}
+  .venv/bin/python -m scripts.serving.openai_demo --url {inference_url}
 
-  .venv/bin/python -m scripts.loadtest --url {inference_url} --requests 8 --concurrency 4
+  .venv/bin/python -m scripts.serving.loadtest --url {inference_url} --requests 8 --concurrency 4
 
 The keys in key_file.json expire 60 minutes after the server started
 (token_expiration_min in config.properties); after that, requests with them get
-HTTP 400. scripts.client says how to get fresh ones, or run make demo again
+HTTP 400. scripts.serving.client says how to get fresh ones, or run make demo again
 (it restarts this server). Logs are in {LOG_DIR}/.
 Stop the server with: make stop""")
 

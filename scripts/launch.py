@@ -22,7 +22,7 @@
    tables the first one measured, where they still hold).
 6. It prints how to call the model: curl on the native and the OpenAI routes, and the `openai` client.
 
-The server keeps running (`python -m scripts.torchserve stop`, or `make stop`).
+The server keeps running (`python -m scripts.serving.torchserve stop`, or `make stop`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from urllib.parse import urlparse
 
 import yaml
 
-from scripts import package_mar, torchserve
+from scripts.model_tools import package_mar
+from scripts.serving import torchserve
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TEMPLATE = REPO_ROOT / "model-config" / "launch.yaml"
@@ -218,7 +219,7 @@ def manifest_json(model_name: str) -> str:
 
 
 def write_model_folder(folder: Path, model_name: str, config: dict, target: Path, draft: Path | None) -> None:
-    """The no-archive layout of scripts.package_mar, with the models linked instead of copied."""
+    """The no-archive layout of scripts.model_tools.package_mar, with the models linked instead of copied."""
     shutil.copytree(package_mar.HANDLER_PACKAGE, folder / "handler", ignore=package_mar.IGNORED_IN_HANDLER)
     shutil.copy2(package_mar.HANDLER_PACKAGE / package_mar.HANDLER_ENTRY, folder / package_mar.HANDLER_ENTRY)
     (folder / MODEL_CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")

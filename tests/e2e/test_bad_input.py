@@ -116,7 +116,7 @@ def test_bad_handler_config_fails_registration_promptly(server, tiny_models_dir,
     config_path.write_text(yaml.safe_dump(config))
     store = server.model_store
     run_module(
-        "scripts.package_mar",
+        "scripts.model_tools.package_mar",
         *("--model-name", "broken", "--config", str(config_path), "--export-path", str(store), "--force"),
         *("--target", str(tiny_models_dir / "target"), "--draft", str(tiny_models_dir / "draft")),
         check=True,

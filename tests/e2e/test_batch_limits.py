@@ -25,7 +25,8 @@ import pytest
 import requests
 import yaml
 
-from scripts import package_mar, torchserve
+from scripts.model_tools import package_mar
+from scripts.serving import torchserve
 
 from .conftest import HTTP_TIMEOUT_S, REGISTER_TIMEOUT_S, in_thread, metric_samples, send, write_model_config
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from scripts import torchserve
+from scripts.serving import torchserve
 from tests.conftest import REPO_ROOT
 
 from .conftest import HTTP_TIMEOUT_S, MODEL_NAME, STARTUP_TIMEOUT_S, free_ports, write_server_config

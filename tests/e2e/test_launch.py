@@ -29,7 +29,7 @@ import requests
 import torch
 
 from handler.planning.measure import CACHE_FILE_PREFIX
-from scripts import torchserve
+from scripts.serving import torchserve
 from tests.conftest import REPO_ROOT
 from tests.e2e.conftest import HTTP_TIMEOUT_S
 from tests.scripts.test_launch import add_to_hub_cache, tiny_llama_pair

@@ -1,6 +1,6 @@
 """Load and fault tolerance against the real TorchServe of conftest.py (tiny pair, batchSize 4).
 
-- scripts.loadtest, 200 mixed requests at concurrency 8: no errors, none
+- scripts.serving.loadtest, 200 mixed requests at concurrency 8: no errors, none
   lost, every answer well-formed.
 - A greedy and a seeded sampled request give the same tokens under load as
   alone: batching with other requests does not change a request's output.
@@ -29,7 +29,7 @@ import pytest
 import requests
 import yaml
 
-from scripts import loadtest, torchserve
+from scripts.serving import loadtest, torchserve
 from tests.conftest import run_module
 
 from .conftest import REGISTER_TIMEOUT_S
@@ -130,7 +130,7 @@ def wait_for_new_worker_of(server, model_name: str, old_pid: int, deadline: floa
 def test_loadtest_200_requests_no_errors_none_lost(server, tmp_path):
     report = tmp_path / "load.json"
     result = run_module(
-        "scripts.loadtest",
+        "scripts.serving.loadtest",
         *("--url", server.inference_url, "--model", server.model_name, "--no-auth", "--json-out", str(report)),
         *("--requests", "200", "--concurrency", "8", "--max-new-tokens", "12", "--timeout", str(REQUEST_TIMEOUT_S)),
     )
@@ -274,7 +274,7 @@ def static_model(server, tiny_models_dir, tmp_path_factory):
     config.update(continuousBatching=False, batchSize=2, maxBatchDelay=3000)
     (root / "model-config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     result = run_module(
-        "scripts.package_mar",
+        "scripts.model_tools.package_mar",
         *("--model-name", STATIC_MODEL_NAME, "--config", str(root / "model-config.yaml")),
         *("--export-path", str(server.model_store), "--archive-format", "no-archive"),
         *("--target", str(tiny_models_dir / "target"), "--draft", str(tiny_models_dir / "draft")),

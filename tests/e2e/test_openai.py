@@ -282,7 +282,7 @@ def test_openai_and_native_requests_share_batches(client, server):
 def test_the_demo_request_goes_through_the_openai_client(server):
     import io
 
-    from scripts import openai_demo, torchserve
+    from scripts.serving import openai_demo, torchserve
 
     out = io.StringIO()
     text = openai_demo.run(server.inference_url, server.model_name, None, max_tokens=8, out=out)

@@ -12,7 +12,7 @@ import openai
 import pytest
 import requests
 
-from scripts import openai_demo, torchserve
+from scripts.serving import openai_demo, torchserve
 
 from .conftest import HTTP_TIMEOUT_S, MODEL_NAME, REGISTER_TIMEOUT_S, STARTUP_TIMEOUT_S, free_ports, write_server_config
 

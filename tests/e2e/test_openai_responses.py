@@ -188,7 +188,7 @@ def test_the_agents_sdk_default_model_runs_a_function_tool_agent_to_its_final_ou
 def test_the_demo_sends_a_response_and_continues_it(server):
     import io
 
-    from scripts import openai_demo
+    from scripts.serving import openai_demo
 
     out = io.StringIO()
     first, second = openai_demo.run_responses(server.inference_url, server.model_name, None, max_tokens=6, out=out)

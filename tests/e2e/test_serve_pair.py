@@ -1,6 +1,6 @@
-"""End-to-end: scripts.serve_pair, the serve section of the GPU check, on the CPU with the tiny pair.
+"""End-to-end: scripts.serving.serve_pair, the serve section of the GPU check, on the CPU with the tiny pair.
 
-It starts its own TorchServe (scripts.torchserve.private_server, token auth on), registers the pair,
+It starts its own TorchServe (scripts.serving.torchserve.private_server, token auth on), registers the pair,
 asks every route, times REST against the same engine in-process at C = 1, 4 and 16 (tiny sizes: a
 check of the steps, not a figure), scales a static-batching archive's workers and unregisters both;
 then `generate` on the greedy prompts.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from scripts import serve_pair
+from scripts.serving import serve_pair
 
 CONCURRENCIES = (1, 4, 16)
 

@@ -14,7 +14,7 @@ import os
 import pytest
 import requests
 
-from scripts import torchserve
+from scripts.serving import torchserve
 
 from .conftest import HTTP_TIMEOUT_S, STARTUP_TIMEOUT_S, free_ports, write_server_config
 

@@ -35,14 +35,14 @@ def make_engine(
 
 
 def cross_vocab_pair(out, device: str = "cpu"):
-    """The tiny target and its cross draft (`scripts.make_tiny_models --cross-vocab 20`: the draft with its
+    """The tiny target and its cross draft (`scripts.model_tools.make_tiny_models --cross-vocab 20`: the draft with its
     own vocabulary), built into `out`, in float32 on `device`: (target, draft, target tokenizer, vocab map)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from handler.runtime.loading import check_vocabularies
     from tests.conftest import run_module
 
-    run_module("scripts.make_tiny_models", "--out", str(out), "--cross-vocab", "20", check=True)
+    run_module("scripts.model_tools.make_tiny_models", "--out", str(out), "--cross-vocab", "20", check=True)
     tokenizer = AutoTokenizer.from_pretrained(out / "target")
     target, draft = (
         AutoModelForCausalLM.from_pretrained(out / name, dtype=torch.float32).eval().to(device)

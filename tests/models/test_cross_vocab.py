@@ -1,6 +1,6 @@
 """A draft from another family (`handler.drafters.cross_vocab`): lossless with a vocabulary of its own.
 
-The tiny pair's cross draft (`scripts.make_tiny_models --cross-vocab`) is the draft with its ids
+The tiny pair's cross draft (`scripts.model_tools.make_tiny_models --cross-vocab`) is the draft with its ids
 shuffled and merged tokens taken out and put in, so that each side has tokens the other lacks.
 In float32, under both ways greedy rows draft (SLEM and TLI), with the model and hybrid drafters:
 greedy output equal to the target's own `generate`, alone, batched and with a row joining mid-run;

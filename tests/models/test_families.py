@@ -28,7 +28,7 @@ from tests.models.conftest import make_engine
 from tests.models.test_engine import reference_greedy
 
 VOCAB = 384  # the tiny tokenizer's
-# Wide initial weights, as scripts.make_tiny_models uses: with the configs' default 0.02 some
+# Wide initial weights, as scripts.model_tools.make_tiny_models uses: with the configs' default 0.02 some
 # families' tiny models repeat one token, and exactness over a repeated token proves little.
 TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "initializer_range": 0.2}
 LAYERS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)

@@ -11,7 +11,9 @@ import json
 
 import pytest
 
-from scripts import bench, bench_common, bench_runner
+from scripts.bench import common as bench_common
+from scripts.bench import open_grounded as bench
+from scripts.bench import runner as bench_runner
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.models  # loads and runs the tiny pair: not in the fast tier
@@ -38,7 +40,7 @@ def test_bench_writes_json_markdown_and_plot(tiny_models_dir, tmp_path):
     )
     out = tmp_path / "bench"
     # the real prompt file parses and has enough held-out prompts for the default run
-    sets = bench_common.load_prompt_sets(REPO_ROOT / "scripts" / "bench_prompts.json", 6, 1)
+    sets = bench_common.load_prompt_sets(REPO_ROOT / "scripts" / "bench" / "prompts.json", 6, 1)
     assert all(len(s["held_out"]) == 6 for s in sets.values())
     bench.main(
         [
@@ -107,7 +109,7 @@ def test_an_engine_row_starts_with_empty_suffix_trees():
 def test_the_machine_line_counts_the_cores_a_container_may_use(monkeypatch):
     # A CPU limit below the affinity mask (a container's) is what the run had: the line says so.
     from handler.runtime import host
-    from scripts import bench_common
+    from scripts.bench import common as bench_common
 
     monkeypatch.setattr(host, "usable_cpu_cores", lambda: 1)
     info = bench_common.machine_info()

@@ -1,4 +1,4 @@
-"""scripts.bench_agentic: the trace generator alone, then the whole benchmark on the tiny pair.
+"""scripts.bench.agentic: the trace generator alone, then the whole benchmark on the tiny pair.
 
 No timing is asserted (benchmarks are programs). What is checked: the seeded
 trace has every family, keeps each conversation's turns in order and asks the
@@ -16,7 +16,7 @@ import pytest
 
 from handler.drafters.suffix import SuffixDrafter, SuffixOptions
 from handler.planning.cost_table import CostTable
-from scripts import bench_agentic
+from scripts.bench import agentic as bench_agentic
 from tests.conftest import REPO_ROOT
 
 ENGINE_ROWS = (

@@ -1,4 +1,4 @@
-"""scripts.bench_load runs end to end on the tiny pair and reports what it measured.
+"""scripts.bench.load runs end to end on the tiny pair and reports what it measured.
 
 No timing is asserted (benchmarks are programs): what is checked is that every
 load and row is measured and printed, that every step's plan and timings are
@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from scripts import bench_load
+from scripts.bench import load as bench_load
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.models  # loads and runs the tiny pair: not in the fast tier

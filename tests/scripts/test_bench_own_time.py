@@ -1,10 +1,10 @@
-"""scripts.bench_own_time runs on the tiny pair and prints its table; no timing is asserted."""
+"""scripts.bench.own_time runs on the tiny pair and prints its table; no timing is asserted."""
 
 from __future__ import annotations
 
 import pytest
 
-from scripts import bench_own_time
+from scripts.bench import own_time as bench_own_time
 
 pytestmark = pytest.mark.models  # loads and runs the tiny pair: not in the fast tier
 

@@ -1,4 +1,4 @@
-"""scripts.bench_plain runs end to end on the tiny pair: its table, and outputs equal in float32.
+"""scripts.bench.plain runs end to end on the tiny pair: its table, and outputs equal in float32.
 
 No timing is asserted: the figures live in docs/benchmark.md.
 """
@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from scripts import bench_plain
+from scripts.bench import plain as bench_plain
 from tests.conftest import REPO_ROOT
 
 from .test_bench import FUNCTION, _prompt

@@ -1,4 +1,4 @@
-"""scripts.bench_prefix runs end to end on the tiny pair and reports what it measured.
+"""scripts.bench.prefix runs end to end on the tiny pair and reports what it measured.
 
 No timing is asserted (benchmarks are programs): what is checked is that both
 tables print, that with the cache on every turn after the first finds the
@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from scripts import bench_prefix
+from scripts.bench import prefix as bench_prefix
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.models  # loads and runs the tiny pair: not in the fast tier

@@ -1,4 +1,4 @@
-"""scripts.bench_structured runs end to end on the tiny pair and reports what it measured.
+"""scripts.bench.structured runs end to end on the tiny pair and reports what it measured.
 
 No timing is asserted (benchmarks are programs): what is checked is the report's
 shape, and, in float32, that every method gives the constrained plain decoding's
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from scripts import bench_structured
+from scripts.bench import structured as bench_structured
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.models  # loads and runs the tiny pair: not in the fast tier

@@ -1,10 +1,10 @@
-"""scripts.client's command line: the request body it builds."""
+"""scripts.serving.client's command line: the request body it builds."""
 
 from __future__ import annotations
 
 import json
 
-from scripts import client
+from scripts.serving import client
 
 
 def test_client_builds_the_request_body(tmp_path):

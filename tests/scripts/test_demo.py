@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from scripts import demo
-from scripts.torchserve import Answer
+from scripts.serving.torchserve import Answer
 
 
 def _answer(tokens: int, seconds: float, drafter: str) -> Answer:
@@ -36,7 +36,7 @@ def test_the_closing_words_say_when_the_keys_expire(capsys):
     """The demo leaves its server running; its keys stop working after token_expiration_min."""
     import re
 
-    from scripts.torchserve import DEFAULT_TS_CONFIG
+    from scripts.serving.torchserve import DEFAULT_TS_CONFIG
     from tests.conftest import REPO_ROOT
 
     [minutes] = re.findall(r"^token_expiration_min=(\d+)$", (REPO_ROOT / DEFAULT_TS_CONFIG).read_text(), re.M)

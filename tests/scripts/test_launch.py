@@ -15,7 +15,9 @@ import torch
 import transformers
 import yaml
 
-from scripts import launch, make_tiny_models, torchserve
+from scripts import launch
+from scripts.model_tools import make_tiny_models
+from scripts.serving import torchserve
 
 LLAMA = dict(
     vocab_size=384,  # the tiny tokenizer's 350 tokens, padded

@@ -1,4 +1,4 @@
-"""scripts.loadtest without a server: the request mix, percentiles, the report."""
+"""scripts.serving.loadtest without a server: the request mix, percentiles, the report."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from scripts import loadtest
+from scripts.serving import loadtest
 
 
 def test_plan_mixes_requests_reproducibly():

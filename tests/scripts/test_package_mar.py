@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from scripts.package_mar import PackagingError, package
+from scripts.model_tools.package_mar import PackagingError, package
 
 
 def write_config(folder, handler_section):

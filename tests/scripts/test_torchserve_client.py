@@ -1,4 +1,4 @@
-"""scripts.torchserve without a server: keys and their hints, answers' messages, NDJSON, config addresses."""
+"""scripts.serving.torchserve without a server: keys and their hints, answers' messages, NDJSON, config addresses."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from scripts import torchserve
+from scripts.serving import torchserve
 
 
 class FakeResponse:

@@ -63,7 +63,7 @@ def test_check_pair_runs_the_load_time_checks_on_configs_alone_without_a_weight(
 
     from handler.config import HandlerConfig
     from handler.runtime.loading import check_pair
-    from scripts import make_tiny_models
+    from scripts.model_tools import make_tiny_models
 
     for name in ("target", "draft"):
         make_tiny_models.save_tokenizer(tmp_path / name)  # config.json and the tokenizer: no weights

@@ -97,7 +97,7 @@ USER = [{"role": "user", "content": "Weather in Paris?"}]
 def load_tokenizer(tmp_path_factory, template: str, added_tokens: tuple[str, ...] = ()):
     from transformers import AutoTokenizer
 
-    from scripts import make_tiny_models
+    from scripts.model_tools import make_tiny_models
 
     out = tmp_path_factory.mktemp("tool-tokenizer")
     make_tiny_models.save_tokenizer(out)

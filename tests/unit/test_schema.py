@@ -90,6 +90,6 @@ def test_schema_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, handler.schema, scripts.torchserve; print('torch' in sys.modules)"
+    code = "import sys, handler.schema, scripts.serving.torchserve; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

@@ -78,7 +78,7 @@ def test_text_stops_before_an_unfinished_character_and_bytes_that_are_no_text_ar
 def tokenizers(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from scripts import make_tiny_models
+    from scripts.model_tools import make_tiny_models
 
     out = tmp_path_factory.mktemp("cross")
     target_tokenizer = make_tiny_models.build_tokenizer()

@@ -30,9 +30,9 @@ The exit status is 1 when any request failed, was malformed or was lost,
 unless --allow-errors is given.
 
 Usage:
-    python -m scripts.loadtest --requests 200 --concurrency 8
-    python -m scripts.loadtest --model tiny-spec --no-auth --requests 50 --json-out load.json
-    python -m scripts.loadtest --model tiny-spec --compare-model tiny-spec-static --no-auth \\
+    python -m scripts.serving.loadtest --requests 200 --concurrency 8
+    python -m scripts.serving.loadtest --model tiny-spec --no-auth --requests 50 --json-out load.json
+    python -m scripts.serving.loadtest --model tiny-spec --compare-model tiny-spec-static --no-auth \\
         --rate 4 --requests 120 --long-fraction 0.25 --max-new-tokens 16 --long-max-new-tokens 256
 """
 
@@ -52,8 +52,8 @@ from pathlib import Path
 
 import requests
 
-from scripts.bench_common import percentile
-from scripts.torchserve import (
+from scripts.bench.common import percentile
+from scripts.serving.torchserve import (
     DEFAULT_INFERENCE_URL,
     DEFAULT_KEY_FILE,
     DEFAULT_MODEL,

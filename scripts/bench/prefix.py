@@ -25,8 +25,8 @@ after a warm-up. Also printed: how many greedy outputs differ with the cache on
 and where they first differ (in bfloat16 a prefix computed in one chunk and
 continued in another rounds differently: docs/prefix-caching.md).
 
-    python -m scripts.bench_prefix                     # the demo pair and its shipped config
-    python -m scripts.bench_prefix --target models/tiny/target --draft models/tiny/draft \\
+    python -m scripts.bench.prefix                     # the demo pair and its shipped config
+    python -m scripts.bench.prefix --target models/tiny/target --draft models/tiny/draft \\
         --config model-config/model-config.yaml --dtype float32 --system-tokens 120 --num-tools 1 \\
         --turns 3 --turn-tokens 8 --users 4 --shared-tokens 100 --load-tokens 8 --rate 50 --repeats 1
 """
@@ -46,7 +46,7 @@ from handler.config import handler_config_from_yaml_config
 from handler.engine import GenerationRequest, GenerationResult, SpeculativeEngine, build_engine, engine_settings
 from handler.planning.measure import measure_for_config
 from handler.runtime.loading import load_models
-from scripts.bench_common import (
+from scripts.bench.common import (
     DEFAULT_CONFIG,
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
@@ -57,7 +57,7 @@ from scripts.bench_common import (
     shown,
     write_json,
 )
-from scripts.bench_runner import ChatRoute, drive, poisson_arrivals
+from scripts.bench.runner import ChatRoute, drive, poisson_arrivals
 
 logger = logging.getLogger("bench_prefix")
 

@@ -20,8 +20,8 @@ the time in grammar masks as a share of the step at batch 1 and at batch 8,
 and the validation of sampled requests (T = 0.8, --validate-requests of them
 across the four schemas) against their schemas with `jsonschema`.
 
-    python -m scripts.bench_structured
-    python -m scripts.bench_structured --target models/tiny/target --draft models/tiny/draft \\
+    python -m scripts.bench.structured
+    python -m scripts.bench.structured --target models/tiny/target --draft models/tiny/draft \\
         --config model-config/model-config.yaml --runs 1 --validate-requests 8
 """
 
@@ -52,8 +52,8 @@ from handler.engine import (
 from handler.planning.measure import measure_for_config
 from handler.runtime.loading import load_models
 from handler.types import SpeculativeStats
-from scripts.bench_common import write_json
-from scripts.bench_runner import timed_run
+from scripts.bench.common import write_json
+from scripts.bench.runner import timed_run
 
 logger = logging.getLogger("bench_structured")
 
@@ -300,7 +300,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    from scripts.bench_common import machine_info
+    from scripts.bench.common import machine_info
 
     with open(args.config, encoding="utf-8") as f:
         config = handler_config_from_yaml_config(yaml.safe_load(f))

@@ -14,7 +14,8 @@ on, the client's api_key is TorchServe's inference key (sent as
 
 `scripts.demo` calls `run()`; on its own, against a running server:
 
-    python -m scripts.openai_demo [--url http://127.0.0.1:8080] [--model qwen-coder-spec] [--key-file key_file.json]
+    python -m scripts.serving.openai_demo [--url http://127.0.0.1:8080] [--model qwen-coder-spec] \\
+        [--key-file key_file.json]
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from scripts import package_mar, torchserve
+from scripts.model_tools import package_mar
+from scripts.serving import torchserve
 
 MESSAGES = [
     {"role": "system", "content": "You are a concise coding assistant."},

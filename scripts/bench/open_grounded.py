@@ -4,7 +4,7 @@
 Everything is measured in one run, on one machine, with the same loaded
 models, and every speedup is a ratio to a baseline from the same run.
 
-Prompt sets (scripts/bench_prompts.json): `open` (coding and chat requests)
+Prompt sets (scripts/bench/prompts.json): `open` (coding and chat requests)
 and `grounded` (code edits whose answer copies much of the prompt). Each set
 has `tuning` prompts, on which a sweep picks the fixed k, Hugging Face's best
 assisted-generation schedule and the drafters' modes, and `held_out` prompts,
@@ -51,8 +51,7 @@ import time
 
 from handler.drafters import HYBRID, MODEL, NGRAM
 from handler.runtime.loading import load_models
-from scripts import torchserve
-from scripts.bench_common import (
+from scripts.bench.common import (
     DEFAULT_CONFIG,
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
@@ -67,7 +66,7 @@ from scripts.bench_common import (
     start_up_cost_table,
     write_report,
 )
-from scripts.bench_runner import (
+from scripts.bench.runner import (
     Method,
     Run,
     Runner,
@@ -79,6 +78,7 @@ from scripts.bench_runner import (
     hf_prompt_lookup,
     hf_target_only,
 )
+from scripts.serving import torchserve
 
 # Hugging Face's two adaptive schedules, tried beside the constant ones of the sweep:
 # the default of transformers 5 (20 tokens, stop below 0.4 confidence) and the older heuristic.
@@ -481,7 +481,7 @@ def parse_args(argv):
     )
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="overrides the config")
     parser.add_argument("--draft-quantization", choices=["none", "int8", "auto"], help="overrides the config")
-    parser.add_argument("--prompts", default=str(REPO_ROOT / "scripts" / "bench_prompts.json"))
+    parser.add_argument("--prompts", default=str(REPO_ROOT / "scripts" / "bench" / "prompts.json"))
     parser.add_argument(
         "--sets", default=",".join(PROMPT_SETS), help=f"prompt sets, comma-separated: {', '.join(PROMPT_SETS)}"
     )

@@ -1,6 +1,6 @@
 """Serves one model folder over a real TorchServe, with no draft model, and checks it as a user would.
 
-    python -m scripts.serve_check --target models/smollm2-135m-instruct --name smollm2
+    python -m scripts.serving.serve_check --target models/smollm2-135m-instruct --name smollm2
 
 1. packages the folder alone (drafter `ngram`; no draft model: the look-up drafters need none)
    with the repository's model-config.yaml, in float32, and serves it on free local ports;
@@ -28,9 +28,9 @@ import time
 
 import yaml
 
-from scripts import torchserve
+from scripts.serving import torchserve
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPTS = [
     "Write a Python function that returns the sum of a list of numbers.",
     "Explain in two sentences what a hash map is.",
@@ -180,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     model_store.mkdir()
     model_config = write_model_config(root, args.max_new_tokens)
     package = [
-        sys.executable, "-m", "scripts.package_mar", "--model-name", args.name, "--target", str(args.target.resolve()),
-        "--config", str(model_config), "--export-path", str(model_store),
+        sys.executable, "-m", "scripts.model_tools.package_mar", "--model-name", args.name,
+        "--target", str(args.target.resolve()), "--config", str(model_config), "--export-path", str(model_store),
     ]  # fmt: skip
     subprocess.run(package, check=True, cwd=REPO_ROOT)
     with torchserve.private_server(root / "server", model_store, token_auth=False) as server:

@@ -1,7 +1,7 @@
 """The GPU check: the CUDA tests, then the runners timed on random-weight models of real shapes.
 
-    python -m scripts.gpu_check OUT_DIR              # on a CUDA machine: Qwen2.5 0.5B / 1.5B / 7B shapes
-    python -m scripts.gpu_check OUT_DIR --device cpu # tiny shapes, to check the script itself
+    python -m scripts.bench.gpu_check OUT_DIR              # on a CUDA machine: Qwen2.5 0.5B / 1.5B / 7B shapes
+    python -m scripts.bench.gpu_check OUT_DIR --device cpu # tiny shapes, to check the script itself
 
 Timing does not depend on weight values, so the models are built from configs with
 random weights (nothing is downloaded): a Qwen2.5-0.5B-shaped draft and 1.5B- and
@@ -18,14 +18,14 @@ to OUT_DIR, section by section, so a run cut short keeps what it measured:
 5. HF assisted generation on the same models (draft = target, and the 0.5B draft);
 6. the predicted speedup E/(kc+1) at the acceptance the real pair shows on the CPU,
    chains against chain-with-siblings trees, from the measured verify costs;
-7. (`--sections load`) the load benchmark, `scripts.bench_load`, on the 1.5B target
+7. (`--sections load`) the load benchmark, `scripts.bench.load`, on the 1.5B target
    and the 0.5B draft saved to a temporary folder: the shipped config (its planner
    and a cost table measured at start on this device) against plain decoding and a
    fixed k = 2, closed loop at C 1..16 and Poisson arrivals. Its load.md, load.json
    and load.png go to OUT_DIR/load. `--sections load-fp32` runs it in float32 (C 1, 4
    and 16), where every row's outputs must equal plain decoding's: OUT_DIR/load-fp32.
 
-`--sections serve` runs `scripts.serve_pair` first, on its own (OUT_DIR/serve): the tiny pair in
+`--sections serve` runs `scripts.serving.serve_pair` first, on its own (OUT_DIR/serve): the tiny pair in
 float32 and the 0.5B -> 1.5B and 0.5B -> 7B shapes in bf16 served by a real TorchServe, every route,
 workers scaled, greedy REST against `generate`, and REST's tokens/s against the same engine in-process.
 
@@ -162,7 +162,7 @@ def text_tokenizer():
     nothing), and no tokenizer of the real models can be fetched here."""
     from transformers import AutoTokenizer
 
-    from scripts.make_tiny_models import save_tokenizer
+    from scripts.model_tools.make_tiny_models import save_tokenizer
 
     folder = tempfile.mkdtemp(prefix="gpu-check-tokenizer-")
     save_tokenizer(pathlib.Path(folder))
@@ -232,7 +232,7 @@ def table(header: list[str], rows: list[list[Any]]) -> list[str]:
 def run_cuda_tests() -> tuple[dict[str, Any], list[str]]:
     started = time.perf_counter()
     command = [sys.executable, "-m", "pytest", "tests/cuda", "-q", "-ra", "-p", "no:cacheprovider"]
-    repository = pathlib.Path(__file__).resolve().parents[1]
+    repository = pathlib.Path(__file__).resolve().parents[2]
     process = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=repository)
     lines = process.stdout.strip().splitlines()
     summary = lines[-1] if lines else process.stderr.strip()[-500:]
@@ -476,12 +476,12 @@ def compiled_passes(setup: Setup, passes: dict[str, dict[str, float]]) -> None:
 
 
 def load_rows(setup: Setup, out_dir: str, max_new_tokens: int, exactness: bool = False) -> None:
-    """Section 7: `scripts.bench_load` on the 1.5B target and the 0.5B draft, served on this device.
+    """Section 7: `scripts.bench.load` on the 1.5B target and the 0.5B draft, served on this device.
 
     exactness: in float32 (models built afresh), where every row's outputs must equal plain
     decoding's under continuous batching; else in the setup's dtype (bf16 on a GPU), for speed.
     """
-    from scripts import bench_load
+    from scripts.bench import load as bench_load
 
     folder = pathlib.Path(tempfile.mkdtemp(prefix="gpu-check-load-"))
     on_gpu = setup.device.type == "cuda"
@@ -512,7 +512,7 @@ def load_rows(setup: Setup, out_dir: str, max_new_tokens: int, exactness: bool =
     bench_load.main(argv)
     with open(os.path.join(out_dir, name, "load.md"), encoding="utf-8") as file:
         lines = file.read().splitlines()
-    setup.report.section(f"Load ({name}, scripts.bench_load)", {"argv": argv}, lines)
+    setup.report.section(f"Load ({name}, scripts.bench.load)", {"argv": argv}, lines)
 
 
 # SmolLM2-135M's shape: a Llama with another vocabulary, the cross-family draft of
@@ -644,9 +644,9 @@ def admission_rows(setup: Setup, out_dir: str) -> None:
 
 
 def serve_rows(report: Report, out_dir: str, device: torch.device, max_new_tokens: int) -> None:
-    """The `serve` section: `scripts.serve_pair` (its serve.md and serve.json in OUT_DIR/serve). On the
+    """The `serve` section: `scripts.serving.serve_pair` (its serve.md and serve.json in OUT_DIR/serve). On the
     CPU, the tiny pair alone, with tiny sizes: a check of the script."""
-    from scripts import serve_pair
+    from scripts.serving import serve_pair
 
     argv = [os.path.join(out_dir, "serve")]
     if device.type == "cuda":
@@ -656,7 +656,7 @@ def serve_rows(report: Report, out_dir: str, device: torch.device, max_new_token
         argv += ["--concurrency", "1,4", "--max-new-tokens", "8", "--set", "cpu_threads=1", "--set", "adaptive_k=false"]
     args = serve_pair.parse_args(argv)
     data, lines = serve_pair.run(args.out_dir, args.pairs, args)
-    report.section("Serve (scripts.serve_pair)", data, lines)
+    report.section("Serve (scripts.serving.serve_pair)", data, lines)
 
 
 def guarded(report: Report, name: str, section: Callable[[], Any]) -> Any:
@@ -678,10 +678,10 @@ def main(argv: list[str] | None = None) -> int:
         default="sweep,engine,profile,assisted",
         help="comma-separated, after the pass times: sweep (and the predicted speedups), engine, profile, "
         "assisted, compile (torch.compile of the static passes; minutes of compiling), "
-        "load (scripts.bench_load on the 1.5B target and 0.5B draft, bf16), load-fp32 (the same in float32: "
+        "load (scripts.bench.load on the 1.5B target and 0.5B draft, bf16), load-fp32 (the same in float32: "
         "outputs equal plain decoding's), cross (a draft from another family, SmolLM2-135M's shape), admission "
-        "(the step that admits 16 requests, plain against drafting, timed and profiled), serve (scripts.serve_pair: "
-        "the pairs through a real TorchServe; alone, no model is built here)",
+        "(the step that admits 16 requests, plain against drafting, timed and profiled), "
+        "serve (scripts.serving.serve_pair: the pairs through a real TorchServe; alone, no model is built here)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4, help="drafts per step of the engine rows")

@@ -44,9 +44,9 @@ measured (where the time goes).
 Outputs in --out-dir: load.json, load.md and load.png (tokens/s against C,
 one line per row).
 
-    python -m scripts.bench_load                            # every row, C 1..16, three rates
-    python -m scripts.bench_load --rows shipped,plain --rates ""  # the targets only
-    python -m scripts.bench_load --target models/tiny/target --draft models/tiny/draft \\
+    python -m scripts.bench.load                            # every row, C 1..16, three rates
+    python -m scripts.bench.load --rows shipped,plain --rates ""  # the targets only
+    python -m scripts.bench.load --target models/tiny/target --draft models/tiny/draft \\
         --config model-config/model-config.yaml --dtype float32 --concurrency 1,2 --rates 20 \\
         --max-new-tokens 8 --open-requests 4
 """
@@ -76,9 +76,10 @@ from handler.engine import (
 )
 from handler.planning.cost_table import CostTable
 from handler.runtime.loading import load_models
-from scripts import bench_common, bench_runner
-from scripts.bench_common import fmt, machine_info, percentile, start_up_cost_table
-from scripts.bench_runner import Traffic, drive, poisson_arrivals
+from scripts.bench import common as bench_common
+from scripts.bench import runner as bench_runner
+from scripts.bench.common import fmt, machine_info, percentile, start_up_cost_table
+from scripts.bench.runner import Traffic, drive, poisson_arrivals
 
 logger = logging.getLogger("bench_load")
 

@@ -1,12 +1,12 @@
 """A target/draft pair served by a real TorchServe, every route a user calls, and what serving costs.
 
-    python -m scripts.serve_pair OUT_DIR                                  # the tiny pair, float32
-    python -m scripts.serve_pair OUT_DIR --pairs tiny,0.5B-1.5B,0.5B-7B   # on a GPU: Qwen2.5 shapes, bf16
-    python -m scripts.gpu_check OUT_DIR --sections serve                  # the same three, in the GPU check
+    python -m scripts.serving.serve_pair OUT_DIR                                  # the tiny pair, float32
+    python -m scripts.serving.serve_pair OUT_DIR --pairs tiny,0.5B-1.5B,0.5B-7B   # on a GPU: Qwen2.5 shapes, bf16
+    python -m scripts.bench.gpu_check OUT_DIR --sections serve                  # the same three, in the GPU check
 
-Each pair is packaged by scripts.package_mar: the tiny pair (scripts.make_tiny_models) with
-model-config.yaml in float32; the random-weight Qwen2.5 shapes (scripts.gpu_check's, nothing
-downloaded) with the shipped qwen-coder.yaml in bf16. Then, through scripts.torchserve, on free
+Each pair is packaged by scripts.model_tools.package_mar: the tiny pair (scripts.model_tools.make_tiny_models) with
+model-config.yaml in float32; the random-weight Qwen2.5 shapes (scripts.bench.gpu_check's, nothing
+downloaded) with the shipped qwen-coder.yaml in bf16. Then, through scripts.serving.torchserve, on free
 loopback ports with token authorization on:
 
 1. `torchserve --start`, and the archive registered through the management API;
@@ -23,7 +23,7 @@ loopback ports with token authorization on:
 
 Then in-process, on the engine the handler builds from the same config and folders (the same
 cost-table measurement, prefix-cache budget and runner choice): the same requests of step 4 through
-`scripts.bench_runner.drive`, with at most batchSize in flight, as TorchServe feeds a worker; and, for
+`scripts.bench.runner.drive`, with at most batchSize in flight, as TorchServe feeds a worker; and, for
 the tiny pair in float32, Hugging Face `generate` on each prompt of step 2, which REST must equal
 token for token. REST's tokens/s over the in-process figure is TorchServe's share of a request: its
 frontend, batching, the worker's socket and the JSON.
@@ -51,11 +51,11 @@ from typing import Any
 import requests
 import yaml
 
-from scripts import torchserve
+from scripts.serving import torchserve
 
 logger = logging.getLogger("serve_pair")
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY, PAIR_05_15, PAIR_05_7 = "tiny", "0.5B-1.5B", "0.5B-7B"
 PAIRS = (TINY, PAIR_05_15, PAIR_05_7)
 PLAIN, SHIPPED = "plain", "shipped"
@@ -94,9 +94,9 @@ class Pair:
 
 
 def tiny_pair(folder: pathlib.Path | None, scratch: pathlib.Path) -> Pair:
-    """The tiny pair in `folder`, else built into `scratch` by scripts.make_tiny_models."""
+    """The tiny pair in `folder`, else built into `scratch` by scripts.model_tools.make_tiny_models."""
     if folder is None:
-        from scripts import make_tiny_models
+        from scripts.model_tools import make_tiny_models
 
         folder = scratch / "tiny"
         make_tiny_models.main(["--out", str(folder)])
@@ -104,10 +104,10 @@ def tiny_pair(folder: pathlib.Path | None, scratch: pathlib.Path) -> Pair:
 
 
 def shaped_pair(name: str, scratch: pathlib.Path, gpu_id: int | None) -> Pair:
-    """Random-weight Qwen2.5 shapes (scripts.gpu_check.SHAPES) saved in bf16 with the tiny tokenizer."""
+    """Random-weight Qwen2.5 shapes (scripts.bench.gpu_check.SHAPES) saved in bf16 with the tiny tokenizer."""
     import torch
 
-    from scripts import gpu_check
+    from scripts.bench import gpu_check
 
     draft_shape, target_shape = name.split("-")
     folder = scratch / name
@@ -226,7 +226,7 @@ def openai_checks(server: torchserve.PrivateServer, name: str, story: Story) -> 
     """The chat, completions and Responses routes through the official client, with the inference key."""
     import openai
 
-    from scripts import openai_demo
+    from scripts.serving import openai_demo
 
     client = openai.OpenAI(
         base_url=openai_demo.base_url(server.inference_url, name),
@@ -322,7 +322,7 @@ def in_process_costs(models, handler_config, engine, costs, batch_size, num_requ
     """The requests of `rest_costs` on the engine itself, through the same request parser, at most
     batch_size in flight (TorchServe's batch); tokens/s and whether each output equals REST's."""
     from handler.api.native import parse_request
-    from scripts.bench_runner import drive
+    from scripts.bench.runner import drive
 
     def requests_for(load: list[dict]):
         return [parse_request(body, handler_config, models.tokenizer, models.max_context).generation for body in load]
@@ -347,7 +347,7 @@ def in_process_costs(models, handler_config, engine, costs, batch_size, num_requ
 def greedy_against_generate(models, handler_config, outputs: list, max_new_tokens: int, story: Story) -> None:
     """Hugging Face `generate` on each greedy prompt, against REST's answer, token for token."""
     from handler.api.native import parse_request
-    from scripts.bench_runner import Runner, hf_target_only
+    from scripts.bench.runner import Runner, hf_target_only
 
     prompts = [
         parse_request({"prompt": prompt}, handler_config, models.tokenizer, models.max_context).generation.prompt_ids
@@ -372,7 +372,7 @@ def serve(
     gpu_id: int | None,
 ) -> dict:
     """One pair's whole story (the module's steps); returns the report's data, errors included."""
-    from scripts import package_mar
+    from scripts.model_tools import package_mar
 
     story = Story()
     config = model_config(pair, overrides)

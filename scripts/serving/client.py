@@ -9,10 +9,10 @@ Token authorization: TorchServe writes key_file.json in the folder it was
 started from; the inference key in it is sent as `Authorization: Bearer KEY`.
 
 Usage:
-    python -m scripts.client "Write a Python function that reverses a string."
-    python -m scripts.client --stream --temperature 0.7 --seed 42 "Write quicksort in C."
-    python -m scripts.client --messages-json chat.json --stream
-    python -m scripts.client --no-auth --model tiny-spec "hello"
+    python -m scripts.serving.client "Write a Python function that reverses a string."
+    python -m scripts.serving.client --stream --temperature 0.7 --seed 42 "Write quicksort in C."
+    python -m scripts.serving.client --messages-json chat.json --stream
+    python -m scripts.serving.client --no-auth --model tiny-spec "hello"
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import requests
 
-from scripts.torchserve import (
+from scripts.serving.torchserve import (
     DEFAULT_INFERENCE_URL,
     DEFAULT_KEY_FILE,
     DEFAULT_MODEL,

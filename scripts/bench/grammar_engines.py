@@ -5,7 +5,7 @@ The engine the handler uses (llguidance) was chosen with this program. It
 measures every candidate that is importable and says which are not:
 
     pip install llguidance==1.9.1 xgrammar==0.2.8 outlines-core==0.2.14
-    python -m scripts.grammar_engines --tokenizer models/qwen2.5-coder-1.5b-instruct
+    python -m scripts.bench.grammar_engines --tokenizer models/qwen2.5-coder-1.5b-instruct
 
 For each engine and each schema (a tool call, a nested extraction record):
 

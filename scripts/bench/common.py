@@ -1,7 +1,7 @@
 """What the benchmarks share: the demo pair's paths, the prompt sets, the machine's description, the
 start-up cost table, number formats, percentiles and the report writer. Imports torch only where a
 function needs it, so that the HTTP load test can use it. The in-process runner that the engine
-benchmarks share is `scripts.bench_runner`."""
+benchmarks share is `scripts.bench.runner`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import pathlib
 import platform
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_TARGET = REPO_ROOT / "models" / "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = REPO_ROOT / "models" / "qwen2.5-coder-0.5b-instruct"
 DEFAULT_CONFIG = REPO_ROOT / "model-config" / "qwen-coder.yaml"

@@ -1,6 +1,6 @@
 """The engine's own time per step: the step's wall time minus its models' forwards.
 
-The tiny pair in float32 (`scripts.make_tiny_models`), the draft being the target itself so that
+The tiny pair in float32 (`scripts.model_tools.make_tiny_models`), the draft being the target itself so that
 every draft is accepted, a fixed k (no cost table: every row drafts its cap), greedy rows of one
 prompt. For each batch size, plain decoding (k = 0) and drafting (k = 4) run in the same process,
 alternating over the repeats, and the table gives, per step (medians over the repeats):
@@ -14,8 +14,8 @@ alternating over the repeats, and the table gives, per step (medians over the re
 The forwards are timed by wrapping the models' `forward`, which every pass calls (the runners',
 the draft's, a joining row's prefill); steps that admit rows are not measured.
 
-    python -m scripts.bench_own_time                 # batch 1 and 16, 3 repeats of 32 steps
-    python -m scripts.bench_own_time --models models/tiny --batch-sizes 1 --steps 4
+    python -m scripts.bench.own_time                 # batch 1 and 16, 3 repeats of 32 steps
+    python -m scripts.bench.own_time --models models/tiny --batch-sizes 1 --steps 4
 
 Benchmarks are programs: take figures on a quiet machine, never in a test.
 """
@@ -74,7 +74,7 @@ def load_tiny_target(models: pathlib.Path | None, device: str):
 
     with contextlib.ExitStack() as stack:
         if models is None:
-            from scripts import make_tiny_models
+            from scripts.model_tools import make_tiny_models
 
             models = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory()))
             make_tiny_models.build(models, seed=0, draft_noise=0.0)
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     args = parse_args(argv)
     rows = measure(args)
-    from scripts.bench_common import machine_info
+    from scripts.bench.common import machine_info
 
     print(f"Own time: the tiny pair, float32, draft == target, greedy, {args.runner} runner, {args.device}")
     print(f"{machine_info()['description']}")

@@ -22,7 +22,7 @@ temp folder (set TMPDIR to move it). For large models, --archive-format
 zip-store skips the (useless) compression of the weights and is much faster.
 
 Usage:
-    python -m scripts.package_mar --model-name tiny-spec \\
+    python -m scripts.model_tools.package_mar --model-name tiny-spec \\
         --target models/tiny/target --draft models/tiny/draft \\
         --config model-config/model-config.yaml --export-path model_store
 
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 HANDLER_PACKAGE = REPO_ROOT / "handler"
 HANDLER_ENTRY = "spec_handler.py"
 MODEL_VERSION = "1.0"

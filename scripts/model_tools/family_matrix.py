@@ -1,7 +1,7 @@
 """Writes docs/models.md's family x feature matrix from a run of the family tier (tests/models/test_families.py).
 
-    python -m scripts.family_matrix            # runs the tier (about a minute), rewrites the matrix
-    python -m scripts.family_matrix --check    # exits 1 where docs/models.md's matrix is not this run's
+    python -m scripts.model_tools.family_matrix            # runs the tier (about a minute), rewrites the matrix
+    python -m scripts.model_tools.family_matrix --check    # exits 1 where docs/models.md's matrix is not this run's
 
 Each served family's row says, per check, whether its test passed in this run; each refused
 family's row gives the reason loading gives. The matrix sits between two marker lines in
@@ -14,7 +14,7 @@ import argparse
 import pathlib
 import sys
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = REPO_ROOT / "docs" / "models.md"
 TIER = "tests/models/test_families.py"
 BEGIN, END = "<!-- family matrix: begin -->", "<!-- family matrix: end -->"
@@ -63,7 +63,6 @@ def cell(outcomes: dict[str, str], test: str, params: str) -> str:
 
 
 def matrix(outcomes: dict[str, str]) -> str:
-    sys.path.insert(0, str(REPO_ROOT))
     from handler.caches.kv_cache import check_cache_support
     from tests.models import test_families
 
@@ -104,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     new = rewritten(doc, table)
     if args.check:
         if new != doc:
-            print("docs/models.md's matrix differs from this run's; run python -m scripts.family_matrix")
+            print("docs/models.md's matrix differs from this run's; run python -m scripts.model_tools.family_matrix")
             return 1
         return 0
     DOC.write_text(new, encoding="utf-8")

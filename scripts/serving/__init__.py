@@ -1,0 +1,1 @@
+"""Talking to a running TorchServe: `torchserve` (the one client every script uses), and the scripts built on it."""
