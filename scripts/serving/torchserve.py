@@ -478,6 +478,17 @@ class PrivateServer:
         )
 
 
+def private_env(log_dir: Path, temp_dir: Path) -> dict[str, str]:
+    """This process's environment for a server of its own: its logs and metrics in `log_dir`, and in
+    `temp_dir` its pid file, the Java temp folder and unpacked archives, so that it collides with no
+    other server on the machine (and stopping it stops no other)."""
+    env = dict(os.environ)
+    env.pop("TS_CONFIG_FILE", None)  # it would override --ts-config
+    env.update(LOG_LOCATION=str(log_dir), METRICS_LOCATION=str(log_dir))
+    env.update(TMPDIR=str(temp_dir), TEMP=str(temp_dir), TMP=str(temp_dir))
+    return env
+
+
 @contextlib.contextmanager
 def private_server(
     root: Path,
@@ -497,16 +508,12 @@ def private_server(
     (root / "tmp").mkdir(exist_ok=True)
     ts_config = root / "config.properties"
     write_server_config(ts_config, model_store, free_ports(5))
-    env = dict(os.environ)
-    env.pop("TS_CONFIG_FILE", None)  # it would override --ts-config
-    env.update(LOG_LOCATION=str(root / "logs"), METRICS_LOCATION=str(root / "logs"))
-    env.update(TMPDIR=str(root / "tmp"), TEMP=str(root / "tmp"), TMP=str(root / "tmp"))
     process = start_server(
         ts_config,
         model_store,
         root / "logs" / "console.log",
         cwd=root,
-        env=env,
+        env=private_env(root / "logs", root / "tmp"),
         disable_token_auth=not token_auth,
         extra_args=extra_args,
     )

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -201,17 +200,7 @@ def server(java_runtime, model_archive, tmp_path_factory):
         model_store=model_archive.parent,
     )
 
-    env = dict(os.environ)
-    env.pop("TS_CONFIG_FILE", None)  # it would override --ts-config
-    env.update(
-        LOG_LOCATION=str(log_dir),
-        METRICS_LOCATION=str(log_dir),
-        # The pid file, the Java temp folder and the unpacked archive go here,
-        # so this server cannot collide with another one on the machine.
-        TMPDIR=str(temp_dir),
-        TEMP=str(temp_dir),
-        TMP=str(temp_dir),
-    )
+    env = torchserve.private_env(log_dir, temp_dir)
     started = torchserve.start_server(
         ts_config,
         model_archive.parent,

@@ -6,8 +6,6 @@ on its own free ports; stopped in teardown.
 
 from __future__ import annotations
 
-import os
-
 import openai
 import pytest
 import requests
@@ -24,12 +22,8 @@ def auth_server(java_runtime, model_archive, tmp_path_factory):
     ports = free_ports(5)
     write_server_config(root / "config.properties", model_archive.parent, ports)
     inference_url, management_url = f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}"
-    env = dict(os.environ)
-    env.pop("TS_CONFIG_FILE", None)  # it would override --ts-config
-    temp_dir = root / "tmp"
-    temp_dir.mkdir()
-    env.update(LOG_LOCATION=str(root / "logs"), METRICS_LOCATION=str(root / "logs"))
-    env.update(TMPDIR=str(temp_dir), TEMP=str(temp_dir), TMP=str(temp_dir))  # its pid file, apart from others
+    (root / "tmp").mkdir()
+    env = torchserve.private_env(root / "logs", root / "tmp")
     started = torchserve.start_server(
         root / "config.properties",
         model_archive.parent,

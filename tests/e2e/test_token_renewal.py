@@ -9,7 +9,6 @@ token auth on and no model, on its own free ports; stopped in teardown.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import requests
@@ -26,12 +25,8 @@ def keyed_server(java_runtime, tmp_path_factory):
     (root / "model_store").mkdir()
     ports = free_ports(5)
     write_server_config(root / "config.properties", root / "model_store", ports)
-    env = dict(os.environ)
-    env.pop("TS_CONFIG_FILE", None)  # it would override --ts-config
-    temp_dir = root / "tmp"
-    temp_dir.mkdir()
-    env.update(LOG_LOCATION=str(root / "logs"), METRICS_LOCATION=str(root / "logs"))
-    env.update(TMPDIR=str(temp_dir), TEMP=str(temp_dir), TMP=str(temp_dir))  # its pid file, apart from others
+    (root / "tmp").mkdir()
+    env = torchserve.private_env(root / "logs", root / "tmp")
     started = torchserve.start_server(
         root / "config.properties", root / "model_store", root / "logs" / "console.log", cwd=root, env=env
     )
