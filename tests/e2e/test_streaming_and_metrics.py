@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
@@ -121,10 +122,19 @@ def test_prometheus_counters_agree_with_the_responses(server):
     assert delta("SpecRequestLatencySeconds_sum") > 0
 
     # The same latencies in the config's buckets (the defaults here), cumulative: +Inf counts them all.
-    buckets_after = bucket_counts(server)
+    # Each bucket is a worker-log line that TorchServe parses in its own time: wait until the last
+    # request's lines are all in.
     allowed = {f"{bound:g}" for bound in DEFAULT_LATENCY_BUCKETS_S} | {"+Inf"}
-    assert {le for _, le in buckets_after} <= allowed, buckets_after
     ordered = sorted(allowed, key=float)  # float("+Inf") sorts last
+    names = [BUCKET_COUNTERS[histogram] for histogram in ("SpecRequestLatencySeconds", "SpecTimeToFirstTokenSeconds")]
+    deadline = time.monotonic() + HTTP_TIMEOUT_S
+    while True:
+        buckets_after = bucket_counts(server)
+        counted = [buckets_after.get((name, "+Inf"), 0.0) - buckets_before.get((name, "+Inf"), 0.0) for name in names]
+        if counted == [3, 3] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert {le for _, le in buckets_after} <= allowed, buckets_after
     for histogram in ("SpecRequestLatencySeconds", "SpecTimeToFirstTokenSeconds"):
         name = BUCKET_COUNTERS[histogram]
         deltas = [buckets_after.get((name, le), 0.0) - buckets_before.get((name, le), 0.0) for le in ordered]
