@@ -72,12 +72,18 @@ class Server:
 
 
 def metric_samples(server) -> list[tuple[str, dict[str, str], float]]:
-    """Every sample on the server's Prometheus endpoint: its name, its labels and its value."""
-    return torchserve.metric_samples(server.metrics_url)
+    """The samples on the server's Prometheus endpoint that are not another model's: their names, labels
+    and values. Tests register other models on the same server (test_batch_limits), whose series would
+    otherwise add into this model's sums or overwrite its buckets."""
+    return [
+        (name, labels, value)
+        for name, labels, value in torchserve.metric_samples(server.metrics_url)
+        if labels.get("ModelName", server.model_name) == server.model_name
+    ]
 
 
 def counter(server, name: str) -> float:
-    """A Prometheus series summed over its labels."""
+    """A Prometheus series of the server's model, summed over its labels."""
     return sum(value for sample_name, _, value in metric_samples(server) if sample_name == name)
 
 
