@@ -149,7 +149,7 @@ def measure(args) -> list[dict]:
                 row[f"step_ms_{tag}"] = step_ms
                 row[f"forward_ms_{tag}"] = statistics.median(run["forward_ms"] for run in runs)
                 row[f"own_ms_{tag}"] = own_ms
-                row[f"own_ms_per_token_{tag}"] = own_ms / tokens / batch_size
+                row[f"own_ms_per_token_{tag}"] = own_ms / tokens  # tokens: every row's, a step
                 row["tokens_per_row_step"] = tokens / batch_size
             rows.append(row)
     for row in rows:
