@@ -207,6 +207,10 @@ class HandlerConfig:
     # Memory bound of the running batch: prompt + max_new_tokens summed over the requests
     # decoding together. 0 = no bound beyond TorchServe's batchSize.
     max_batch_tokens: int = 0
+    # Continuous batching: a handler call runs engine steps until TorchServe's turnaround between
+    # calls (measured as the server runs) is at most 5% of the call, for at most this many ms, or
+    # until a request finishes. It is also the most a new request waits to join. 0 = one step a call.
+    max_call_ms: float = 50.0
     cpu_packed_weights: bool = True
     # The most seconds one structured-output constraint may take to compile; a request
     # over it gets a 400 (compiling runs while the batch waits).
@@ -344,6 +348,9 @@ class HandlerConfig:
         values["max_batch_tokens"] = _int(
             "handler.max_batch_tokens", raw.get("max_batch_tokens", default.max_batch_tokens), 0
         )
+        values["max_call_ms"] = _float("handler.max_call_ms", raw.get("max_call_ms", default.max_call_ms))
+        if not 0 <= values["max_call_ms"] <= 10_000:
+            raise ValueError(f"handler.max_call_ms must be between 0 and 10000, got {values['max_call_ms']}")
         timeout = _float(
             "handler.grammar_compile_timeout_s", raw.get("grammar_compile_timeout_s", default.grammar_compile_timeout_s)
         )

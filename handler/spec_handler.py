@@ -85,7 +85,11 @@ class SpeculativeHandler(BaseHandler):
         self.openai_defaults = sampling_defaults(None if generation is None else generation.to_diff_dict())
         self.continuous = (context.model_yaml_config or {}).get("continuousBatching") is True
         tokenizer, max_batch_tokens = self.models.tokenizer, self.config.max_batch_tokens
-        self.batcher = ContinuousBatcher(self.engine, tokenizer, max_batch_tokens) if self.continuous else None
+        self.batcher = (
+            ContinuousBatcher(self.engine, tokenizer, max_batch_tokens, max_call_s=self.config.max_call_ms / 1000)
+            if self.continuous
+            else None
+        )
         self.static_batch = StaticBatch(self.engine, tokenizer, max_batch_tokens)
         self.initialized = True
         logger.info(

@@ -386,3 +386,77 @@ def test_a_static_batch_records_time_to_first_token_for_every_request():
 @pytest.mark.parametrize("body", [{"prompt": "x", "max_new_tokens": 0}, {"prompt": ""}])
 def test_parse_entry_turns_problems_into_errors(body):
     assert isinstance(parse(body), RequestError)
+
+
+class TimedEngine(FakeEngine):
+    """A fake engine whose steps take `step_s` on the harness's clock."""
+
+    def __init__(self, harness_clock: list[float], step_s: float) -> None:
+        super().__init__(tokens_per_step=1, num_draft_tokens=1)
+        self.clock, self.step_s, self.num_steps = harness_clock, step_s, 0
+
+    def step(self):
+        self.clock[0] += self.step_s
+        self.num_steps += 1
+        return super().step()
+
+
+def timed_batcher(step_s: float, max_call_s: float):
+    clock = [0.0]
+    engine = TimedEngine(clock, step_s)
+    batcher = ContinuousBatcher(engine, TOKENIZER, clock=lambda: clock[0], max_call_s=max_call_s)
+    return batcher, engine, clock
+
+
+def call(batcher, request_ids, bodies):
+    new = {r: parse(bodies[r]) for r in request_ids if not batcher.knows(r)}
+    return batcher.run_call(list(request_ids), new, MetricsRecorder(RecordingMetrics()))
+
+
+def steps_per_call(step_s: float, turnaround_s: float, max_call_s: float, max_new_tokens: int = 64) -> list[int]:
+    batcher, engine, clock = timed_batcher(step_s, max_call_s)
+    bodies = {"a": {"prompt": "x", "max_new_tokens": max_new_tokens}}
+    counts = []
+    for _ in range(4):
+        before = engine.num_steps
+        [reply] = call(batcher, ["a"], bodies)
+        counts.append(engine.num_steps - before)
+        if reply.more is not True:  # answered whole
+            break
+        clock[0] += turnaround_s  # the frontend's share, between calls
+    return counts
+
+
+def test_a_call_steps_until_the_frontends_turnaround_is_a_twentieth_of_it():
+    # 1 ms steps of a token, a 2.05 ms turnaround: a call of up to 38.95 ms keeps the turnaround at 5%
+    # (38 steps). The first call has seen no turnaround yet and runs one step; the third ends with the
+    # request's 64th token.
+    assert steps_per_call(step_s=0.001, turnaround_s=0.00205, max_call_s=0.05) == [1, 38, 25]
+
+
+def test_max_call_bounds_a_call_and_zero_means_one_step_a_call():
+    assert steps_per_call(step_s=0.001, turnaround_s=0.010, max_call_s=0.0205) == [1, 20, 20, 20]
+    assert steps_per_call(step_s=0.001, turnaround_s=0.002, max_call_s=0.0) == [1, 1, 1, 1]
+
+
+def test_a_step_longer_than_the_budget_is_not_started():
+    # 30 ms steps against a 38 ms budget: a second step would end the call at 60 ms.
+    assert steps_per_call(step_s=0.030, turnaround_s=0.002, max_call_s=0.05) == [1, 1, 1, 1]
+
+
+def test_a_call_that_admits_runs_one_step_and_a_call_ends_when_a_request_finishes():
+    batcher, engine, clock = timed_batcher(step_s=0.001, max_call_s=0.05)
+    bodies = {"a": {"prompt": "x", "max_new_tokens": 64}, "b": {"prompt": "y", "max_new_tokens": 5}}
+    call(batcher, ["a"], bodies)
+    clock[0] += 0.00205
+    counts, replies = [], []
+    for _ in range(2):
+        before = engine.num_steps
+        replies.append(call(batcher, ["a", "b"], bodies))
+        counts.append(engine.num_steps - before)
+        clock[0] += 0.00205
+    # b joins and its first token goes out after one step; the next call stops at the step that
+    # finishes b (4 more tokens, 1 a step), not at the budget, and b's answer is whole.
+    assert counts == [1, 4]
+    assert replies[0][1].more is True and replies[1][1].more is False
+    assert len(replies[1][1].body["token_ids"]) == 5
