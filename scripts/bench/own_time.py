@@ -16,6 +16,10 @@ the draft's, a joining row's prefill); steps that admit rows are not measured.
 
     python -m scripts.bench.own_time                 # batch 1 and 16, 3 repeats of 32 steps
     python -m scripts.bench.own_time --models models/tiny --batch-sizes 1 --steps 4
+    python -m scripts.bench.own_time --device cuda --runner static --shapes 1.5B,7B   # on a GPU
+
+`--shapes` takes random-weight Qwen2.5 shapes from scripts.bench.gpu_check (bf16; nothing downloaded)
+instead of the tiny pair; each shape drafts for itself, as the tiny target does.
 
 Benchmarks are programs: take figures on a quiet machine, never in a test.
 """
@@ -113,11 +117,22 @@ def run_steps(engine, timer: ForwardTimer, prompt_ids, batch_size: int, k: int, 
     return {"step_ms": wall / steps * 1e3, "forward_ms": forwards / steps * 1e3, "tokens_per_step": tokens / steps}
 
 
-def measure(args) -> list[dict]:
+def load_shaped_target(shape: str, device: str):
+    """A random-weight Qwen2.5 shape in bf16 (scripts.bench.gpu_check.SHAPES) and a text tokenizer."""
+    from scripts.bench import gpu_check
+
+    model = gpu_check.build_model(gpu_check.SHAPES[shape], torch.device(device), torch.bfloat16)
+    return model, gpu_check.text_tokenizer()
+
+
+def measure(args, shape: str | None = None) -> list[dict]:
     from handler.engine import EngineOptions, build_engine
     from handler.runtime.loading import LoadedModels
 
-    target, tokenizer = load_tiny_target(args.models, args.device)
+    if shape is None:
+        target, tokenizer = load_tiny_target(args.models, args.device)
+    else:
+        target, tokenizer = load_shaped_target(shape, args.device)
     # The draft is the target itself: every draft is accepted, and the step is all the machinery.
     engine = build_engine(
         LoadedModels.of(target, target, tokenizer, eos_token_ids=()),
@@ -185,19 +200,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each row, alternating")
     parser.add_argument("--runner", choices=("dynamic", "static"), default="dynamic")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shapes", default="", help="comma-separated gpu_check shapes, e.g. 1.5B,7B (bf16)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     args = parse_args(argv)
-    rows = measure(args)
     from scripts.bench.common import machine_info
 
-    print(f"Own time: the tiny pair, float32, draft == target, greedy, {args.runner} runner, {args.device}")
-    print(f"{machine_info()['description']}")
-    print(f"medians of {args.repeats} runs of {args.steps} steps after {args.warmup}; ratios against k = 0 in this run")
-    print(table(rows))
+    shapes = [shape.strip() for shape in args.shapes.split(",") if shape.strip()] or [None]
+    for shape in shapes:
+        rows = measure(args, shape)
+        what = "the tiny pair, float32" if shape is None else f"the {shape} shape, random weights, bf16"
+        print(f"Own time: {what}, draft == target, greedy, {args.runner} runner, {args.device}")
+        device = torch.cuda.get_device_name() if args.device.startswith("cuda") else machine_info()["description"]
+        print(device)
+        print(f"medians of {args.repeats} runs of {args.steps} steps after {args.warmup}; ratios against k = 0 here")
+        print(table(rows), flush=True)
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
     return 0
 
 
