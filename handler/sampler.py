@@ -63,6 +63,12 @@ class SamplingBatch:
     # [batch, k] float64 on the CPU: each row's uniforms for its draft draws, once the step's plan has
     # drawn them (`with_uniforms`); None before.
     uniforms: torch.Tensor | None = None
+    # What the host knows of the settings without reading the tensors (`from_params`), so that a warp
+    # skips the filters no row uses: the largest top-k of any row, whether any row samples and any uses top-p.
+    # None: unknown, every filter runs.
+    max_top_k: int | None = None
+    any_sampled: bool | None = None
+    any_top_p: bool | None = None
 
     @classmethod
     def from_params(cls, params: Sequence, device: torch.device) -> SamplingBatch:
@@ -73,6 +79,9 @@ class SamplingBatch:
             torch.tensor([p.top_k for p in params], device=device),
             torch.tensor([p.top_p for p in params], device=device),
             torch.tensor([p.min_p for p in params], device=device),
+            max_top_k=max((p.top_k for p in params), default=0),
+            any_sampled=any(p.temperature > 0 for p in params),
+            any_top_p=any(p.top_p < 1.0 and p.temperature > 0 for p in params),
         )
 
     def with_uniforms(self, uniforms: torch.Tensor) -> SamplingBatch:  # [batch, k] float64
@@ -95,11 +104,23 @@ class SamplingBatch:
             torch.where(known, self.top_p[index], 1.0),
             torch.where(known, self.min_p[index], 0.0),
             uniforms,
+            self.max_top_k,
+            self.any_sampled,
+            self.any_top_p,
         )
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:  # [batch, positions, vocab]
         """`warp_logits_to_probs` with these settings: probabilities [batch, positions, vocab]."""
-        return warp_logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
+        return warp_logits_to_probs(
+            logits,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            max_top_k=self.max_top_k,
+            any_sampled=self.any_sampled,
+            any_top_p=self.any_top_p,
+        )
 
 
 def warp_logits_to_probs(
@@ -108,67 +129,68 @@ def warp_logits_to_probs(
     top_k: torch.Tensor,  # [batch] long, 0 means off
     top_p: torch.Tensor,  # [batch] float, 1.0 means off
     min_p: torch.Tensor | None = None,  # [batch] float, 0 means off
+    *,
+    max_top_k: int | None = None,
+    any_sampled: bool | None = None,
+    any_top_p: bool | None = None,
 ) -> torch.Tensor:
     """Applies temperature, then min-p, top-k and top-p, row by row, and returns probabilities.
 
     Greedy rows get the one-hot distribution of their argmax, so the same
-    rejection sampler serves greedy and sampled requests in one batch; the
-    filters never change an argmax, so greedy rows skip them.
+    rejection sampler serves greedy and sampled requests in one batch.
+    What the host knows spares work, never a row's result: `max_top_k`, the largest top-k of any
+    row (None: read from `top_k`); `any_sampled` False: every row is greedy; `any_top_p`
+    False: no sampled row uses top-p (None: unknown).
 
     Returns:
         probs: [batch, positions, vocab] float32, each row summing to 1.
     """
     assert logits.dim() == 3, logits.shape
     logits = logits.float()
-    probs = torch.empty_like(logits)
-    greedy = temperature == 0
-    if bool(greedy.any()):
-        greedy_logits = logits[greedy]  # [num_greedy, positions, vocab]
-        one_hot = torch.zeros_like(greedy_logits)
-        one_hot.scatter_(-1, greedy_logits.argmax(dim=-1, keepdim=True), 1.0)
-        probs[greedy] = one_hot
-    sampled = ~greedy
-    if bool(sampled.any()):
-        sub = logits[sampled]  # [num_sampled, positions, vocab]
-        # Shift by the max before dividing: a tiny temperature would overflow logits / t to inf, then NaN.
-        sub = sub - sub.amax(dim=-1, keepdim=True)
-        scaled = sub / temperature[sampled].to(logits.dtype)[:, None, None]
-        if min_p is not None:
-            scaled = _apply_min_p(scaled, min_p[sampled])
-        scaled = _apply_top_k(scaled, top_k[sampled])
-        scaled = _apply_top_p(scaled, top_p[sampled])
-        probs[sampled] = torch.softmax(scaled, dim=-1)
-    return probs
+    # Every row takes both paths and `torch.where` keeps its own: no branch on a tensor's value,
+    # so the host never waits for the device here. A row's result is its own path's, bit for bit.
+    greedy = temperature == 0  # [batch]
+    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    if any_sampled is False:
+        return one_hot
+    # Shift by the max before dividing: a tiny temperature would overflow logits / t to inf, then NaN.
+    # A greedy row divides by 1, so that its unused path stays finite.
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    scaled = shifted / torch.where(greedy, 1.0, temperature).to(logits.dtype)[:, None, None]
+    if min_p is not None:
+        scaled = _apply_min_p(scaled, min_p)
+    scaled = _apply_top_k(scaled, top_k, max_top_k)
+    if any_top_p is not False:
+        scaled = _apply_top_p(scaled, top_p)
+    return torch.where(greedy[:, None, None], one_hot, torch.softmax(scaled, dim=-1))
 
 
 def _apply_min_p(
     logits: torch.Tensor,  # [rows, positions, vocab], after temperature
     min_p: torch.Tensor,  # [rows]
 ) -> torch.Tensor:
-    active = min_p > 0
-    if not bool(active.any()):
-        return logits
-    sub = logits[active]  # [active_rows, positions, vocab]
-    probs = sub.softmax(dim=-1)
+    probs = logits.softmax(dim=-1)
     # As Hugging Face's MinPLogitsWarper: below min_p times the top probability goes; the top
-    # token itself always stays, since min_p <= 1.
-    threshold = min_p[active].to(probs.dtype)[:, None, None] * probs.amax(dim=-1, keepdim=True)
-    logits = logits.clone()
-    logits[active] = sub.masked_fill(probs < threshold, float("-inf"))
-    return logits
+    # token itself always stays, since min_p <= 1. A row without min-p has threshold 0: nothing goes.
+    threshold = min_p.to(probs.dtype)[:, None, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def _apply_top_k(
     logits: torch.Tensor,  # [rows, positions, vocab]
     top_k: torch.Tensor,  # [rows]
+    max_top_k: int | None = None,
 ) -> torch.Tensor:
+    """`max_top_k`: a bound on `top_k` known on the host (0: no row filters); None reads it."""
     vocab_size = logits.shape[-1]
+    if max_top_k is None:
+        max_top_k = int(top_k.max())
+    max_top_k = min(max_top_k, vocab_size)
+    if max_top_k <= 0:
+        return logits
     top_k = top_k.clamp(max=vocab_size)
     active = top_k > 0
-    if not bool(active.any()):
-        return logits
-    max_k = int(top_k.max())
-    kth_largest = logits.topk(max_k, dim=-1).values  # [rows, positions, max_k]
+    kth_largest = logits.topk(max_top_k, dim=-1).values  # [rows, positions, max_top_k]
     # Rows without top-k use index 0 but are left unmasked below.
     index = (top_k.clamp(min=1) - 1)[:, None, None].expand(-1, logits.shape[1], 1)
     threshold = kth_largest.gather(-1, index)  # [rows, positions, 1]
@@ -181,20 +203,25 @@ def _apply_top_p(
     logits: torch.Tensor,  # [rows, positions, vocab]
     top_p: torch.Tensor,  # [rows]
 ) -> torch.Tensor:
-    active = top_p < 1.0
-    if not bool(active.any()):
-        return logits
-    sub = logits[active]  # [active_rows, positions, vocab]
-    sorted_logits, order = sub.sort(dim=-1, descending=True)
+    active = top_p < 1.0  # [rows]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
     sorted_probs = sorted_logits.softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    # Keep the smallest prefix whose mass reaches top_p; the top token is always kept.
-    remove_sorted = mass_before >= top_p[active].to(sub.dtype)[:, None, None]
+    # Keep the smallest prefix whose mass reaches top_p; the top token is always kept. A row without
+    # top-p keeps everything (its mass can round up to 1 before the end).
+    remove_sorted = (mass_before >= top_p.to(logits.dtype)[:, None, None]) & active[:, None, None]
     remove_sorted[..., 0] = False
     remove = torch.zeros_like(remove_sorted).scatter_(-1, order, remove_sorted)
-    logits = logits.clone()
-    logits[active] = sub.masked_fill(remove, float("-inf"))
-    return logits
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: on a GPU through pinned memory, without the host waiting for the copy
+    (a copy from pageable memory waits for it). The pinned copy stays alive until the copy is done:
+    the caching host allocator keeps a pinned block until the stream's work that reads it has run."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def sample_from_probs(

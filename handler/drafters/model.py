@@ -24,7 +24,7 @@ from handler.caches.prefix_cache import PrefixCache, prefill_with_cache
 from handler.caches.rollback import draft_rollback
 from handler.drafters import MODEL, DraftRow, Proposal
 from handler.runners import BatchCache, DynamicRunner
-from handler.sampler import SamplingBatch, sample_from_probs
+from handler.sampler import SamplingBatch, host_to_device, sample_from_probs
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [batch, positions, draft_vocab]
@@ -243,6 +243,8 @@ class ModelDrafter:
                 if wanted[self.order[slot]].guess and slot not in shaped
             }
         texts = self._texts(asking, settings, shaped)
+        if not (guess_of or texts or shaped or with_confidence) and self._feeds_drafts:
+            return self._propose_chains(rows, settings, k, asking)
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         probs_of: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
         confidences: list[list[float]] = [[] for _ in range(num_rows)]
@@ -346,6 +348,39 @@ class ModelDrafter:
                 runners_up=runners_up[slot][: len(token_ids)] if with_confidence else None,
             )
         return [proposals[row.request_id] for row in rows]
+
+    def _propose_chains(
+        self, rows: Sequence[DraftRow], settings: SamplingBatch, k: int, asking: list[int]
+    ) -> list[Proposal]:
+        """`propose` where every row drafts one token a pass and feeds it to the next: no guesses, no
+        shaping, no confidences, a draft the draft model reads. The drafts stay on the device across
+        the k passes and the host reads them once, after the last: the same drafts as the general
+        loop's (row i's draft j drawn with uniform j), without a wait for the device per pass."""
+        num_rows = len(self.order)
+        input_ids, chunk_mask = left_pad(self._first_feeds(), self.pad_token_id)
+        uniforms = host_to_device(settings.uniforms[:, :k], self.device)  # [rows, k]
+        sampled_per_pass, probs_per_pass = [], []
+        for number in range(k):
+            draft_logits = self.cache.forward(self._pass_ids(input_ids), chunk_mask, logits_to_keep=1)
+            probs = settings.warp(self._target_logits(draft_logits))  # [rows, 1, vocab]
+            sampled = sample_from_probs(probs[:, 0], uniforms[:, number])  # [rows]
+            sampled_per_pass.append(sampled)
+            probs_per_pass.append(probs[:, 0])
+            input_ids = sampled[:, None]  # [rows, 1]: the next pass reads the draft where it is
+            chunk_mask = torch.ones((num_rows, 1), dtype=torch.long)
+        # The proposal's one wait for the device: the drafts are the host's bookkeeping from here on.
+        drafts = torch.stack(sampled_per_pass, dim=1).tolist()  # [rows][k]
+        draft_probs = torch.stack(probs_per_pass, dim=1)  # [rows, k, vocab]
+        self.last_draft_counts = {self.order[slot]: list(range(1, k + 1)) for slot in asking}
+        self.last_num_drafts = k
+        self._end_proposal(drafts, k)
+        proposals = {self.order[slot]: Proposal(drafts[slot], draft_probs=draft_probs[slot]) for slot in asking}
+        return [proposals[row.request_id] for row in rows]
+
+    @property
+    def _feeds_drafts(self) -> bool:
+        """Whether every draft is fed back as it is (`_feed_of` is the identity)."""
+        return type(self)._feed_of is ModelDrafter._feed_of
 
     # The vocabulary's part of the draft loop (`handler.drafters.cross_vocab` overrides it).
 

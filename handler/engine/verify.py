@@ -23,6 +23,7 @@ from handler.sampler import (
     SamplingBatch,
     coupled_verify,
     draw_step_uniforms,
+    host_to_device,
     position_uniforms,
     rejection_sample,
 )
@@ -134,15 +135,19 @@ class Verifier:
         num_draft_tokens = torch.tensor(ks, device=self.device)
         verify_uniforms, coupled_uniforms = uniforms.for_verify(k)
         num_accepted, output_token_ids = rejection_sample(
-            target_probs, draft_probs, draft_token_ids, num_draft_tokens, verify_uniforms.to(self.device)
+            target_probs, draft_probs, draft_token_ids, num_draft_tokens, host_to_device(verify_uniforms, self.device)
         )
         if uniforms.coupled:
             index = torch.tensor(uniforms.coupled, device=self.device)
             num_accepted[index], output_token_ids[index] = coupled_verify(
-                target_probs[index], draft_token_ids[index], num_draft_tokens[index], coupled_uniforms.to(self.device)
+                target_probs[index],
+                draft_token_ids[index],
+                num_draft_tokens[index],
+                host_to_device(coupled_uniforms, self.device),
             )
-        # The step's one synchronisation point: the bookkeeping after it is plain Python.
-        num_accepted, output_token_ids = num_accepted.tolist(), output_token_ids.tolist()
+        # The step's one synchronisation point, one read of both: the bookkeeping after it is plain Python.
+        outcome = torch.cat([num_accepted[:, None].to(output_token_ids.dtype), output_token_ids], dim=1).tolist()
+        num_accepted, output_token_ids = [row[0] for row in outcome], [row[1:] for row in outcome]
         paths = [list(range(accepted + 1)) for accepted in num_accepted]
         for slot in tree_slots:
             proposal = drafts[slot].proposal

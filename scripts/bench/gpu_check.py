@@ -659,6 +659,18 @@ def serve_rows(report: Report, out_dir: str, device: torch.device, max_new_token
     report.section("Serve (scripts.serving.serve_pair)", data, lines)
 
 
+def syncs_rows(setup: Setup) -> None:
+    """The host reads a step (`scripts.bench.host_syncs`) on the check's pairs, with the CUDA syncs
+    `torch.cuda.set_sync_debug_mode` warns of."""
+    from scripts.bench import host_syncs
+
+    args = host_syncs.parse_args(["--device", setup.device.type, "--shapes", "--runner", runners.STATIC, "--where"])
+    pairs = host_syncs.shaped_pairs(args.device, args.runner, setup.models, setup.tokenizer)
+    counts, lines = host_syncs.report_lines(args, pairs)
+    data = [dataclasses.asdict(count) for count in counts]
+    setup.report.section("Host reads a step (scripts.bench.host_syncs)", data, lines)
+
+
 def guarded(report: Report, name: str, section: Callable[[], Any]) -> Any:
     """Runs a section; a failure is written to the report and the next section still runs."""
     try:
@@ -681,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
         "load (scripts.bench.load on the 1.5B target and 0.5B draft, bf16), load-fp32 (the same in float32: "
         "outputs equal plain decoding's), cross (a draft from another family, SmolLM2-135M's shape), admission "
         "(the step that admits 16 requests, plain against drafting, timed and profiled), "
+        "syncs (scripts.bench.host_syncs: host reads and CUDA syncs a step), "
         "serve (scripts.serving.serve_pair: the pairs through a real TorchServe; alone, no model is built here)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -741,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
         guarded(report, "cross", lambda: cross_vocab_rows(setup))
     if "admission" in sections:
         guarded(report, "admission", lambda: admission_rows(setup, args.out_dir))
+    if "syncs" in sections:
+        guarded(report, "syncs", lambda: syncs_rows(setup))
     if "load-fp32" in sections:
         guarded(report, "Load fp32", lambda: load_rows(setup, args.out_dir, 48, exactness=True))
     return 0

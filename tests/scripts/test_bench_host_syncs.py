@@ -1,0 +1,41 @@
+"""scripts.bench.host_syncs counts the host reads of the tiny pair's steps on the CPU; counts, no timing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scripts.bench import host_syncs
+
+pytestmark = pytest.mark.models  # loads and runs the tiny pair: not in the fast tier
+
+
+def test_the_counter_sees_reads_of_device_tensors_only():
+    weight = torch.nn.Linear(2, 2)
+    with host_syncs.HostReads("cpu", [weight]) as counter:
+        host = torch.ones(2)
+        host.tolist(), bool(host.any())  # a host tensor: no read
+        out = weight(host)
+        assert counter.reads == 0
+        out.tolist()
+        bool(out.sum() > 0)
+        out.cpu().tolist()  # the copy is the read; the list of the copy is not
+        moved = torch.zeros(2).to(torch.device("cpu"))  # moved to the device
+        moved.to("cpu")
+    assert counter.by_method == {"tolist": 1, "__bool__": 1, "cpu": 1, "to": 1}, counter.by_line
+    assert counter.reads == 4
+
+
+def test_the_table_gives_a_count_for_every_row(tiny_models_dir, capsys):
+    assert host_syncs.main(["--models", str(tiny_models_dir), "--batch-sizes", "1,2", "--steps", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(index for index, line in enumerate(lines) if line.startswith("| pair |"))
+    assert "host reads a step" in lines[header]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[header + 2 :] if line]
+    keys = [(row[1], row[2], row[3]) for row in rows]
+    assert keys == [(b, k, mode) for b in ("1", "2") for k in ("0", "4") for mode in host_syncs.MODES]
+    for row in rows:
+        reads = float(row[4])
+        assert reads == int(reads) >= 1  # every step reads its outcome once at least
+    drafting = [int(float(row[4])) for row in rows if row[2] == "4"]
+    assert len(drafting) == 6 and all(isinstance(num, int) for num in drafting)
