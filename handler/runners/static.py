@@ -199,6 +199,10 @@ class StaticRunner:
                 new[: old.shape[0], :, : old.shape[2] - 1] = old[:, :, :-1]
                 setattr(layer, name, new)
         self._graphs.clear()  # they read the old buffers
+        if self.graphs:
+            # A pool whose graphs are all gone while tensors it allocated live on (a step's logits)
+            # cannot take a new capture (PyTorch asserts its use count): capture into a new one.
+            self._pool = torch.cuda.graph_pool_handle()
 
     # ------------------------------------------------------------------ passes
 

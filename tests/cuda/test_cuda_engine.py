@@ -50,6 +50,27 @@ def test_greedy_output_equals_the_targets_on_cuda(cuda_pair, runner, k):
         assert engine.target_runner.num_captures > 0 and engine.model_drafter.runner.num_captures > 0
 
 
+def test_the_static_runner_captures_again_after_its_buffers_grow_under_live_outputs(cuda_pair):
+    # One row steps (graphs captured for batch 1), is aborted, then 16 rows join: the buffers grow and
+    # the graphs are dropped while the last step's outputs, allocated in their pool, are still held.
+    target, draft, tokenizer = cuda_pair
+    engine = make_engine(target, draft, tokenizer, runner="static")
+    prompt_ids = encode(tokenizer, PROMPTS[0])
+    engine.add_request("one", GenerationRequest(prompt_ids, 40, GREEDY, 4))
+    held = [engine.step() for _ in range(3)]
+    engine.abort_request("one")
+    engine.step()
+    for row in range(16):
+        engine.add_request(row, GenerationRequest(prompt_ids, 12, GREEDY, 4))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.result is not None:
+                outputs[output.request_id] = output.result.token_ids
+    assert held and len(outputs) == 16
+    assert all(tokens == reference_greedy(target, prompt_ids, 12) for tokens in outputs.values())
+
+
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_batched_greedy_equals_solo_on_cuda(cuda_pair, runner):
     target, draft, tokenizer = cuda_pair
