@@ -144,10 +144,11 @@ demo: install-demo ## Run the demo (scripts.demo)
 BENCH_ARGS ?=
 BENCH_AGENTIC_ARGS ?=
 
-bench: install-demo ## Benchmark against HF generate (open, grounded, agentic) and under load (~3 h on 2 cores)
+bench: install-demo ## Benchmark against HF generate (open, grounded, agentic), under load, own time (~3 h on 2 cores)
 	$(PY) -m scripts.bench $(BENCH_ARGS)
 	$(PY) -m scripts.bench.agentic $(BENCH_AGENTIC_ARGS)
 	$(PY) -m scripts.bench.load $(BENCH_LOAD_ARGS)
+	$(PY) -m scripts.bench.own_time $(BENCH_OWN_TIME_ARGS)
 
 # Concurrent requests, closed loop at C = 1..16 and Poisson arrivals: the shipped config against plain
 # decoding, fixed k and each drafter alone. Results in bench_results/load.json, load.md, load.png.

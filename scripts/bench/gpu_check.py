@@ -659,6 +659,20 @@ def serve_rows(report: Report, out_dir: str, device: torch.device, max_new_token
     report.section("Serve (scripts.serving.serve_pair)", data, lines)
 
 
+def own_time_rows(setup: Setup) -> None:
+    """The engine's own time a step (`scripts.bench.own_time`): each target shape drafting for itself
+    with the static runner, batch 1 and 16, plain against k = 4."""
+    from scripts.bench import own_time
+
+    args = own_time.parse_args(["--device", setup.device.type, "--runner", runners.STATIC, "--steps", "16"])
+    data, lines = {}, []
+    for shape in ("1.5B", "7B") if setup.device.type == "cuda" else (None,):
+        rows = own_time.measure(args, shape)
+        data[shape or "tiny"] = rows
+        lines += [f"{shape or 'the tiny pair'}:", "", own_time.table(rows), ""]
+    setup.report.section("Own time a step (scripts.bench.own_time)", data, lines)
+
+
 def syncs_rows(setup: Setup) -> None:
     """The host reads a step (`scripts.bench.host_syncs`) on the check's pairs, with the CUDA syncs
     `torch.cuda.set_sync_debug_mode` warns of."""
@@ -694,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         "outputs equal plain decoding's), cross (a draft from another family, SmolLM2-135M's shape), admission "
         "(the step that admits 16 requests, plain against drafting, timed and profiled), "
         "syncs (scripts.bench.host_syncs: host reads and CUDA syncs a step), "
+        "own (scripts.bench.own_time: the step's own time, batch 1 and 16, plain against k = 4), "
         "serve (scripts.serving.serve_pair: the pairs through a real TorchServe; alone, no model is built here)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -756,6 +771,8 @@ def main(argv: list[str] | None = None) -> int:
         guarded(report, "admission", lambda: admission_rows(setup, args.out_dir))
     if "syncs" in sections:
         guarded(report, "syncs", lambda: syncs_rows(setup))
+    if "own" in sections:
+        guarded(report, "own", lambda: own_time_rows(setup))
     if "load-fp32" in sections:
         guarded(report, "Load fp32", lambda: load_rows(setup, args.out_dir, 48, exactness=True))
     return 0

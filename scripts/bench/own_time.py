@@ -12,7 +12,8 @@ alternating over the repeats, and the table gives, per step (medians over the re
 - the ratios of own time a step and a token against plain decoding's at the same batch size.
 
 The forwards are timed by wrapping the models' `forward`, which every pass calls (the runners',
-the draft's, a joining row's prefill); steps that admit rows are not measured.
+the draft's, a joining row's prefill), and on CUDA `CUDAGraph.replay`, the static runner's passes;
+steps that admit rows are not measured.
 
     python -m scripts.bench.own_time                 # batch 1 and 16, 3 repeats of 32 steps
     python -m scripts.bench.own_time --models models/tiny --batch-sizes 1 --steps 4
@@ -54,15 +55,28 @@ class ForwardTimer:
         self.calls = 0
         self._forward = model.forward
         model.forward = self._timed  # nn.Module.__call__ reads the instance's forward
+        # The static runner on CUDA replays captured graphs and never calls `forward`: time the replays.
+        self._replay = None
+        if self.device.type == "cuda":
+            self._replay = torch.cuda.CUDAGraph.replay
+            original = self._replay
+
+            def replay(graph, *args, **kwargs):
+                return self._time(original, graph, *args, **kwargs)
+
+            torch.cuda.CUDAGraph.replay = replay
 
     def _sync(self) -> None:
         if self.synchronised and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def _timed(self, *args, **kwargs):
+        return self._time(self._forward, *args, **kwargs)
+
+    def _time(self, call, *args, **kwargs):
         self._sync()
         start = time.perf_counter()
-        output = self._forward(*args, **kwargs)
+        output = call(*args, **kwargs)
         self._sync()
         self.seconds += time.perf_counter() - start
         self.calls += 1
@@ -70,6 +84,8 @@ class ForwardTimer:
 
     def remove(self) -> None:
         del self.model.forward
+        if self._replay is not None:
+            torch.cuda.CUDAGraph.replay = self._replay
 
 
 def load_tiny_target(models: pathlib.Path | None, device: str):
