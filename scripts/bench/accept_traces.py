@@ -138,12 +138,12 @@ def trace_config(args):
     )
 
 
-def run_sets(tracer: TracingEngine, models, config, args) -> list[RequestTrace]:
-    """Every chosen set's requests through `tracer`, one at a time; returns the traces of this call."""
+def run_sets(tracer: TracingEngine, models, config, args, names: Sequence[str]) -> list[RequestTrace]:
+    """The sets' requests through `tracer`, one at a time; returns the traces of this call."""
     first = len(tracer.traces)
     prompt_sets = json.loads(pathlib.Path(args.prompts).read_text(encoding="utf-8"))
     encoder = bench_runner.Runner(models, config, None)
-    for name in args.sets:
+    for name in names:
         tracer.set_name = name
         logger.info("set %s", name)
         if name == "agentic":
@@ -238,32 +238,35 @@ def main(argv=None) -> int:
     config = trace_config(args)
     models = load_models(config, None)
     tracer = trace_engine(models, config)
-    traces = run_sets(tracer, models, config, args)
-    summary = summarize(traces)
-    report = {
-        "date": datetime.date.today().isoformat(),
-        "target": bench_common.shown(args.target),
-        "draft": bench_common.shown(args.draft),
-        "drafter": MODEL,
-        "k": args.k,
-        "dtype": str(models.dtype).replace("torch.", ""),
-        "draft_quantization": models.draft_quantization,
-        "sampling": "greedy",
-        "runner": "dynamic",
-        "max_new_tokens": args.max_new_tokens,
-        "sets": {
-            "open": "scripts/bench/prompts.json open: held_out then tuning",
-            "grounded": "scripts/bench/prompts.json grounded: held_out then tuning",
-            "agentic": f"scripts.bench.agentic trace, seed {args.agentic_seed}, first requests"
-            + (", compact" if args.compact else ""),
-        },
-        "summary": summary,
-        "requests": [dataclasses.asdict(trace) for trace in traces],
+    sets = {
+        "open": "scripts/bench/prompts.json open: held_out then tuning",
+        "grounded": "scripts/bench/prompts.json grounded: held_out then tuning",
+        "agentic": f"scripts.bench.agentic trace, seed {args.agentic_seed}, first requests"
+        + (", compact" if args.compact else ""),
     }
-    report["sets"] = {name: report["sets"][name] for name in args.sets}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(to_json(report), encoding="utf-8")
+    # Written again after each set: a run cut short keeps the sets it finished.
+    for done, name in enumerate(args.sets, start=1):
+        run_sets(tracer, models, config, args, [name])
+        summary = summarize(tracer.traces)
+        report = {
+            "date": datetime.date.today().isoformat(),
+            "target": bench_common.shown(args.target),
+            "draft": bench_common.shown(args.draft),
+            "drafter": MODEL,
+            "k": args.k,
+            "dtype": str(models.dtype).replace("torch.", ""),
+            "draft_quantization": models.draft_quantization,
+            "sampling": "greedy",
+            "runner": "dynamic",
+            "max_new_tokens": args.max_new_tokens,
+            "num_prompts": args.num_prompts,
+            "sets": {set_name: sets[set_name] for set_name in args.sets[:done]},
+            "summary": summary,
+            "requests": [dataclasses.asdict(trace) for trace in tracer.traces],
+        }
+        out.write_text(to_json(report), encoding="utf-8")
     print(markdown(summary, args.k))
     print(f"wrote {out}")
     return 0
