@@ -252,8 +252,8 @@ def main(argv=None) -> int:
         summary = summarize(tracer.traces)
         report = {
             "date": datetime.date.today().isoformat(),
-            "target": bench_common.shown(args.target),
-            "draft": bench_common.shown(args.draft),
+            "target": pathlib.Path(args.target).name,  # the folder's name: the file holds no local path
+            "draft": pathlib.Path(args.draft).name,
             "drafter": MODEL,
             "k": args.k,
             "dtype": str(models.dtype).replace("torch.", ""),
