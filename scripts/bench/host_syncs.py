@@ -303,13 +303,10 @@ def where(counts: list[Count]) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from scripts.bench.own_time import add_step_arguments
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", type=pathlib.Path, default=None, help="the tiny pair's folder (default: built now)")
-    parser.add_argument(
-        "--batch-sizes", type=lambda text: [int(x) for x in text.split(",")], default=[1, 16], help="e.g. 1,16"
-    )
-    parser.add_argument("--steps", type=int, default=8, help="counted steps per row of the table")
-    parser.add_argument("--warmup", type=int, default=2, help="steps before the counted ones")
+    add_step_arguments(parser, steps=8, warmup=2)
     parser.add_argument("--runner", choices=("dynamic", "static"), default="dynamic")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument(

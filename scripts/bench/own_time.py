@@ -205,14 +205,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_step_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int) -> None:
+    """The options this benchmark shares with scripts.bench.host_syncs: the pair, batch sizes, steps."""
     parser.add_argument("--models", type=pathlib.Path, default=None, help="the tiny pair's folder (default: built now)")
     parser.add_argument(
         "--batch-sizes", type=lambda text: [int(x) for x in text.split(",")], default=[1, 16], help="e.g. 1,16"
     )
-    parser.add_argument("--steps", type=int, default=32, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=4, help="steps before the timed ones")
+    parser.add_argument("--steps", type=int, default=steps, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=warmup, help="steps before the measured ones")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_step_arguments(parser, steps=32, warmup=4)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each row, alternating")
     parser.add_argument("--runner", choices=("dynamic", "static"), default="dynamic")
     parser.add_argument("--device", default="cpu")
