@@ -51,6 +51,29 @@ import torch
 
 
 @dataclasses.dataclass(frozen=True)
+class InUse:
+    """What the host knows of a batch's settings without reading its tensors, so that a warp runs only
+    the paths and filters some row may use. Each flag is an upper bound: False means no row uses it."""
+
+    greedy: bool  # some row is greedy
+    sampled: bool  # some row samples
+    max_top_k: int  # the largest top-k of any row, greedy ones included (0: no row filters)
+    top_p: bool  # some sampled row uses top-p
+    min_p: bool  # some sampled row uses min-p
+
+    @classmethod
+    def of(cls, params: Sequence) -> InUse:
+        sampled = [p for p in params if p.temperature > 0]
+        return cls(
+            greedy=len(sampled) < len(params),
+            sampled=bool(sampled),
+            max_top_k=max((p.top_k for p in params), default=0),
+            top_p=any(p.top_p < 1.0 for p in sampled),
+            min_p=any(p.min_p > 0 for p in sampled),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingBatch:
     """A step's sampling settings as tensors, one row per request in batch order (`from_params`): the
     draft model samples with them (`select` puts them in its cache's row order) and the verify pass
@@ -63,12 +86,8 @@ class SamplingBatch:
     # [batch, k] float64 on the CPU: each row's uniforms for its draft draws, once the step's plan has
     # drawn them (`with_uniforms`); None before.
     uniforms: torch.Tensor | None = None
-    # What the host knows of the settings without reading the tensors (`from_params`), so that a warp
-    # skips the filters no row uses: the largest top-k of any row, whether any row samples and any uses top-p.
-    # None: unknown, every filter runs.
-    max_top_k: int | None = None
-    any_sampled: bool | None = None
-    any_top_p: bool | None = None
+    # What the host knows of the settings (`from_params`); None: unknown, every path and filter runs.
+    in_use: InUse | None = None
 
     @classmethod
     def from_params(cls, params: Sequence, device: torch.device) -> SamplingBatch:
@@ -79,9 +98,7 @@ class SamplingBatch:
             torch.tensor([p.top_k for p in params], device=device),
             torch.tensor([p.top_p for p in params], device=device),
             torch.tensor([p.min_p for p in params], device=device),
-            max_top_k=max((p.top_k for p in params), default=0),
-            any_sampled=any(p.temperature > 0 for p in params),
-            any_top_p=any(p.top_p < 1.0 and p.temperature > 0 for p in params),
+            in_use=InUse.of(params),
         )
 
     def with_uniforms(self, uniforms: torch.Tensor) -> SamplingBatch:  # [batch, k] float64
@@ -104,23 +121,13 @@ class SamplingBatch:
             torch.where(known, self.top_p[index], 1.0),
             torch.where(known, self.min_p[index], 0.0),
             uniforms,
-            self.max_top_k,
-            self.any_sampled,
-            self.any_top_p,
+            # A row without a slot is greedy.
+            self.in_use if self.in_use is None or None not in slots else dataclasses.replace(self.in_use, greedy=True),
         )
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:  # [batch, positions, vocab]
         """`warp_logits_to_probs` with these settings: probabilities [batch, positions, vocab]."""
-        return warp_logits_to_probs(
-            logits,
-            self.temperature,
-            self.top_k,
-            self.top_p,
-            self.min_p,
-            max_top_k=self.max_top_k,
-            any_sampled=self.any_sampled,
-            any_top_p=self.any_top_p,
-        )
+        return warp_logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p, in_use=self.in_use)
 
 
 def warp_logits_to_probs(
@@ -130,17 +137,13 @@ def warp_logits_to_probs(
     top_p: torch.Tensor,  # [batch] float, 1.0 means off
     min_p: torch.Tensor | None = None,  # [batch] float, 0 means off
     *,
-    max_top_k: int | None = None,
-    any_sampled: bool | None = None,
-    any_top_p: bool | None = None,
+    in_use: InUse | None = None,
 ) -> torch.Tensor:
     """Applies temperature, then min-p, top-k and top-p, row by row, and returns probabilities.
 
     Greedy rows get the one-hot distribution of their argmax, so the same
     rejection sampler serves greedy and sampled requests in one batch.
-    What the host knows spares work, never a row's result: `max_top_k`, the largest top-k of any
-    row (None: read from `top_k`); `any_sampled` False: every row is greedy; `any_top_p`
-    False: no sampled row uses top-p (None: unknown).
+    What the host knows (`in_use`; None: unknown) spares work, never a row's result.
 
     Returns:
         probs: [batch, positions, vocab] float32, each row summing to 1.
@@ -150,19 +153,23 @@ def warp_logits_to_probs(
     # Every row takes both paths and `torch.where` keeps its own: no branch on a tensor's value,
     # so the host never waits for the device here. A row's result is its own path's, bit for bit.
     greedy = temperature == 0  # [batch]
-    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    if any_sampled is False:
-        return one_hot
+    if in_use is None or in_use.greedy:
+        one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        if in_use is not None and not in_use.sampled:
+            return one_hot
     # Shift by the max before dividing: a tiny temperature would overflow logits / t to inf, then NaN.
     # A greedy row divides by 1, so that its unused path stays finite.
     shifted = logits - logits.amax(dim=-1, keepdim=True)
     scaled = shifted / torch.where(greedy, 1.0, temperature).to(logits.dtype)[:, None, None]
-    if min_p is not None:
+    if min_p is not None and (in_use is None or in_use.min_p):
         scaled = _apply_min_p(scaled, min_p)
-    scaled = _apply_top_k(scaled, top_k, max_top_k)
-    if any_top_p is not False:
+    scaled = _apply_top_k(scaled, top_k, None if in_use is None else in_use.max_top_k)
+    if in_use is None or in_use.top_p:
         scaled = _apply_top_p(scaled, top_p)
-    return torch.where(greedy[:, None, None], one_hot, torch.softmax(scaled, dim=-1))
+    probs = torch.softmax(scaled, dim=-1)
+    if in_use is not None and not in_use.greedy:
+        return probs
+    return torch.where(greedy[:, None, None], one_hot, probs)
 
 
 def _apply_min_p(

@@ -228,3 +228,30 @@ def test_coupled_verify_emits_the_targets_own_samples_whatever_was_drafted():
         assert out[row, : n + 1].tolist() == own[row, : n + 1].tolist()
         assert drafts[row, :n].tolist() == own[row, :n].tolist()
         assert n == 3 or int(drafts[row, n]) != int(own[row, n])
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        [(0.0, 0, 1.0, 0.0), (0.0, 5, 0.9, 0.1)],  # all greedy: the sampled path is skipped
+        [(0.8, 0, 1.0, 0.0), (1.2, 0, 1.0, 0.0)],  # all sampled, no filter: one-hot, min-p, top-k, top-p skipped
+        [(0.8, 7, 1.0, 0.0), (1.0, 0, 0.8, 0.0)],  # top-k and top-p, no min-p
+        [(0.0, 3, 1.0, 0.2), (0.7, 0, 1.0, 0.05), (1.0, 4, 0.9, 0.0)],  # mixed, every filter
+    ],
+)
+def test_what_the_host_knows_spares_work_never_a_rows_result(settings):
+    from handler.config import SamplingParams
+    from handler.sampler import SamplingBatch
+
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in settings]
+    batch = SamplingBatch.from_params(params, torch.device("cpu"))
+    logits = torch.randn(len(params), 3, 50, generator=torch.Generator().manual_seed(0))
+    unknown = warp_logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+    assert torch.equal(batch.warp(logits), unknown)
+    # The draft's order of rows, with a row of no slot (greedy): the summary still bounds it.
+    selected = batch.select([None, *range(len(params))], [0] * (len(params) + 1), 1)
+    assert selected.in_use.greedy
+    expected = warp_logits_to_probs(
+        torch.cat([logits[:1], logits]), selected.temperature, selected.top_k, selected.top_p, selected.min_p
+    )
+    assert torch.equal(selected.warp(torch.cat([logits[:1], logits])), expected)
