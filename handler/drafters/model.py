@@ -379,8 +379,9 @@ class ModelDrafter:
 
     @property
     def _feeds_drafts(self) -> bool:
-        """Whether every draft is fed back as it is (`_feed_of` is the identity)."""
-        return type(self)._feed_of is ModelDrafter._feed_of
+        """Whether every draft is fed back as it is and nothing notes the feeds: the chains skip both
+        `_feed_of` and `_fed`, so a drafter that overrides either (`cross_vocab`) takes the general loop."""
+        return type(self)._feed_of is ModelDrafter._feed_of and type(self)._fed is ModelDrafter._fed
 
     # The vocabulary's part of the draft loop (`handler.drafters.cross_vocab` overrides it).
 
