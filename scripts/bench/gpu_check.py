@@ -667,7 +667,9 @@ def own_time_rows(setup: Setup) -> None:
     args = own_time.parse_args(["--device", setup.device.type, "--runner", runners.STATIC, "--steps", "16"])
     data, lines = {}, []
     for shape in ("1.5B", "7B") if setup.device.type == "cuda" else (None,):
-        rows = own_time.measure(args, shape)
+        # On a GPU the check's own models; on a CPU the tiny pair (its tiny shapes step slowly).
+        target, tokenizer = (setup.models[shape], setup.tokenizer) if shape else own_time.load_target(args, None)
+        rows = own_time.measure(args, target, tokenizer)
         data[shape or "tiny"] = rows
         lines += [f"{shape or 'the tiny pair'}:", "", own_time.table(rows), ""]
     setup.report.section("Own time a step (scripts.bench.own_time)", data, lines)

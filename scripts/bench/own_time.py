@@ -141,14 +141,15 @@ def load_shaped_target(shape: str, device: str):
     return model, gpu_check.text_tokenizer()
 
 
-def measure(args, shape: str | None = None) -> list[dict]:
+def load_target(args, shape: str | None):
+    """The target `shape` names (`load_shaped_target`), else the tiny pair's, and its tokenizer."""
+    return load_tiny_target(args.models, args.device) if shape is None else load_shaped_target(shape, args.device)
+
+
+def measure(args, target, tokenizer) -> list[dict]:
     from handler.engine import EngineOptions, build_engine
     from handler.runtime.loading import LoadedModels
 
-    if shape is None:
-        target, tokenizer = load_tiny_target(args.models, args.device)
-    else:
-        target, tokenizer = load_shaped_target(shape, args.device)
     # The draft is the target itself: every draft is accepted, and the step is all the machinery.
     engine = build_engine(
         LoadedModels.of(target, target, tokenizer, eos_token_ids=()),
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shapes = [shape.strip() for shape in args.shapes.split(",") if shape.strip()] or [None]
     for shape in shapes:
-        rows = measure(args, shape)
+        rows = measure(args, *load_target(args, shape))
         what = "the tiny pair, float32" if shape is None else f"the {shape} shape, random weights, bf16"
         print(f"Own time: {what}, draft == target, greedy, {args.runner} runner, {args.device}")
         device = torch.cuda.get_device_name() if args.device.startswith("cuda") else machine_info()["description"]
