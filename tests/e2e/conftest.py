@@ -143,9 +143,10 @@ free_ports = torchserve.free_ports
 write_server_config = torchserve.write_server_config
 
 
-def write_model_config(path: Path) -> None:
+def write_model_config(path: Path, **handler: object) -> None:
     """The repository's model-config.yaml, with a batch window wide enough that
-    concurrent test requests share batches, and short default generations."""
+    concurrent test requests share batches, and short default generations; `handler`: more
+    handler settings."""
     config = yaml.safe_load((REPO_ROOT / "model-config" / "model-config.yaml").read_text())
     config.update(batchSize=4, maxBatchDelay=200)
     config["handler"]["max_new_tokens"] = 16
@@ -156,6 +157,7 @@ def write_model_config(path: Path) -> None:
     # stops drafting; these tests check the server's plumbing (counters, streams), which needs
     # drafts. The planner and the start-up cost table are tested in tests/models.
     config["handler"]["adaptive_k"] = False
+    config["handler"].update(handler)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
@@ -172,9 +174,13 @@ def java_runtime() -> JavaRuntime:
 @pytest.fixture(scope="session")
 def model_archive(tiny_models_dir, tmp_path_factory) -> Path:
     """The tiny pair packaged into a model store by scripts.model_tools.package_mar."""
-    root = tmp_path_factory.mktemp("package")
+    return package_tiny_pair(tiny_models_dir, tmp_path_factory.mktemp("package"))
+
+
+def package_tiny_pair(tiny_models_dir: Path, root: Path, **handler: object) -> Path:
+    """The tiny pair's archive in `root`/model_store, with `write_model_config`'s settings and `handler`."""
     model_config = root / "model-config.yaml"
-    write_model_config(model_config)
+    write_model_config(model_config, **handler)
     model_store = root / "model_store"
     result = run_module(
         "scripts.model_tools.package_mar",

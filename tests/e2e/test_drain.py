@@ -35,7 +35,7 @@ import requests
 from scripts.serving import torchserve
 from tests.conftest import REPO_ROOT
 
-from .conftest import HTTP_TIMEOUT_S, MODEL_NAME, STARTUP_TIMEOUT_S, free_ports, write_server_config
+from .conftest import HTTP_TIMEOUT_S, MODEL_NAME, STARTUP_TIMEOUT_S, free_ports, package_tiny_pair, write_server_config
 
 ENTRYPOINT = REPO_ROOT / "deploy" / "docker" / "entrypoint.sh"
 HEALTHCHECK = REPO_ROOT / "deploy" / "docker" / "healthcheck.py"
@@ -100,26 +100,34 @@ class Container:
         return pids
 
 
+@pytest.fixture(scope="module")
+def one_step_archive(tiny_models_dir, tmp_path_factory) -> Path:
+    """The tiny pair with one engine step a TorchServe call (`max_call_ms: 0`): its longest stream then
+    takes several seconds, where several steps a call finish it in about 2 s on a quiet machine."""
+    return package_tiny_pair(tiny_models_dir, tmp_path_factory.mktemp("one-step"), max_call_ms=0)
+
+
 @pytest.fixture
 def start_container(java_runtime, model_archive, tmp_path):
     """Starts entrypoint.sh with the given extra environment and waits until it is ready."""
     started: list[Container] = []
 
-    def start(**extra_env: str) -> Container:
+    def start(archive: Path = model_archive, **extra_env: str) -> Container:
+        model_store = archive.parent
         root = tmp_path / f"container{len(started)}"
         log_dir, temp_dir = root / "logs", root / "tmp"
         log_dir.mkdir(parents=True)
         temp_dir.mkdir()
         ports = free_ports(5)
         ts_config = root / "config.properties"
-        write_server_config(ts_config, model_archive.parent, ports)
+        write_server_config(ts_config, model_store, ports)
         # The entrypoint runs `torchserve` itself: JAVA_HOME and PATH for the Java the tests run on.
         env = java_runtime.environment()
         env.pop("TS_CONFIG_FILE", None)  # it would override --ts-config
         env.update(
             PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
             MODEL_NAMES=MODEL_NAME,
-            MODEL_STORE=str(model_archive.parent),
+            MODEL_STORE=str(model_store),
             TS_CONFIG=str(ts_config),
             DISABLE_TOKEN_AUTH="true",
             DRAIN_MARKER=str(root / "draining"),
@@ -253,9 +261,9 @@ def test_sigterm_drains_the_streams_in_flight_then_stops(start_container):
     wait_until_gone(container)
 
 
-def test_past_drain_timeout_the_entrypoint_stops_anyway(start_container):
+def test_past_drain_timeout_the_entrypoint_stops_anyway(start_container, one_step_archive):
     drain_timeout_s = 2
-    container = start_container(DRAIN_TIMEOUT_S=str(drain_timeout_s))
+    container = start_container(one_step_archive, DRAIN_TIMEOUT_S=str(drain_timeout_s))
     stream = Stream(container, PROMPTS[0], LONG_MAX_NEW_TOKENS)
     assert stream.first_chunk.wait(HTTP_TIMEOUT_S) and not stream.error, f"{stream.error}\n{container.log_tail()}"
 
