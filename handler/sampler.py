@@ -101,6 +101,11 @@ class SamplingBatch:
             in_use=InUse.of(params),
         )
 
+    @property
+    def all_greedy(self) -> bool:
+        """Whether the host knows that no row samples: draws and verdicts are then argmaxes."""
+        return self.in_use is not None and not self.in_use.sampled
+
     def with_uniforms(self, uniforms: torch.Tensor) -> SamplingBatch:  # [batch, k] float64
         return dataclasses.replace(self, uniforms=uniforms)
 
@@ -392,8 +397,35 @@ def coupled_verify(
     assert num_draft_tokens.shape == (batch_size,), num_draft_tokens.shape
     assert uniforms.shape == (batch_size, k_plus_1), uniforms.shape
     target_token_ids = sample_from_probs(target_probs.reshape(-1, vocab_size), uniforms.reshape(-1))
-    target_token_ids = target_token_ids.reshape(batch_size, k_plus_1)  # [batch, k + 1]
-    positions = torch.arange(k_plus_1, device=target_probs.device)  # [k + 1]
+    return match_verify(target_token_ids.reshape(batch_size, k_plus_1), draft_token_ids, num_draft_tokens)
+
+
+def greedy_verify(
+    target_logits: torch.Tensor,  # [batch, k + 1, vocab], after each row's rules
+    draft_token_ids: torch.Tensor,  # [batch, k]
+    num_draft_tokens: torch.Tensor,  # [batch] long, each <= k
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rejection_sample` for a batch whose every row is greedy, from the logits: the same results.
+
+    On one-hot distributions with zero uniforms, rejection sampling accepts a draft iff it is the
+    target's argmax (its draft distribution is one-hot at the draft itself: a greedy draw, a look-up),
+    and the recovered or bonus token is the target's argmax. So neither side's distribution over the
+    vocabulary is built: one argmax per position, instead of the one-hot tensors, the residual and a
+    cumulative sum over the vocabulary.
+    """
+    return match_verify(target_logits.argmax(dim=-1), draft_token_ids, num_draft_tokens)
+
+
+def match_verify(
+    target_token_ids: torch.Tensor,  # [batch, k + 1]: the target's own token at each position
+    draft_token_ids: torch.Tensor,  # [batch, k]
+    num_draft_tokens: torch.Tensor,  # [batch] long, each <= k
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts accepted while they equal the target's own tokens, then the target's token at the first
+    mismatch (or the bonus position): `coupled_verify` and `greedy_verify` once the target's tokens are
+    known. The same results as `rejection_sample`."""
+    k = draft_token_ids.shape[1]
+    positions = torch.arange(k + 1, device=target_token_ids.device)  # [k + 1]
     matches = (draft_token_ids == target_token_ids[:, :k]) & (positions[None, :k] < num_draft_tokens[:, None])
     num_accepted = matches.int().cumprod(dim=-1).sum(dim=-1)  # [batch]
     output_token_ids = torch.where(positions[None, :] <= num_accepted[:, None], target_token_ids, -1)

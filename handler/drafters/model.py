@@ -358,23 +358,34 @@ class ModelDrafter:
         loop's (row i's draft j drawn with uniform j), without a wait for the device per pass."""
         num_rows = len(self.order)
         input_ids, chunk_mask = left_pad(self._first_feeds(), self.pad_token_id)
-        uniforms = host_to_device(settings.uniforms[:, :k], self.device)  # [rows, k]
+        # Where no row samples, a draw is the argmax, and its distribution is one-hot at the draft itself:
+        # a proposal without `draft_probs` says so, as a look-up's does.
+        greedy = settings.all_greedy
+        uniforms = None if greedy else host_to_device(settings.uniforms[:, :k], self.device)  # [rows, k]
+        one_token = torch.ones((num_rows, 1), dtype=torch.long)
         sampled_per_pass, probs_per_pass = [], []
         for number in range(k):
             draft_logits = self.cache.forward(self._pass_ids(input_ids), chunk_mask, logits_to_keep=1)
-            probs = settings.warp(self._target_logits(draft_logits))  # [rows, 1, vocab]
-            sampled = sample_from_probs(probs[:, 0], uniforms[:, number])  # [rows]
+            logits = self._target_logits(draft_logits)  # [rows, 1, vocab]
+            if greedy:
+                sampled = logits[:, 0].argmax(dim=-1)  # [rows]
+            else:
+                probs = settings.warp(logits)  # [rows, 1, vocab]
+                sampled = sample_from_probs(probs[:, 0], uniforms[:, number])  # [rows]
+                probs_per_pass.append(probs[:, 0])
             sampled_per_pass.append(sampled)
-            probs_per_pass.append(probs[:, 0])
             input_ids = sampled[:, None]  # [rows, 1]: the next pass reads the draft where it is
-            chunk_mask = torch.ones((num_rows, 1), dtype=torch.long)
+            chunk_mask = one_token
         # The proposal's one wait for the device: the drafts are the host's bookkeeping from here on.
         drafts = torch.stack(sampled_per_pass, dim=1).tolist()  # [rows][k]
-        draft_probs = torch.stack(probs_per_pass, dim=1)  # [rows, k, vocab]
+        draft_probs = None if greedy else torch.stack(probs_per_pass, dim=1)  # [rows, k, vocab]
         self.last_draft_counts = {self.order[slot]: list(range(1, k + 1)) for slot in asking}
         self.last_num_drafts = k
         self._end_proposal(drafts, k)
-        proposals = {self.order[slot]: Proposal(drafts[slot], draft_probs=draft_probs[slot]) for slot in asking}
+        proposals = {
+            self.order[slot]: Proposal(drafts[slot], draft_probs=None if greedy else draft_probs[slot])
+            for slot in asking
+        }
         return [proposals[row.request_id] for row in rows]
 
     @property

@@ -23,6 +23,7 @@ from handler.sampler import (
     SamplingBatch,
     coupled_verify,
     draw_step_uniforms,
+    greedy_verify,
     host_to_device,
     position_uniforms,
     rejection_sample,
@@ -110,7 +111,12 @@ class Verifier:
         ks = [row_drafts.k for row_drafts in drafts]
         batch_size, k = len(rows), max(ks)
         tree_slots = [slot for slot, row_drafts in enumerate(drafts) if row_drafts.proposal.is_tree]
-        draft_token_ids, draft_probs = _draft_batch(drafts, k, self.pad_token_id, self.vocab_size, self.device)
+        # Every row greedy and none a tree: the verdicts are argmaxes (`greedy_verify`), and neither
+        # side's distributions are built. A coupled row samples, so none is here.
+        greedy = sampling.all_greedy and not tree_slots
+        draft_token_ids, draft_probs = _draft_batch(
+            drafts, k, self.pad_token_id, self.vocab_size, self.device, with_probs=not greedy
+        )
         draft_lists = draft_token_ids.tolist()
         draft_token_ids = draft_token_ids.to(self.device)
 
@@ -130,13 +136,15 @@ class Verifier:
             assert k == 0 and logits.shape[:2] == (batch_size, 1), (k, logits.shape)
         logits = logits[..., : self.vocab_size]
         shaped = _shape_target_logits(rows, logits, draft_lists, ks, self.device)
-        target_probs = sampling.warp(shaped)  # [batch, k + 1, vocab]
-
         num_draft_tokens = torch.tensor(ks, device=self.device)
-        verify_uniforms, coupled_uniforms = uniforms.for_verify(k)
-        num_accepted, output_token_ids = rejection_sample(
-            target_probs, draft_probs, draft_token_ids, num_draft_tokens, host_to_device(verify_uniforms, self.device)
-        )
+        if greedy:
+            num_accepted, output_token_ids = greedy_verify(shaped, draft_token_ids, num_draft_tokens)
+        else:
+            target_probs = sampling.warp(shaped)  # [batch, k + 1, vocab]
+            verify_uniforms, coupled_uniforms = uniforms.for_verify(k)
+            num_accepted, output_token_ids = rejection_sample(
+                target_probs, draft_probs, draft_token_ids, num_draft_tokens, host_to_device(verify_uniforms, self.device)
+            )
         if uniforms.coupled:
             index = torch.tensor(uniforms.coupled, device=self.device)
             num_accepted[index], output_token_ids[index] = coupled_verify(
@@ -170,17 +178,20 @@ class Verifier:
 
 
 def _draft_batch(
-    drafts: list[Drafts], k: int, pad_token_id: int, vocab_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' drafts [batch, k] (on the CPU, padded) and their draft distributions [batch, k, vocab]."""
+    drafts: list[Drafts], k: int, pad_token_id: int, vocab_size: int, device: torch.device, *, with_probs: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows' drafts [batch, k] (on the CPU, padded) and their draft distributions [batch, k, vocab]
+    (None without `with_probs`)."""
     batch_size = len(drafts)
     draft_token_ids = torch.full((batch_size, k), pad_token_id, dtype=torch.long)  # [batch, k]
-    draft_probs = torch.zeros((batch_size, k, vocab_size), device=device)  # [batch, k, vocab]
+    draft_probs = torch.zeros((batch_size, k, vocab_size), device=device) if with_probs else None
     for slot, row_drafts in enumerate(drafts):
         if not row_drafts.k:
             continue
         token_ids = torch.tensor(row_drafts.proposal.token_ids, dtype=torch.long)  # [n]
         draft_token_ids[slot, : len(token_ids)] = token_ids
+        if draft_probs is None:
+            continue
         if row_drafts.probs is not None:
             # The draft model's chain; a tree's runners-up follow it, verified by the walk.
             draft_probs[slot, : len(row_drafts.probs)] = row_drafts.probs

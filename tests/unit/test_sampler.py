@@ -7,6 +7,7 @@ import torch
 
 from handler.sampler import (
     draw_step_uniforms,
+    greedy_verify,
     rejection_sample,
     sample_from_probs,
     warp_logits_to_probs,
@@ -127,6 +128,31 @@ def test_greedy_is_accept_while_draft_equals_target_argmax():
         )
         # Token 1 matches the target argmax; token 3 does not, and the target's argmax 2 replaces it.
         assert (int(n[0]), out[0].tolist()) == (1, [1, 2, -1])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_greedy_verify_equals_rejection_sampling_on_one_hot_distributions(seed):
+    """The all-greedy verdict from the logits equals the sampler's on the one-hot distributions, for rows
+    of every k, drafts right and wrong at every position, and near ties broken the same way."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, k, vocab = 12, 5, 7
+    target_logits = torch.randint(0, 3, (batch, k + 1, vocab), generator=generator).float()  # many ties
+    draft_logits = torch.randint(0, 3, (batch, k, vocab), generator=generator).float()
+    # Half the drafts are the target's argmax, so that runs of accepted drafts of every length occur.
+    own = draft_logits.argmax(-1)
+    right = torch.rand(batch, k, generator=generator) < 0.7
+    draft_ids = torch.where(right, target_logits[:, :k].argmax(-1), own)  # [batch, k]
+    draft_logits.scatter_(-1, draft_ids[..., None], 10.0)  # the draft's argmax is its draft
+    num_drafts = torch.randint(0, k + 1, (batch,), generator=generator)
+    off = (torch.zeros(batch), torch.zeros(batch, dtype=torch.long), torch.ones(batch))
+    target_probs = warp_logits_to_probs(target_logits, *off)
+    draft_probs = warp_logits_to_probs(draft_logits, *off)
+    zeros = torch.zeros(batch, k + 1, dtype=torch.float64)  # a greedy row's uniforms
+    expected = rejection_sample(target_probs, draft_probs, draft_ids, num_drafts, zeros)
+    got = greedy_verify(target_logits, draft_ids, num_drafts)
+    assert got[0].tolist() == expected[0].tolist()
+    assert got[1].tolist() == expected[1].tolist()
+    assert sorted(set(got[0].tolist())) != [0]  # some rows accept drafts: the test compares runs
 
 
 def test_top_k_and_top_p_support_is_respected():
