@@ -143,7 +143,11 @@ class Verifier:
             target_probs = sampling.warp(shaped)  # [batch, k + 1, vocab]
             verify_uniforms, coupled_uniforms = uniforms.for_verify(k)
             num_accepted, output_token_ids = rejection_sample(
-                target_probs, draft_probs, draft_token_ids, num_draft_tokens, host_to_device(verify_uniforms, self.device)
+                target_probs,
+                draft_probs,
+                draft_token_ids,
+                num_draft_tokens,
+                host_to_device(verify_uniforms, self.device),
             )
         if uniforms.coupled:
             index = torch.tensor(uniforms.coupled, device=self.device)
