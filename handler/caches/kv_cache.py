@@ -231,13 +231,11 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
 def left_pad(token_lists: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns input_ids [batch, width] and mask [batch, width], real tokens right-aligned."""
     width = max(len(tokens) for tokens in token_lists)
-    input_ids = torch.full((len(token_lists), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(token_lists), width), dtype=torch.long)
-    for row, tokens in enumerate(token_lists):
-        if tokens:
-            input_ids[row, width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
-            mask[row, width - len(tokens) :] = 1
-    return input_ids, mask
+    # Built as lists, two tensors in all: a row's copy would cost a few tensor calls each.
+    ids = [[pad_id] * (width - len(tokens)) + list(tokens) for tokens in token_lists]
+    mask = [[0] * (width - len(tokens)) + [1] * len(tokens) for tokens in token_lists]
+    shape = (len(ids), width)
+    return torch.tensor(ids, dtype=torch.long).reshape(shape), torch.tensor(mask, dtype=torch.long).reshape(shape)
 
 
 class RaggedCache:
@@ -252,19 +250,37 @@ class RaggedCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long)  # [batch] valid tokens per row, CPU
 
     @property
+    def mask(self) -> torch.Tensor:  # [batch, columns] long, CPU: 1 where a column holds a row's token
+        return self._mask
+
+    @mask.setter
+    def mask(self, mask: torch.Tensor) -> None:
+        self._mask = mask
+        self._holes = None  # unknown until asked (`has_holes`)
+
+    @property
+    def has_holes(self) -> bool:
+        """Whether some row has a column without a token (padding, or a dropped draft)."""
+        if self._holes is None:
+            self._holes = not bool(self._mask.all())
+        return self._holes
+
+    @property
     def num_columns(self) -> int:
         return self.mask.shape[1]
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [batch, width], on any device
-        chunk_mask: torch.Tensor,  # [batch, width] long, CPU; 0 marks left padding
+        chunk_mask: torch.Tensor | None,  # [batch, width] long, CPU; 0 marks left padding; None: none
         logits_to_keep: int,
         tree: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Appends a chunk of tokens to every row and returns the last logits.
 
         Args:
+            chunk_mask: None where no row of the chunk is padded (a verify pass, a draft chain's pass):
+                the positions then follow from the lengths alone.
             tree: for a chunk of draft trees (`handler.tree.chunk_attention`): which chunk
                 columns each column sees ([batch, width, width] bool) and each column's depth
                 ([batch, width] long). The chunk has no padding then; a column's position is
@@ -273,18 +289,29 @@ class RaggedCache:
         Returns:
             logits: [batch, logits_to_keep, vocab] for the chunk's last columns.
         """
-        assert input_ids.shape == chunk_mask.shape, (input_ids.shape, chunk_mask.shape)
-        assert self.cache.get_seq_length() == self.num_columns, (self.cache.get_seq_length(), self.num_columns)
         if tree is not None:
             return self._forward_tree(input_ids, tree, logits_to_keep)
-        # Each real token's position is the number of valid tokens before it in its row.
-        position_ids = self.lengths[:, None] + chunk_mask.cumsum(dim=1) - 1  # [batch, width]
-        position_ids = position_ids.clamp(min=0)
-        old_positions = self.mask.cumsum(dim=1) - 1  # [batch, old columns]: each valid column's position
+        old_mask = self.mask
+        width = input_ids.shape[1]
+        unpadded = chunk_mask is None
+        if unpadded:
+            position_ids = self.lengths[:, None]  # [batch, width]
+            if width > 1:
+                position_ids = position_ids + torch.arange(width)
+            chunk_mask = self.mask.new_ones(input_ids.shape)
+            self.lengths = self.lengths + width
+        else:
+            assert input_ids.shape == chunk_mask.shape, (input_ids.shape, chunk_mask.shape)
+            # Each real token's position is the number of valid tokens before it in its row.
+            position_ids = self.lengths[:, None] + chunk_mask.cumsum(dim=1) - 1  # [batch, width]
+            position_ids = position_ids.clamp(min=0)
+            self.lengths = self.lengths + chunk_mask.sum(dim=1)
+        holes = self._holes
         self.mask = torch.cat([self.mask, chunk_mask], dim=1)
-        self.lengths = self.lengths + chunk_mask.sum(dim=1)
+        if unpadded:
+            self._holes = holes  # the chunk adds none
         if self.layout[0] is not None:
-            width = input_ids.shape[1]
+            old_positions = old_mask.cumsum(dim=1) - 1  # [batch, old columns]: each valid column's position
             kv_positions = torch.cat([old_positions, position_ids], dim=1)  # [batch, columns]
             seen = self.mask.bool()[:, None, :] & (kv_positions[:, None, :] <= position_ids[:, :, None])
             # A padding column sees itself only: its output is never read, and a row of nothing is NaN.
@@ -294,7 +321,7 @@ class RaggedCache:
             return self._run(input_ids, masks, position_ids, logits_to_keep)
         # Without holes (always so for one request) no mask is needed, and attention can take
         # its causal fast path instead of materialising a 4D mask on every pass.
-        attention_mask = None if bool(self.mask.all()) else self.mask.to(self.device)
+        attention_mask = self.mask.to(self.device) if self.has_holes else None
         return self._run(input_ids, attention_mask, position_ids, logits_to_keep)
 
     def _forward_tree(
@@ -313,10 +340,12 @@ class RaggedCache:
         return self._run(input_ids, masks, position_ids, logits_to_keep)
 
     def _run(self, input_ids, attention_mask, position_ids, logits_to_keep: int) -> torch.Tensor:
+        if self.device.type != "cpu":
+            input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
         output = self.model(
-            input_ids=input_ids.to(self.device),
+            input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=position_ids.to(self.device),
+            position_ids=position_ids,
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
@@ -361,10 +390,11 @@ class RaggedCache:
 
     def rollback(self, lengths: torch.Tensor) -> None:  # [batch] long, CPU
         """Keeps each row's first `lengths[b]` valid tokens; drops the rest."""
-        assert bool((lengths <= self.lengths).all()), (lengths, self.lengths)
-        self.mask = self.mask * (self.mask.cumsum(dim=1) <= lengths[:, None])
-        self.lengths = lengths.clone()
-        self._crop_unused_columns()
+        if not torch.equal(lengths, self.lengths):  # equal: every draft was taken, nothing to drop
+            assert bool((lengths <= self.lengths).all()), (lengths, self.lengths)
+            self.mask = self.mask * (self.mask.cumsum(dim=1) <= lengths[:, None])
+            self.lengths = lengths.clone()
+            self._crop_unused_columns()
         if self.num_columns - int(self.lengths.max()) > COMPACT_SLACK:
             self._compact()
 

@@ -6,7 +6,8 @@ call a model directly: rows are prefilled into a `handler.caches.kv_cache.Ragged
 cache as the running batch. The batch then takes every later pass through one
 interface, `BatchCache`:
 
-- `forward(input_ids, chunk_mask, logits_to_keep, tree)`: a chunk over every row;
+- `forward(input_ids, chunk_mask, logits_to_keep, tree)`: a chunk over every row (`chunk_mask`
+  None: no row of it is padded);
 - `lengths` and `rollback(lengths)`: rollback is a length;
 - `keep_chunk_paths`, after a tree pass; `select_rows` and `extend`, as rows
   leave and join; `row_kv`, a row's KV for the prefix cache.
@@ -51,7 +52,7 @@ class BatchCache(Protocol):
     def forward(
         self,
         input_ids: torch.Tensor,
-        chunk_mask: torch.Tensor,
+        chunk_mask: torch.Tensor | None,
         logits_to_keep: int,
         tree: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor: ...

@@ -300,12 +300,15 @@ class SlotCache:
     def forward(
         self,
         input_ids: torch.Tensor,  # [rows, width], on any device
-        chunk_mask: torch.Tensor,  # [rows, width] long, CPU; 0 marks left padding
+        chunk_mask: torch.Tensor | None,  # [rows, width] long, CPU; 0 marks left padding; None: none
         logits_to_keep: int,
         tree: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """As `RaggedCache.forward`: appends a chunk to every row and returns its last logits."""
         num_rows, width = input_ids.shape
+        unpadded = chunk_mask is None
+        if unpadded:
+            chunk_mask = torch.ones(input_ids.shape, dtype=torch.long)
         assert chunk_mask.shape == input_ids.shape and num_rows == len(self.slots), (chunk_mask.shape, self.slots)
         padded = width_bucket(width)
         num_slots = batch_bucket(max(self.slots) + 1)
@@ -314,7 +317,7 @@ class SlotCache:
         columns, causal = _chain_layout(padded)  # [padded], [padded, padded]
         num_kept = 1 if logits_to_keep == 1 else padded
         dense = num_rows == num_slots and self.slots == list(range(num_rows))
-        if dense and tree is None and width == padded and bool(chunk_mask.all()):
+        if dense and tree is None and width == padded and (unpadded or bool(chunk_mask.all())):
             # Every slot holds a row and no column is padding: the chunk goes in as it is.
             positions = self.lengths[:, None] + columns  # [rows, padded]
             offsets, allowed = columns.expand(num_rows, padded), causal.expand(num_rows, padded, padded)

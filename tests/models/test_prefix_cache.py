@@ -54,7 +54,7 @@ def count_prefilled_tokens(monkeypatch) -> list[int]:
     real_forward = RaggedCache.forward
 
     def counting_forward(self, input_ids, chunk_mask, logits_to_keep, tree=None):
-        if logits_to_keep == 1 and chunk_mask.shape[1] > 1:
+        if logits_to_keep == 1 and chunk_mask is not None and chunk_mask.shape[1] > 1:
             counts.append(int(chunk_mask.sum()))
         return real_forward(self, input_ids, chunk_mask, logits_to_keep, tree)
 
