@@ -118,7 +118,7 @@ class SamplingBatch:
         index = torch.tensor([slot or 0 for slot in slots], device=device)  # [rows]
         uniforms = torch.zeros((len(slots), width), dtype=torch.float64)  # [rows, width]
         for row, (slot, num) in enumerate(zip(slots, num_uniforms)):
-            if slot is not None and self.uniforms is not None:
+            if slot is not None and self.uniforms is not None and not self.all_greedy:  # greedy: zeros
                 uniforms[row, :num] = self.uniforms[slot, :num]
         return SamplingBatch(
             torch.where(known, self.temperature[index], 0.0),

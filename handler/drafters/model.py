@@ -356,13 +356,11 @@ class ModelDrafter:
         shaping, no confidences, a draft the draft model reads. The drafts stay on the device across
         the k passes and the host reads them once, after the last: the same drafts as the general
         loop's (row i's draft j drawn with uniform j), without a wait for the device per pass."""
-        num_rows = len(self.order)
         input_ids, chunk_mask = left_pad(self._first_feeds(), self.pad_token_id)
         # Where no row samples, a draw is the argmax, and its distribution is one-hot at the draft itself:
         # a proposal without `draft_probs` says so, as a look-up's does.
         greedy = settings.all_greedy
         uniforms = None if greedy else host_to_device(settings.uniforms[:, :k], self.device)  # [rows, k]
-        one_token = torch.ones((num_rows, 1), dtype=torch.long)
         sampled_per_pass, probs_per_pass = [], []
         for number in range(k):
             draft_logits = self.cache.forward(self._pass_ids(input_ids), chunk_mask, logits_to_keep=1)
@@ -375,7 +373,7 @@ class ModelDrafter:
                 probs_per_pass.append(probs[:, 0])
             sampled_per_pass.append(sampled)
             input_ids = sampled[:, None]  # [rows, 1]: the next pass reads the draft where it is
-            chunk_mask = one_token
+            chunk_mask = None  # one draft a row: no padding
         # The proposal's one wait for the device: the drafts are the host's bookkeeping from here on.
         drafts = torch.stack(sampled_per_pass, dim=1).tolist()  # [rows][k]
         draft_probs = None if greedy else torch.stack(probs_per_pass, dim=1)  # [rows, k, vocab]
@@ -426,14 +424,14 @@ class ModelDrafter:
 
     def _end_proposal(self, drafts: list[list[int]], num_drafts: int) -> None:
         """Cuts every row back to the step's drafts; the cache keeps all of them but the last."""
-        lengths = self.cache.lengths.clone()
+        dropped = []
         for slot, request_id in enumerate(self.order):
             num = min(len(drafts[slot]), num_drafts)
-            lengths[slot] -= len(drafts[slot]) - num
+            dropped.append(len(drafts[slot]) - num)
             self.fed_pending[request_id] = self.pending[request_id]
             self.pending[request_id] = []
             self.fed[request_id] = drafts[slot][: num - 1]
-        self.cache.rollback(lengths)
+        self._drop(dropped)
 
     def passes_needed(self, request_id: Hashable, num_drafts: int) -> int:
         """The passes of the last proposal after which the row had its first `num_drafts` drafts."""
@@ -454,10 +452,12 @@ class ModelDrafter:
             tokens.extend(committed.get(request_id, ()))
         if self.cache is None:
             return
-        lengths = self.cache.lengths.clone()
-        for slot, request_id in enumerate(self.order):
-            lengths[slot] -= self._sync(request_id, committed.get(request_id, ()))
-        self.cache.rollback(lengths)
+        self._drop([self._sync(request_id, committed.get(request_id, ())) for request_id in self.order])
+
+    def _drop(self, dropped: list[int]) -> None:
+        """Drops the last `dropped[slot]` tokens of each cache row."""
+        if any(dropped):
+            self.cache.rollback(self.cache.lengths - torch.tensor(dropped))
 
     def _sync(self, request_id: Hashable, tokens: Sequence[int]) -> int:
         """Takes a row's committed tokens; returns how many tokens its cache drops.
@@ -483,6 +483,8 @@ class ModelDrafter:
 
         They are never real tokens; the substitution only costs acceptance.
         """
+        if self.vocab_size <= self.draft_vocab_size:
+            return token_ids  # every target id has an embedding: nothing to substitute
         if isinstance(token_ids, torch.Tensor):
             return token_ids.masked_fill(token_ids >= self.draft_vocab_size, self.pad_token_id)
         return [t if t < self.draft_vocab_size else self.pad_token_id for t in token_ids]

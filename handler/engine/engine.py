@@ -219,7 +219,7 @@ class SpeculativeEngine:
             row.stats.record(row_plan.drafter, row_drafts.k, accepted)
             row.steps_without_drafts = 0 if row_drafts.k else row.steps_without_drafts + 1
             self.estimates.learn(row, row_plan, row_drafts, accepted, path)
-            output = row.emit(verified.emitted[slot][: accepted + 1], verified.logits[slot], path)
+            output = row.emit(verified.emitted[slot][: accepted + 1], verified.row_logits(row, slot), path)
             output.num_draft_tokens, output.num_accepted_tokens = row_drafts.k, accepted
             committed[row.request_id] = output.new_token_ids
             outputs.append(output)
@@ -293,7 +293,7 @@ class SpeculativeEngine:
         outputs = []
         for slot, row in enumerate(plain):
             row.stats.record(row.drafter, 0, 0)  # the prefill was its first target pass
-            outputs.append(row.emit(verified.emitted[slot][:1], verified.logits[slot], verified.paths[slot]))
+            outputs.append(row.emit(verified.emitted[slot][:1], verified.row_logits(row, slot), verified.paths[slot]))
         # No drafter follows a plain row: nothing to observe.
         self.batch.drop([row for row in plain if row.finish_reason is not None])
         return outputs

@@ -154,10 +154,10 @@ class Row:
         if self.seen is not None:
             self.seen |= token_mask(kept, self.seen.shape[0], self.seen.device)
 
-    def emit(self, new_tokens: list[int], logits: torch.Tensor, path: list[int]) -> StepOutput:
+    def emit(self, new_tokens: list[int], logits: torch.Tensor | None, path: list[int]) -> StepOutput:
         """Appends the step's tokens up to the first stop, moves the rules past them, and reports them
-        (`logits`: the row's raw target logits at the step's columns, [columns, vocab]; `path`: the
-        columns of the emitted tokens)."""
+        (`logits`: the row's raw target logits at the step's columns, [columns, vocab], read where it
+        reports log-probabilities; `path`: the columns of the emitted tokens)."""
         kept = self.extend(new_tokens)
         self.commit(kept)
         if self.logprobs is not None and kept:

@@ -78,6 +78,10 @@ class Verified:
     logits: torch.Tensor  # the target's raw logits [batch, k + 1, vocab] at the verified chunk columns
     paths: list[list[int]]  # the chunk columns of the pending token and accepted drafts (0, 1, ... for a chain)
 
+    def row_logits(self, row: Row, slot: int) -> torch.Tensor | None:
+        """The row's raw logits [k + 1, vocab] where it reports log-probabilities, else None."""
+        return self.logits[slot] if row.logprobs is not None else None
+
 
 class Verifier:
     """The target's verify pass over the batch's cache (`handler.engine.admission.Batch`), and the
@@ -123,7 +127,6 @@ class Verifier:
         if logits is None:
             pending = torch.tensor([[(row.token_ids or row.request.prompt_ids)[-1]] for row in rows])
             input_ids = torch.cat([pending.to(self.device), draft_token_ids], dim=1)  # [batch, 1 + k]
-            chunk_mask = torch.ones((batch_size, 1 + k), dtype=torch.long)
             tree = None
             if tree_slots:
                 parents = [
@@ -131,7 +134,7 @@ class Verifier:
                     for slot in range(batch_size)
                 ]
                 tree = chunk_attention(parents, k)
-            logits = self._target_pass(input_ids, chunk_mask, k + 1, tree)  # [batch, k + 1, vocab']
+            logits = self._target_pass(input_ids, k + 1, tree)  # [batch, k + 1, vocab']
         else:
             assert k == 0 and logits.shape[:2] == (batch_size, 1), (k, logits.shape)
         logits = logits[..., : self.vocab_size]
@@ -170,11 +173,11 @@ class Verifier:
             output_token_ids[slot] = emitted + [-1] * (k + 1 - len(emitted))
         return Verified(num_accepted, output_token_ids, logits, paths)
 
-    def _target_pass(self, input_ids: torch.Tensor, chunk_mask: torch.Tensor, num_columns: int, tree) -> torch.Tensor:
-        """Input ids [batch, 1 + k], chunk mask, k + 1 columns to keep, tree mask or None -> logits
+    def _target_pass(self, input_ids: torch.Tensor, num_columns: int, tree) -> torch.Tensor:
+        """Input ids [batch, 1 + k] (no padding), k + 1 columns to keep, tree mask or None -> logits
         [batch, k + 1, vocab']."""
         started = time.perf_counter()
-        logits = self.batch.cache.forward(input_ids, chunk_mask, logits_to_keep=num_columns, tree=tree)
+        logits = self.batch.cache.forward(input_ids, None, logits_to_keep=num_columns, tree=tree)
         self.seconds = time.perf_counter() - started
         if self.running_costs is not None:
             self.running_costs.observe_target(len(input_ids), num_columns, self.seconds, tree=tree is not None)
@@ -187,15 +190,15 @@ def _draft_batch(
     """The rows' drafts [batch, k] (on the CPU, padded) and their draft distributions [batch, k, vocab]
     (None without `with_probs`)."""
     batch_size = len(drafts)
-    draft_token_ids = torch.full((batch_size, k), pad_token_id, dtype=torch.long)  # [batch, k]
-    draft_probs = torch.zeros((batch_size, k, vocab_size), device=device) if with_probs else None
+    padded = [list(row.proposal.token_ids) + [pad_token_id] * (k - row.k) for row in drafts]
+    draft_token_ids = torch.tensor(padded, dtype=torch.long).reshape(batch_size, k)  # [batch, k]
+    if not with_probs:
+        return draft_token_ids, None
+    draft_probs = torch.zeros((batch_size, k, vocab_size), device=device)  # [batch, k, vocab]
     for slot, row_drafts in enumerate(drafts):
         if not row_drafts.k:
             continue
-        token_ids = torch.tensor(row_drafts.proposal.token_ids, dtype=torch.long)  # [n]
-        draft_token_ids[slot, : len(token_ids)] = token_ids
-        if draft_probs is None:
-            continue
+        token_ids = draft_token_ids[slot, : row_drafts.k]  # [n]
         if row_drafts.probs is not None:
             # The draft model's chain; a tree's runners-up follow it, verified by the walk.
             draft_probs[slot, : len(row_drafts.probs)] = row_drafts.probs
