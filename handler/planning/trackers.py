@@ -138,8 +138,20 @@ class AcceptanceTracker:
         self.successes = 0.0
         self.failures = 0.0
         self.num_steps = 0
-        self.reached = [0.0] * MAX_POSITIONS  # decayed steps that verified draft j (j - 1 accepted)
-        self.passed = [0.0] * MAX_POSITIONS  # ... and accepted it
+        # Per position, decayed steps that verified draft j (j - 1 accepted) and that accepted it, each
+        # kept divided by `_scale`, the decay since the last rescaling: a step then adds to the
+        # positions it reached only, instead of decaying all MAX_POSITIONS of them (`reached`, `passed`).
+        self._reached = [0.0] * MAX_POSITIONS
+        self._passed = [0.0] * MAX_POSITIONS
+        self._scale = 1.0
+
+    @property
+    def reached(self) -> list[float]:
+        return [value * self._scale for value in self._reached]
+
+    @property
+    def passed(self) -> list[float]:
+        return [value * self._scale for value in self._passed]
 
     def update(self, num_accepted: int, k: int) -> None:
         if k == 0:
@@ -148,9 +160,16 @@ class AcceptanceTracker:
         self.successes = decay * self.successes + num_accepted
         self.failures = decay * self.failures + (1.0 if num_accepted < k else 0.0)
         self.num_steps += 1
-        for j in range(MAX_POSITIONS):
-            self.reached[j] = decay * self.reached[j] + (1.0 if j <= num_accepted and j < k else 0.0)
-            self.passed[j] = decay * self.passed[j] + (1.0 if j < num_accepted else 0.0)
+        self._scale *= decay
+        if self._scale < _RESCALE_BELOW:
+            self._reached = [value * self._scale for value in self._reached]
+            self._passed = [value * self._scale for value in self._passed]
+            self._scale = 1.0
+        weight = 1.0 / self._scale
+        for j in range(min(num_accepted + 1, k, MAX_POSITIONS)):
+            self._reached[j] += weight
+        for j in range(min(num_accepted, MAX_POSITIONS)):
+            self._passed[j] += weight
 
     @property
     def acceptance(self) -> float:
@@ -160,14 +179,18 @@ class AcceptanceTracker:
         """E(0..max_k): expected tokens from a step with k drafts, bonus token included."""
         overall = self.acceptance
         curve, survive = [1.0], 1.0
+        scale, reached, passed = self._scale, self._reached, self._passed
         for j in range(max_k):
             if j < MAX_POSITIONS:
-                survive *= (self.passed[j] + POSITION_PRIOR * overall) / (self.reached[j] + POSITION_PRIOR)
+                survive *= (passed[j] * scale + POSITION_PRIOR * overall) / (reached[j] * scale + POSITION_PRIOR)
             else:
                 survive *= overall
             curve.append(curve[-1] + survive)
         return curve
 
+
+# `AcceptanceTracker` folds its decay into its per-position sums below this factor (1 / it stays finite).
+_RESCALE_BELOW = 1e-100
 
 # Draft confidence: the draft model's own probability of each token it drafts (softmax of its
 # logits, before any warping). Hugging Face's assisted generation stops drafting below a fixed

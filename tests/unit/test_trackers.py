@@ -3,6 +3,8 @@ against plain decoding as the steps ran, per batch size)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from handler.planning.pricing import geometric_tokens
@@ -31,6 +33,24 @@ def test_tracker_estimates_acceptance_from_runs():
     steps = tracker.num_steps
     tracker.update(0, 0)  # a step without drafts says nothing
     assert tracker.num_steps == steps
+
+
+@pytest.mark.parametrize("decay", [0.9, 0.99])
+def test_per_position_sums_are_the_decayed_counts(decay):
+    """The tracker adds a step to the positions it reached only, its decay kept as one factor: the sums
+    equal every position decayed every step, past many rescalings (0.9 ** 5000 is far below 1e-100)."""
+    tracker, generator = AcceptanceTracker(decay), random.Random(1)
+    reached, passed = [0.0] * 32, [0.0] * 32
+    for step in range(5000):
+        k = generator.randint(0, 8)
+        num_accepted = generator.randint(0, k)
+        tracker.update(num_accepted, k)
+        if k:
+            reached = [decay * value + (j <= num_accepted and j < k) for j, value in enumerate(reached)]
+            passed = [decay * value + (j < num_accepted) for j, value in enumerate(passed)]
+        if step % 250 == 0:
+            assert tracker.reached == pytest.approx(reached, rel=1e-12, abs=1e-300)
+            assert tracker.passed == pytest.approx(passed, rel=1e-12, abs=1e-300)
 
 
 def test_a_fresh_tracker_plans_like_the_geometric_model():
