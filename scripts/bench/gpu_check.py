@@ -696,15 +696,16 @@ def syncs_rows(setup: Setup) -> None:
 def replay_rows(setup: Setup) -> None:
     """The real pair's recorded acceptance replayed (`scripts.bench.replay`) on the check's models: the
     0.5B draft for the 1.5B target and for the 7B, static runner. Fewer runs than the script's own
-    defaults, so that the section fits a few minutes; on a CPU, the tiny shapes on one set at C = 1."""
+    defaults, so that the section fits a few minutes; on a CPU, the tiny shapes on two requests of one
+    set at C = 1."""
     from scripts.bench import replay
 
     argv = ["--device", setup.device.type, "--runner", runners.STATIC]
     if setup.device.type == "cuda":
         argv += ["--repeats", "2", "--settle-rounds", "2", "--pass-repeats", "5"]
     else:
-        argv += ["--sets", "grounded", "--concurrency", "1", "--repeats", "1", "--settle-rounds", "1"]
-        argv += ["--pass-repeats", "1"]
+        argv += ["--sets", "grounded", "--requests-per-set", "2", "--concurrency", "1", "--repeats", "1"]
+        argv += ["--settle-rounds", "1", "--pass-repeats", "1"]
     args = replay.parse_args(argv)
     data, lines = {}, []
     for shape in ("1.5B", "7B"):

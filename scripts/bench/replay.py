@@ -44,11 +44,11 @@ picked from them. Replaying the model's accept lengths as free look-up drafts is
 ceiling, not the hybrid.
 
 Workload per set and concurrency C (closed loop through the engine's step API,
-`scripts.bench.runner.drive`): each of the set's traced requests, replayed on a random prompt of
-its recorded length (the text does not matter to random weights, its length does), with its
-recorded completion length as max_new_tokens and no stop token, repeated (on other random prompts)
-until there are --requests-per-client * C at least: a whole number of times, so that the trace's
-tokens a pass is the workload's.
+`scripts.bench.runner.drive`): each of the set's traced requests (or its first --requests-per-set),
+replayed on a random prompt of its recorded length (the text does not matter to random weights, its
+length does), with its recorded completion length as max_new_tokens and no stop token, repeated (on
+other random prompts) until there are --requests-per-client * C at least: a whole number of times,
+so that the trace's tokens a pass is the workload's.
 
 The table, per set, C and row: tokens/s (median of --repeats timed runs after the warm-up), x plain,
 tokens a target pass (a row's passes, summed over the requests) beside the trace's, the mean k, c
@@ -430,7 +430,7 @@ def measure(args, target, draft, tokenizer) -> dict:
     pair = Pair(target, draft, replay, replay_engine(models, replay, args.runner), planned, k)
     cells = []
     for set_index, name in enumerate(args.sets):
-        traces = [trace for trace in report["requests"] if trace["set"] == name]
+        traces = [trace for trace in report["requests"] if trace["set"] == name][: args.requests_per_set or None]
         if not traces:
             raise ValueError(f"{args.trace}: no requests of set {name!r}")
         for concurrency in args.concurrency:
@@ -521,6 +521,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sets", type=comma_list, default=list(accept_traces.SETS), help="e.g. open,grounded")
     parser.add_argument("--rows", type=comma_list, default=list(ROWS), help=f"of {', '.join(ROWS)}")
     parser.add_argument("--concurrency", type=lambda text: [int(c) for c in comma_list(text)], default=[1, 4, 16])
+    parser.add_argument("--requests-per-set", type=int, default=0, help="the set's first traced requests (0: all)")
     parser.add_argument("--requests-per-client", type=int, default=2, help="requests at least: this times C")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each row (median)")
     parser.add_argument("--settle-rounds", type=int, default=3, help="untimed runs before them, at most (>= 1)")

@@ -85,7 +85,7 @@ def test_the_cross_family_and_admission_sections_run_on_the_cpu(tmp_path):
 
 
 def test_the_replay_section_replays_the_recorded_acceptance_on_both_targets(tmp_path):
-    """On the CPU the tiny shapes replay the shipped trace's grounded set at C = 1: every row of
+    """On the CPU the tiny shapes replay two requests of the shipped trace's grounded set at C = 1: every row of
     scripts.bench.replay for each target, the replayed rows at the trace's tokens a pass."""
     argv = [str(tmp_path), "--device", "cpu", "--skip-tests", "--sections", "replay", "--repeats", "1"]
     assert gpu_check.main(argv) == 0
