@@ -25,12 +25,18 @@ to OUT_DIR, section by section, so a run cut short keeps what it measured:
    and load.png go to OUT_DIR/load. `--sections load-fp32` runs it in float32 (C 1, 4
    and 16), where every row's outputs must equal plain decoding's: OUT_DIR/load-fp32.
 
+`--sections replay` replays the real pair's recorded acceptance (`scripts.bench.replay`): the 0.5B draft for
+the 1.5B target (the recorded pair's shapes) and for the 7B, every trace set, C 1, 4 and 16, plain against
+the model drafter at the trace's k, the planner and free drafts; the one section whose speedups are a
+real pair's (its accept lengths, this GPU's costs).
+
 `--sections serve` runs `scripts.serving.serve_pair` first, on its own (OUT_DIR/serve): the tiny pair in
 float32 and the 0.5B -> 1.5B and 0.5B -> 7B shapes in bf16 served by a real TorchServe, every route,
 workers scaled, greedy REST against `generate`, and REST's tokens/s against the same engine in-process.
 
 Random weights make the 0.5B draft and the targets disagree, so the rows with the
-0.5B draft measure how each method behaves when drafts are rejected, not a real pair's speedup.
+0.5B draft measure how each method behaves when drafts are rejected, not a real pair's speedup
+(but for `replay`, which replays a real pair's accept lengths).
 """
 
 from __future__ import annotations
@@ -687,6 +693,30 @@ def syncs_rows(setup: Setup) -> None:
     setup.report.section("Host reads a step (scripts.bench.host_syncs)", data, lines)
 
 
+def replay_rows(setup: Setup) -> None:
+    """The real pair's recorded acceptance replayed (`scripts.bench.replay`) on the check's models: the
+    0.5B draft for the 1.5B target and for the 7B, static runner. Fewer runs than the script's own
+    defaults, so that the section fits a few minutes; on a CPU, the tiny shapes on two requests of one
+    set at C = 1."""
+    from scripts.bench import replay
+
+    argv = ["--device", setup.device.type, "--runner", runners.STATIC]
+    if setup.device.type == "cuda":
+        argv += ["--repeats", "2", "--settle-rounds", "2", "--pass-repeats", "5"]
+    else:
+        argv += ["--sets", "grounded", "--requests-per-set", "2", "--concurrency", "1", "--repeats", "1"]
+        argv += ["--settle-rounds", "1", "--pass-repeats", "1"]
+    args = replay.parse_args(argv)
+    data, lines = {}, []
+    for shape in ("1.5B", "7B"):
+        report = replay.measure(args, setup.models[shape], setup.models["0.5B"], setup.tokenizer)
+        data[shape] = report
+        lines += [f"0.5B -> {shape}, random weights, {setup.dtype}:", "", replay.table(report), ""]
+        if setup.device.type == "cuda":
+            torch.cuda.empty_cache()  # the section's engines and their graphs are gone
+    setup.report.section("Replayed acceptance (scripts.bench.replay)", data, lines)
+
+
 def guarded(report: Report, name: str, section: Callable[[], Any]) -> Any:
     """Runs a section; a failure is written to the report and the next section still runs."""
     try:
@@ -711,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
         "(the step that admits 16 requests, plain against drafting, timed and profiled), "
         "syncs (scripts.bench.host_syncs: host reads and CUDA syncs a step), "
         "own (scripts.bench.own_time: the step's own time, batch 1 and 16, plain against k = 4), "
+        "replay (scripts.bench.replay: the real pair's recorded acceptance on the 1.5B and 7B shapes), "
         "serve (scripts.serving.serve_pair: the pairs through a real TorchServe; alone, no model is built here)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -775,6 +806,8 @@ def main(argv: list[str] | None = None) -> int:
         guarded(report, "syncs", lambda: syncs_rows(setup))
     if "own" in sections:
         guarded(report, "own", lambda: own_time_rows(setup))
+    if "replay" in sections:
+        guarded(report, "replay", lambda: replay_rows(setup))
     if "load-fp32" in sections:
         guarded(report, "Load fp32", lambda: load_rows(setup, args.out_dir, 48, exactness=True))
     return 0

@@ -82,3 +82,22 @@ def test_the_cross_family_and_admission_sections_run_on_the_cpu(tmp_path):
     admission = data["Admitting 4 requests (torch.float32)"]
     assert set(admission) == {f"{kind} k{k}" for kind in ("dynamic", "static") for k in (0, 2)}
     assert (tmp_path / "admission_profile.txt").exists()
+
+
+def test_the_replay_section_replays_the_recorded_acceptance_on_both_targets(tmp_path):
+    """On the CPU the tiny shapes replay two requests of the shipped trace's grounded set at C = 1: every row of
+    scripts.bench.replay for each target, the replayed rows at the trace's tokens a pass."""
+    argv = [str(tmp_path), "--device", "cpu", "--skip-tests", "--sections", "replay", "--repeats", "1"]
+    assert gpu_check.main(argv) == 0
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(data) == ["header", "Pass times and c", "Replayed acceptance (scripts.bench.replay)"]
+    section = data["Replayed acceptance (scripts.bench.replay)"]
+    assert set(section) == {"1.5B", "7B"}
+    for report in section.values():
+        cells = report["cells"]
+        assert [cell["row"] for cell in cells] == ["plain", "fixed", "planned", "free"]
+        for cell in cells:
+            if cell["row"] in ("fixed", "free"):
+                assert cell["tokens_per_pass"] == pytest.approx(cell["trace_tokens_per_pass"])
+                assert cell["counts"]["passes"] == cell["counts"]["as_recorded"] > 0
+    assert "| row (replayed acceptance) |" in (tmp_path / "gpu_check.md").read_text()
