@@ -438,15 +438,18 @@ class ModelDrafter:
 
     def observe(self, committed: Mapping[Hashable, Sequence[int]]) -> None:
         """Takes each row's newly committed tokens and rolls the cache back to what it got right (`_sync`).
-        A row absent from `committed` committed nothing."""
+        A row absent from `committed` committed nothing.
+
+        After a step without a proposal nothing was fed and nothing is dropped: the cache is left as it
+        is, as a plain step leaves it (the committed tokens only join the pending ones); holes a leaving
+        row left are re-packed by the next roll-back, at the end of the next proposal at the latest."""
         for request_id, tokens in self.unfilled.items():
             tokens.extend(committed.get(request_id, ()))
         if self.cache is None:
             return
-        lengths = self.cache.lengths.clone()
-        for slot, request_id in enumerate(self.order):
-            lengths[slot] -= self._sync(request_id, committed.get(request_id, ()))
-        self.cache.rollback(lengths)
+        dropped = [self._sync(request_id, committed.get(request_id, ())) for request_id in self.order]
+        if any(dropped):
+            self.cache.rollback(self.cache.lengths - torch.tensor(dropped, dtype=torch.long))
 
     def _sync(self, request_id: Hashable, tokens: Sequence[int]) -> int:
         """Takes a row's committed tokens; returns how many tokens its cache drops.
