@@ -447,7 +447,11 @@ class ModelDrafter:
 
     def observe(self, committed: Mapping[Hashable, Sequence[int]]) -> None:
         """Takes each row's newly committed tokens and rolls the cache back to what it got right (`_sync`).
-        A row absent from `committed` committed nothing."""
+        A row absent from `committed` committed nothing.
+
+        After a step without a proposal nothing was fed and nothing is dropped: the cache is left as it
+        is, as a plain step leaves it (the committed tokens only join the pending ones); holes a leaving
+        row left are re-packed by the next roll-back, at the end of the next proposal at the latest."""
         for request_id, tokens in self.unfilled.items():
             tokens.extend(committed.get(request_id, ()))
         if self.cache is None:
@@ -457,7 +461,7 @@ class ModelDrafter:
     def _drop(self, dropped: list[int]) -> None:
         """Drops the last `dropped[slot]` tokens of each cache row."""
         if any(dropped):
-            self.cache.rollback(self.cache.lengths - torch.tensor(dropped))
+            self.cache.rollback(self.cache.lengths - torch.tensor(dropped, dtype=torch.long))
 
     def _sync(self, request_id: Hashable, tokens: Sequence[int]) -> int:
         """Takes a row's committed tokens; returns how many tokens its cache drops.

@@ -80,10 +80,14 @@ class StepLog:
         previous = self.recent_steps[-1] if self.recent_steps else None
         speculated = any(k and row.drafter != PROPOSER_GRAMMAR for row, k in zip(plan.rows, ks))
         fair = not drafted or (speculated and previous is not None and previous.width > 1)
-        if self.outcome_check is not None and ended > started and fair and plan.expected_rate > 0:
-            tokens = sum(len(output.new_token_ids) for output in outputs)
-            # As it ran over as priced: drafts of every kind then weigh alike (`OutcomeCheck`).
-            rate = tokens / (ended - started) / plan.expected_rate
-            self.outcome_check.observe(batch_bucket(len(ks)), drafted, rate)
+        if self.outcome_check is not None and ended > started:
+            rate = None
+            if fair and plan.expected_rate > 0:
+                tokens = sum(len(output.new_token_ids) for output in outputs)
+                # As it ran over as priced: drafts of every kind then weigh alike (`OutcomeCheck`).
+                rate = tokens / (ended - started) / plan.expected_rate
+            # Every step's own seconds, a catch-up's too: the other arm's time is budgeted. Like its rate,
+            # they leave out the admission before it (the joining rows' prefill, the same in either arm).
+            self.outcome_check.observe(batch_bucket(len(ks)), drafted, ended - started, rate)
         self.recent_steps.append(record)
         self.num_steps += 1

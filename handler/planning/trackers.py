@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import math
 import statistics
 from typing import Hashable, Protocol, Sequence
@@ -35,24 +37,74 @@ POSITION_PRIOR = 2.0
 
 
 # The realized check of drafting against plain decoding (`OutcomeCheck`): step rates per arm and
-# batch size in its window, the steps each arm needs before a verdict, how often the arm the
-# verdict leaves out still runs (one step in EXPLORE_CLOSE while the two arms are within
-# CLOSE_MARGIN of each other, else one in EXPLORE_FAR), and how often an arm with too few steps runs.
+# batch size in its window, and the steps each arm needs before a verdict.
 OUTCOME_WINDOW = 32
 OUTCOME_MIN_STEPS = 8
-EXPLORE_CLOSE = 16
-EXPLORE_FAR = 64
-CLOSE_MARGIN = 0.25
+# Until both arms have OUTCOME_MIN_STEPS, the arm with fewer steps runs one step in EXPLORE_UNSEEN
+# (in bursts): a cold server must learn, whatever that costs.
 EXPLORE_UNSEEN = 4
+# Once there is a verdict, the arm it leaves out runs only in bursts whose seconds, each step of the
+# burst counted, stay at most this share of the bucket's seconds. What exploring costs throughput,
+# share x (1 - slower / faster), is then at most this share however dear the other arm's steps run,
+# which a count of steps did not see.
+EXPLORE_SHARE = 0.02
 # The other arm runs in bursts of this many steps: the first drafting step after plain ones feeds
 # the draft every token it missed (a wide catch-up pass) and is not a fair sample; the engine
-# samples a drafting step only after one that drafted.
+# samples a drafting step only after one that drafted. The catch-up counts against the budget.
 EXPLORE_BURST = 4
+# A burst runs its steps unless they have taken this many times the seconds it was granted (its
+# arm's steps turned dearer than before); a burst a little over is repaid before the next one.
+BURST_OVERRUN = 2.0
 
 
 def batch_bucket(batch_size: int) -> int:
     """The power of two nearest to `batch_size` by ratio: the batch sizes `OutcomeCheck` pools."""
     return 2 ** round(math.log2(batch_size))
+
+
+@dataclasses.dataclass
+class ExploreBudget:
+    """One bucket's time for the arm its verdict leaves out (`OutcomeCheck`): credit earned at
+    EXPLORE_SHARE of every second under a verdict, spent by the bursts that run the other arm.
+
+    A burst starts only when the credit covers its expected seconds, so that the exploring seconds
+    stay within EXPLORE_SHARE of the bucket's (to one burst's misjudgement, which the credit then
+    owes). A burst runs its arm to its end, the verdict may turn meanwhile, and each of its steps
+    is charged. The steps before a verdict neither earn nor spend: the budget is the verdict's.
+    """
+
+    credit: float = 0.0  # EXPLORE_SHARE x the seconds of the steps under a verdict, less the bursts'
+    steps_left: int = 0  # in the burst under way
+    drafts: bool = False  # the burst's arm: drafting or plain decoding
+    granted: float = 0.0  # the seconds the burst was expected to take
+    spent: float = 0.0  # ... and those it took so far
+    # The step `OutcomeCheck.arm` decided last, until observed: True a burst's, False the verdict's,
+    # None before a verdict (or no step decided).
+    in_flight: bool | None = None
+
+    def burst_arm(self, other: bool, burst_seconds: float) -> bool | None:
+        """The arm the next step runs in a burst: the burst's under way, or the arm `other` the verdict
+        leaves out where the credit now covers a burst of it (`burst_seconds`: its expected seconds).
+        None: the step follows the verdict."""
+        if not self.steps_left and self.credit >= burst_seconds:
+            self.steps_left, self.drafts, self.granted, self.spent = EXPLORE_BURST, other, burst_seconds, 0.0
+        self.in_flight = self.steps_left > 0
+        if not self.in_flight:
+            return None
+        self.steps_left -= 1
+        return self.drafts
+
+    def charge(self, seconds: float) -> None:
+        """The step decided last took `seconds`."""
+        explored, self.in_flight = self.in_flight, None
+        if explored is None:
+            return
+        self.credit += EXPLORE_SHARE * seconds
+        if explored:
+            self.credit -= seconds
+            self.spent += seconds
+            if self.spent > BURST_OVERRUN * self.granted:
+                self.steps_left = 0
 
 
 class OutcomeCheck:
@@ -64,25 +116,43 @@ class OutcomeCheck:
     point) and per arm (a step that drafted, a step that did not), as its tokens per second over
     those its plan expected, and the medians over a window give a verdict: how drafting steps held
     up against their price, relative to plain ones. A plan runs drafting where its expected gain
-    over plain decoding, discounted by that verdict, is above 1, and the other arm runs one step
-    in a few, enough to notice when the verdict changes.
+    over plain decoding, discounted by that verdict, is above 1, and the other arm runs in bursts
+    that take at most EXPLORE_SHARE of the bucket's seconds (`ExploreBudget`), enough to notice
+    when the verdict changes.
 
     The rates are relative to each plan's own expectation because the drafts differ from step to
     step: a verdict formed on steps whose drafts were rarely taken (a look-up's guesses on a new
     prompt) says little about a step whose drafts are near certain (the same look-up on a repeated
     answer), while how far the table and the estimates fall short carries over. Drafting or not
     never changes the output, so neither does the check.
+
+    The budget is of time, not of steps: the first drafting step after plain ones feeds the draft
+    every token it missed, and under load on a CPU its draft part ran up to 4 or 5 times the
+    table's draft pass, so that a burst in every 16 had cost more than a sixteenth of the time.
+    Where the two arms are close, the other arm loses less per second, and a larger share would
+    still lose under EXPLORE_SHARE; it is not taken, because that loss would be judged from the
+    verdict, whose samples leave out the catch-up steps that make most of a drafting burst's cost.
     """
 
     def __init__(self) -> None:
         self.rates: dict[tuple[int, bool], list[float]] = {}
+        # The seconds of each arm's last steps, fair samples or not: a burst's expected seconds.
+        self.seconds: dict[tuple[int, bool], collections.deque[float]] = {}
+        self.budgets: dict[int, ExploreBudget] = {}
 
-    def observe(self, bucket: int, drafted: bool, rate: float) -> None:
-        """A step of this batch-size bucket, that drafted or not, gave `rate` times the tokens per
-        second its plan expected."""
-        window = self.rates.setdefault((bucket, drafted), [])
-        window.append(rate)
-        del window[:-OUTCOME_WINDOW]
+    def observe(self, bucket: int, drafted: bool, seconds: float, rate: float | None) -> None:
+        """A step of this batch-size bucket, that drafted or not, took `seconds` and gave `rate` times the
+        tokens per second its plan expected (None: no fair sample, its seconds count all the same).
+
+        Follows the bucket's `arm` for the same step, whose budget it charges."""
+        self.seconds.setdefault((bucket, drafted), collections.deque(maxlen=EXPLORE_BURST)).append(seconds)
+        if rate is not None:
+            window = self.rates.setdefault((bucket, drafted), [])
+            window.append(rate)
+            del window[:-OUTCOME_WINDOW]
+        budget = self.budgets.get(bucket)
+        if budget is not None:
+            budget.charge(seconds)
 
     def ratio(self, bucket: int) -> float | None:
         """Drafting's median rate (as it ran over as planned) over plain decoding's at this bucket; None
@@ -98,16 +168,23 @@ class OutcomeCheck:
         `gain`: the priced tokens per second of the drafting plan in question over plain decoding's
         (the plan's own where it drafts; the best drafting plan's where it does not, at most 1).
         """
+        budget = self.budgets.setdefault(bucket, ExploreBudget())
         ratio = self.ratio(bucket)
         if ratio is None:
             # The arm with fewer steps takes a burst in every EXPLORE_UNSEEN, the plan the others.
+            budget.in_flight = None
             unseen = len(self.rates.get((bucket, True), [])) <= len(self.rates.get((bucket, False), []))
             return unseen if _burst(step, EXPLORE_UNSEEN) else planned
         # The gain as drafting steps have run against their price: where it is lost, plain decoding runs.
-        expected = gain * ratio
-        faster = expected > 1.0
-        every = EXPLORE_CLOSE if abs(math.log(expected)) < math.log(1.0 + CLOSE_MARGIN) else EXPLORE_FAR
-        return (not faster) if _burst(step, every) else faster
+        faster = gain * ratio > 1.0
+        burst = budget.burst_arm(not faster, self.burst_seconds(bucket, not faster))
+        return faster if burst is None else burst
+
+    def burst_seconds(self, bucket: int, drafted: bool) -> float:
+        """A burst's expected seconds at this bucket for the arm that drafts or not: its last EXPLORE_BURST
+        steps'. Where that arm runs only in bursts, they are the last burst's, its catch-up included."""
+        window = self.seconds.get((bucket, drafted))
+        return EXPLORE_BURST * statistics.fmean(window) if window else 0.0
 
 
 def _burst(step: int, every: int) -> bool:

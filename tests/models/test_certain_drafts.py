@@ -25,6 +25,7 @@ SAMPLED = SamplingParams(temperature=0.8)
 NUM_TOKENS = 96
 K = 8
 VERDICT = 0.5  # drafting's rate over plain decoding's, as the check saw the earlier steps run
+STEP_SECONDS = 0.002  # the earlier steps' seconds, each arm's
 
 
 def test_a_repeated_answer_drafts_from_the_shared_trees_whatever_earlier_drafts_did(tiny_pair):
@@ -36,8 +37,8 @@ def test_a_repeated_answer_drafts_from_the_shared_trees_whatever_earlier_drafts_
     engine = make_engine(target, draft, tokenizer, eos_token_ids=(), cost_table=costs)
     check = OutcomeCheck()
     for _ in range(OUTCOME_MIN_STEPS):
-        check.observe(1, True, VERDICT)
-        check.observe(1, False, 1.0)
+        check.observe(1, True, STEP_SECONDS, VERDICT)
+        check.observe(1, False, STEP_SECONDS, 1.0)
     engine.planner.outcome_check = check  # the engine's steps leave the verdict as it is
     assert engine.suffix_drafter.options.share_across_requests
     request = GenerationRequest(encode(tokenizer, PROMPT), NUM_TOKENS, SAMPLED, K, seed=7, drafter="suffix")

@@ -149,7 +149,11 @@ def test_where_the_outcome_check_stops_speculation_the_grammars_forced_tokens_st
     assert engine.outcome_check is not None
     monkeypatch.setattr(OutcomeCheck, "arm", lambda self, bucket, planned, step, gain=1.0: False)
     observed = []
-    monkeypatch.setattr(OutcomeCheck, "observe", lambda self, bucket, drafted, rate: observed.append(drafted))
+    monkeypatch.setattr(
+        OutcomeCheck,
+        "observe",
+        lambda self, bucket, drafted, seconds, rate: observed.append(drafted and rate is not None),
+    )
     constraint = CONSTRAINTS["tool_call"]
     [result] = engine.generate([request(tokenizer, PROMPTS[0], constraint, drafter="model")])
     plain = engine.generate([request(tokenizer, PROMPTS[0], constraint, k=0)])[0]

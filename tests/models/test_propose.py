@@ -276,3 +276,26 @@ def test_the_draft_draws_from_its_distribution_after_min_p_as_the_target_is_warp
     assert (filtered[kept] >= 0.9 * top[kept] - 1e-6).all()
     drafted = torch.tensor(proposals[0.9].token_ids)
     assert kept[torch.arange(K), drafted].all()
+
+
+def test_steps_without_a_proposal_leave_the_cache_and_the_next_drafts_as_a_fresh_drafters(tiny_pair, monkeypatch):
+    """A step where the model drafts for no row (a plain step) adds its tokens to the rows' pending ones
+    and leaves the draft cache as it is, no roll-back; the next proposal feeds them and drafts what a
+    drafter given the same tokens as prompts drafts."""
+    tokenizer = tiny_pair[2]
+    prompts = {"a": encode(tokenizer, PROMPTS[0]), "b": encode(tokenizer, PROMPTS[2])}
+    drafter = drafter_for(tiny_pair, prompts)
+    sampling = {rid: settings(0.0, seed) for seed, rid in enumerate(prompts)}
+    first = propose(drafter, sampling)
+    committed = {rid: [*proposal.token_ids[:2], 7] for rid, proposal in first.items()}
+    drafter.observe(committed)
+    rollbacks = []
+    monkeypatch.setattr(drafter.cache, "rollback", rollbacks.append)
+    lengths = drafter.cache.lengths.clone()
+    plain_steps = [11, 12, 13]
+    for token in plain_steps:
+        drafter.observe({rid: [token] for rid in prompts})
+    assert not rollbacks and torch.equal(drafter.cache.lengths, lengths)
+    monkeypatch.undo()
+    sequences = {rid: [*prompts[rid], *committed[rid], *plain_steps] for rid in prompts}
+    assert_same_drafts(propose(drafter_for(tiny_pair, sequences), sampling), propose(drafter, sampling))

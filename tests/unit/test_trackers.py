@@ -9,11 +9,12 @@ import pytest
 
 from handler.planning.pricing import geometric_tokens
 from handler.planning.trackers import (
+    BURST_OVERRUN,
     EXPLORE_BURST,
-    EXPLORE_CLOSE,
-    EXPLORE_FAR,
+    EXPLORE_SHARE,
     EXPLORE_UNSEEN,
     OUTCOME_MIN_STEPS,
+    OUTCOME_WINDOW,
     AcceptanceTracker,
     BranchCalibration,
     OutcomeCheck,
@@ -154,37 +155,144 @@ def test_an_arm_with_too_few_steps_runs_one_step_in_a_few():
     # Neither arm has steps yet: drafting goes first, then one step in EXPLORE_UNSEEN goes to it.
     assert arms.count(True) == len(arms)
     for _ in range(OUTCOME_MIN_STEPS):
-        check.observe(8, True, 1.0)
+        check.observe(8, True, 1.0, 1.0)
     arms = steps_run(check, 8, True, 4 * EXPLORE_UNSEEN * EXPLORE_BURST)
     assert arms.count(False) == 4 * EXPLORE_BURST, "plain decoding, not yet timed, runs one step in EXPLORE_UNSEEN"
     assert arms[:EXPLORE_BURST] == [False] * EXPLORE_BURST, "in bursts"
 
 
-def test_a_plan_that_lost_as_it_ran_gives_way_and_the_loser_is_still_sampled():
+# Seconds of the synthetic steps below: a drafting step costs 5 plain ones, and the first of a burst,
+# which feeds the draft what it missed, 10.
+PLAIN_SECONDS, DRAFT_SECONDS, CATCH_UP_SECONDS = 1.0, 5.0, 10.0
+
+
+class Steps:
+    """Runs synthetic steps through a check as the engine does (`arm`, then `observe` with the step's
+    seconds), and sums the seconds of those that ran against the verdict."""
+
+    def __init__(self, check: OutcomeCheck, bucket: int = 8) -> None:
+        self.check, self.bucket = check, bucket
+        self.drafted = False  # the last step's arm
+        self.seconds = self.exploring = 0.0
+        self.arms: list[bool] = []
+
+    def learn(self, draft_rate: float, num_bursts: int = OUTCOME_WINDOW // EXPLORE_BURST) -> None:
+        """Steps before the test, outside any budget: drafting in bursts at `draft_rate`, plain at 1."""
+        for _ in range(num_bursts):
+            self.check.observe(self.bucket, True, CATCH_UP_SECONDS, None)  # a catch-up is no sample
+            for _ in range(EXPLORE_BURST - 1):
+                self.check.observe(self.bucket, True, DRAFT_SECONDS, draft_rate)
+            for _ in range(EXPLORE_BURST):
+                self.check.observe(self.bucket, False, PLAIN_SECONDS, 1.0)
+
+    def run(self, num_steps: int, draft_rate: float, cost: float | None = None) -> None:
+        """`num_steps` steps whose plans do not draft; drafting ones run at `draft_rate` (plain at 1)
+        and cost `cost` seconds each where given."""
+        for _ in range(num_steps):
+            verdict = (self.check.ratio(self.bucket) or 0.0) > 1.0
+            drafted = self.check.arm(self.bucket, False, len(self.arms))
+            if not drafted:
+                seconds, rate = PLAIN_SECONDS, 1.0
+            elif not self.drafted:
+                seconds, rate = cost or CATCH_UP_SECONDS, None
+            else:
+                seconds, rate = cost or DRAFT_SECONDS, draft_rate
+            self.check.observe(self.bucket, drafted, seconds, rate)
+            self.seconds += seconds
+            self.exploring += seconds if drafted != verdict else 0.0
+            self.drafted = drafted
+            self.arms.append(drafted)
+
+    def bursts(self, verdict: bool = False) -> list[int]:
+        """The lengths of the runs of steps against `verdict`."""
+        runs = "".join("x" if drafted != verdict else "." for drafted in self.arms).split(".")
+        return [len(run) for run in runs if run]
+
+
+def test_exploring_a_dear_arm_takes_at_most_its_share_of_the_time():
+    """Drafting lost (half its price), and its steps cost 5 plain ones, the catch-up 10: the bursts that
+    still draft take at most EXPLORE_SHARE of the seconds, at every step, catch-ups included."""
     check = OutcomeCheck()
-    for _ in range(OUTCOME_MIN_STEPS):
-        check.observe(8, True, 0.9)  # drafting steps: 0.9 tokens/s per row
-        check.observe(8, False, 1.0)
-    assert check.ratio(8) == 0.9
-    arms = steps_run(check, 8, True, 4 * EXPLORE_CLOSE * EXPLORE_BURST)
-    assert arms.count(True) == 4 * EXPLORE_BURST, "drafting, close behind, keeps one step in EXPLORE_CLOSE"
-    check.observe(1, True, 2.0)
-    for _ in range(OUTCOME_MIN_STEPS):
-        check.observe(1, True, 2.0)
-        check.observe(1, False, 1.0)
-    arms = steps_run(check, 1, True, 2 * EXPLORE_FAR * EXPLORE_BURST)
-    assert arms.count(False) == 2 * EXPLORE_BURST, "a plan far ahead samples the other arm rarely"
-    assert check.arm(8, False, EXPLORE_BURST) is False and check.ratio(4) is None
+    steps = Steps(check)
+    steps.learn(draft_rate=0.5)
+    assert check.ratio(8) == 0.5
+    for _ in range(5000):
+        steps.run(1, draft_rate=0.5)
+        assert steps.exploring <= EXPLORE_SHARE * steps.seconds
+    assert steps.bursts() and set(steps.bursts()) == {EXPLORE_BURST}, "whole bursts, still"
+    # A burst's seconds over what the share earns per second: the steps between two bursts.
+    burst = CATCH_UP_SECONDS + (EXPLORE_BURST - 1) * DRAFT_SECONDS
+    assert len(steps.bursts()) == pytest.approx(steps.seconds * EXPLORE_SHARE / burst, abs=1)
+
+
+def test_exploring_a_cheap_arm_takes_at_most_its_share_of_the_time_too():
+    """Drafting won (twice its price): plain decoding, a fifth of a drafting step's cost, still runs
+    in bursts that take at most EXPLORE_SHARE of the seconds, and more often for being cheap."""
+    check = OutcomeCheck()
+    steps = Steps(check)
+    steps.learn(draft_rate=2.0)
+    for _ in range(2000):
+        steps.run(1, draft_rate=2.0)
+        assert steps.exploring <= EXPLORE_SHARE * steps.seconds
+    assert set(steps.bursts(verdict=True)) == {EXPLORE_BURST}
+    burst = EXPLORE_BURST * PLAIN_SECONDS
+    assert len(steps.bursts(verdict=True)) == pytest.approx(steps.seconds * EXPLORE_SHARE / burst, abs=1)
+
+
+def test_a_burst_whose_steps_turn_dear_stops_early_and_is_repaid():
+    """The drafting steps turn 20 times dearer than the last burst's: the next burst stops once it took
+    BURST_OVERRUN times its grant, the one after is granted what the dear steps took, and no burst
+    starts before the credit has repaid what the first overran."""
+    check = OutcomeCheck()
+    steps = Steps(check)
+    steps.learn(draft_rate=0.5)
+    dear = 20 * DRAFT_SECONDS
+    for _ in range(50000):
+        exploring, seconds = steps.exploring, steps.seconds
+        steps.run(1, draft_rate=0.5, cost=dear)
+        if check.budgets[8].steps_left == EXPLORE_BURST - 1:  # a burst started
+            assert exploring <= EXPLORE_SHARE * seconds
+    first, *later = steps.bursts()
+    assert first * dear > BURST_OVERRUN * (CATCH_UP_SECONDS + (EXPLORE_BURST - 1) * DRAFT_SECONDS)
+    assert first < EXPLORE_BURST and later[-1] == EXPLORE_BURST, "whole bursts again once the grant is right"
+    assert steps.exploring <= EXPLORE_SHARE * steps.seconds
+
+
+def test_where_the_verdict_flips_exploring_notices_within_a_bounded_time():
+    """Drafting lost, then its steps start to give 3 times their price: the bursts' samples turn the
+    verdict once they hold half the window, within that many bursts' worth of earned seconds."""
+    check = OutcomeCheck()
+    steps = Steps(check)
+    steps.learn(draft_rate=0.5)
+    burst = CATCH_UP_SECONDS + (EXPLORE_BURST - 1) * DRAFT_SECONDS
+    # Each burst gives EXPLORE_BURST - 1 samples (the catch-up is none); the median turns at half the window.
+    num_bursts = -(-(OUTCOME_WINDOW // 2) // (EXPLORE_BURST - 1))
+    bound = num_bursts * (burst / EXPLORE_SHARE / PLAIN_SECONDS + EXPLORE_BURST)
+    while check.ratio(8) <= 1.0:
+        steps.run(1, draft_rate=3.0)
+        assert steps.exploring <= EXPLORE_SHARE * steps.seconds
+        assert len(steps.arms) <= bound
+    steps.run(10, draft_rate=3.0)
+    assert steps.arms[-10:].count(True) >= 10 - EXPLORE_BURST, "drafting then runs"
 
 
 def test_a_window_forgets_the_old_steps():
     check = OutcomeCheck()
     for _ in range(OUTCOME_MIN_STEPS):
-        check.observe(4, True, 0.5)
-        check.observe(4, False, 1.0)
+        check.observe(4, True, 1.0, 0.5)
+        check.observe(4, False, 1.0, 1.0)
     for _ in range(64):
-        check.observe(4, True, 2.0)
+        check.observe(4, True, 1.0, 2.0)
     assert check.ratio(4) == 2.0
+
+
+def test_steps_without_a_sample_count_their_seconds_only():
+    check = OutcomeCheck()
+    for _ in range(OUTCOME_MIN_STEPS):
+        check.observe(4, True, 2.0, None)
+        check.observe(4, False, 1.0, 1.0)
+    assert check.ratio(4) is None
+    assert check.burst_seconds(4, True) == EXPLORE_BURST * 2.0
 
 
 def test_the_verdict_discounts_the_plans_gain_instead_of_refusing_every_draft():
@@ -193,13 +301,10 @@ def test_the_verdict_discounts_the_plans_gain_instead_of_refusing_every_draft():
     expects less than plain's rate stays plain."""
     check = OutcomeCheck()
     for _ in range(OUTCOME_MIN_STEPS):
-        check.observe(1, True, 0.5)
-        check.observe(1, False, 1.0)
+        check.observe(1, True, 1.0, 0.5)
+        check.observe(1, False, 1.0, 1.0)
     assert check.ratio(1) == 0.5
-    # Outside the bursts that run the other arm (one in EXPLORE_FAR: the arms are far apart).
-    steps = [
-        step for step in range(4 * EXPLORE_FAR * EXPLORE_BURST) if step % (EXPLORE_FAR * EXPLORE_BURST) >= EXPLORE_BURST
-    ]
-    assert not any(check.arm(1, True, step, gain=1.5) for step in steps)
-    assert all(check.arm(1, True, step, gain=4.0) for step in steps)
+    # No step has earned exploring time yet: every step follows the verdict.
+    assert not any(check.arm(1, True, step, gain=1.5) for step in range(64))
+    assert all(check.arm(1, True, step, gain=4.0) for step in range(64))
     assert not check.arm(1, False, EXPLORE_BURST, gain=0.9)

@@ -1,0 +1,47 @@
+"""The step log (`handler.engine.record.StepLog`): what it shows the outcome check of each step."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from handler.drafters import MODEL, NO_DRAFTS
+from handler.engine.propose import DraftTimes
+from handler.engine.record import StepLog
+from handler.planning.planner import NO_PLAN, RowPlan, StepPlan
+from handler.types import StepOutput
+
+DRAFTING = RowPlan(drafter=MODEL, proposal=NO_DRAFTS, k=2, uses_model=True, curve=(1.0, 1.5, 1.8))
+
+
+class Check:
+    """Keeps what the step log observes."""
+
+    def __init__(self) -> None:
+        self.observed: list[tuple[int, bool, float, float | None]] = []
+
+    def observe(self, bucket: int, drafted: bool, seconds: float, rate: float | None) -> None:
+        self.observed.append((bucket, drafted, seconds, rate))
+
+
+def record(steps: StepLog, plan: StepPlan, ks: list[int], num_tokens: int, seconds: float) -> None:
+    """A step of `seconds` (its own work), after an admission of as long, that emitted `num_tokens` per row."""
+    started = time.perf_counter() - seconds
+    outputs = [StepOutput(slot, [0] * num_tokens, [0] * num_tokens, None, None) for slot in range(len(ks))]
+    steps.record(plan, ks, DraftTimes(), 0.0, 0.0, outputs, started - seconds, started)
+
+
+def test_every_step_shows_its_seconds_and_only_fair_ones_a_rate():
+    check = Check()
+    steps = StepLog(check)
+    plain, drafting = StepPlan((NO_PLAN,) * 2, expected_rate=10.0), StepPlan((DRAFTING,) * 2, expected_rate=20.0)
+    record(steps, plain, [0, 0], 1, 0.1)
+    record(steps, drafting, [2, 2], 3, 0.2)  # the first drafting step after a plain one: its catch-up
+    record(steps, drafting, [2, 2], 3, 0.2)
+    (bucket, drafted, seconds, rate), catch_up, fair = check.observed
+    assert (bucket, drafted, rate) == (2, False, pytest.approx(2 / seconds / 10.0))
+    # The step's own seconds: the admission before it is left out, as from its rate.
+    assert 0.1 <= seconds < 0.2
+    assert catch_up[1] and catch_up[2] >= 0.2 and catch_up[3] is None, "no sample, but its seconds count"
+    assert fair[1] and fair[3] == pytest.approx(6 / fair[2] / 20.0)
