@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Callable, Hashable, Protocol, runtime_checkable
@@ -147,7 +148,8 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    # Cached: the settings are frozen, and the step asks for these per row, several times a step.
+    @functools.cached_property
     def needs_history(self) -> bool:
         """Whether a penalty is on, so that the engine must keep the row's token counts."""
         return self.needs_output_counts or self.needs_seen_tokens
@@ -162,7 +164,7 @@ class SamplingParams:
         """Repetition penalty: which tokens the prompt or the output holds."""
         return self.repetition_penalty != 1.0
 
-    @property
+    @functools.cached_property
     def processes_logits(self) -> bool:
         """Whether `handler.logits_processors.process_row_logits` changes this row's logits."""
         return self.needs_history or bool(self.logit_bias)
