@@ -355,9 +355,10 @@ class RaggedCache:
             index = slice(first, last + 1)
         else:
             index = columns.to(self.device)
-        return torch.stack(
-            [torch.stack([layer.keys[slot, :, index], layer.values[slot, :, index]]) for layer in self.cache.layers]
-        )
+        states = [state[slot, :, index] for layer in self.cache.layers for state in (layer.keys, layer.values)]
+        # One stack of every layer's keys and values: one copy, where a stack per layer and one of
+        # those would copy the KV twice.
+        return torch.stack(states).unflatten(0, (len(self.cache.layers), 2))
 
     def rollback(self, lengths: torch.Tensor) -> None:  # [batch] long, CPU
         """Keeps each row's first `lengths[b]` valid tokens; drops the rest."""

@@ -437,9 +437,5 @@ class SlotCache:
         """A copy of row `slot`'s KV for its tokens start..end-1: [layers, 2, heads, end - start, head_dim]."""
         assert 0 <= start < end <= int(self.lengths[slot]), (start, end, self.lengths[slot])
         index = self.slots[slot]
-        return torch.stack(
-            [
-                torch.stack([layer.keys[index, :, start:end], layer.values[index, :, start:end]])
-                for layer in self.runner.layers
-            ]
-        )
+        states = [state[index, :, start:end] for layer in self.runner.layers for state in (layer.keys, layer.values)]
+        return torch.stack(states).unflatten(0, (len(self.runner.layers), 2))  # one copy
