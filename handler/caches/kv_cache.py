@@ -231,12 +231,12 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
 def left_pad(token_lists: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns input_ids [batch, width] and mask [batch, width], real tokens right-aligned."""
     width = max(len(tokens) for tokens in token_lists)
-    input_ids = torch.full((len(token_lists), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(token_lists), width), dtype=torch.long)
-    for row, tokens in enumerate(token_lists):
-        if tokens:
-            input_ids[row, width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
-            mask[row, width - len(tokens) :] = 1
+    # Padded as lists, then one tensor: a write per row costs a few torch calls each, and a batch
+    # of joining rows pays them on every prefill and draft pass.
+    padded = [[pad_id] * (width - len(tokens)) + list(tokens) for tokens in token_lists]
+    input_ids = torch.tensor(padded, dtype=torch.long).view(len(token_lists), width)
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], dtype=torch.long)
+    mask = (torch.arange(width) >= width - lengths[:, None]).long()  # [batch, width]
     return input_ids, mask
 
 
