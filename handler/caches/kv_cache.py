@@ -113,10 +113,31 @@ def check_cache_support(model: torch.nn.Module) -> None:
         )
 
 
+def _owns_its_storage(states: torch.Tensor) -> bool:
+    """Whether `states` is all of its storage (in any order), not a slice of a larger tensor."""
+    return states.untyped_storage().nbytes() == states.numel() * states.element_size()
+
+
+class _FullLayer(DynamicLayer):
+    """A layer that keeps every token and takes its first chunk's keys and values as the model made them.
+
+    `DynamicLayer` concatenates an empty tensor with the first chunk: one more copy of a whole
+    prefill's KV per layer, for nothing. States that are a slice of a larger tensor (a fused
+    projection's output) are still copied: keeping them would keep all of it.
+    """
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.is_initialized or not (_owns_its_storage(key_states) and _owns_its_storage(value_states)):
+            return super().update(key_states, value_states, *args, **kwargs)
+        self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = key_states, value_states  # [batch, heads, width, head_dim]
+        return self.keys, self.values
+
+
 def full_cache(model: torch.nn.Module) -> DynamicCache:
     """A DynamicCache whose every layer keeps every token, sliding-window layers included."""
     cache = DynamicCache(config=model.config)
-    cache.layers = [DynamicLayer() for _ in cache.layers]
+    cache.layers = [_FullLayer() for _ in cache.layers]
     return cache
 
 
@@ -384,9 +405,10 @@ class RaggedCache:
             index = slice(first, last + 1)
         else:
             index = columns.to(self.device)
-        return torch.stack(
-            [torch.stack([layer.keys[slot, :, index], layer.values[slot, :, index]]) for layer in self.cache.layers]
-        )
+        states = [state[slot, :, index] for layer in self.cache.layers for state in (layer.keys, layer.values)]
+        # One stack of every layer's keys and values: one copy, where a stack per layer and one of
+        # those would copy the KV twice.
+        return torch.stack(states).unflatten(0, (len(self.cache.layers), 2))
 
     def rollback(self, lengths: torch.Tensor) -> None:  # [batch] long, CPU
         """Keeps each row's first `lengths[b]` valid tokens; drops the rest."""

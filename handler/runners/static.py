@@ -46,6 +46,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from handler.caches.kv_cache import RaggedCache, attention_masks, kv_layout, sliding_layout
+from handler.sampler import host_to_device
 
 # Widths a chunk is padded to; beyond the last, the next multiple of it.
 WIDTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32)
@@ -396,31 +397,48 @@ class SlotCache:
         self.lengths = self.lengths[torch.tensor(rows, dtype=torch.long)]
 
     def extend(self, other: RaggedCache) -> None:
-        """Appends `other`'s rows, each in the lowest free slot, their KV copied in."""
+        """Appends `other`'s rows, each in the lowest free slot, their KV copied in.
+
+        Every joining row at once: one copy per layer for the keys and one for the values. A copy
+        per row and layer costs a launch and a few indexing calls each, and admitting a batch of
+        rows then took the host longer than their prefill.
+        """
         num_new = int(other.lengths.shape[0])
         used = set(self.slots)
         free = [slot for slot in range(len(used) + num_new) if slot not in used][:num_new]
         longest = int(other.lengths.max()) if num_new else 0
         self.runner.reserve(max(free, default=0) + 1, column_bucket(longest + 1))
-        with torch.inference_mode():
-            for row, slot in enumerate(free):
-                length = int(other.lengths[row])
-                if length == 0:
-                    continue
-                kv = other.row_kv(row, 0, length)  # [layers, 2, heads, length, head_dim]
-                for index, layer in enumerate(self.runner.layers):
-                    layer.keys[slot, :, :length] = kv[index, 0]
-                    layer.values[slot, :, :length] = kv[index, 1]
+        if longest:
+            with torch.inference_mode():
+                self._copy_in(other, free, longest)
         self.slots.extend(free)
         self.lengths = torch.cat([self.lengths, other.lengths])
+
+    def _copy_in(self, other: RaggedCache, free: list[int], longest: int) -> None:
+        """Copies `other`'s rows into the slots `free`, each row's tokens to its first columns."""
+        runner = self.runner
+        width = other.num_columns
+        first = free[0]
+        layers = zip(runner.layers, other.cache.layers)
+        if free == list(range(first, first + len(free))) and bool(other.mask[:, width - longest :].all()):
+            # Every row holds `longest` tokens in the last columns (prompts of one length, no prefix
+            # cache hit), joining consecutive slots (an empty batch): a slice to a slice.
+            for layer, theirs in layers:
+                layer.keys[first : first + len(free), :, :longest] = theirs.keys[:, :, width - longest :]
+                layer.values[first : first + len(free), :, :longest] = theirs.values[:, :, width - longest :]
+            return
+        # Each column of `other` goes to its token's position in the row; a hole, to the scratch column.
+        targets = torch.where(other.mask.bool(), other.mask.cumsum(dim=1) - 1, runner.num_columns)  # [new, width]
+        targets = host_to_device(targets, runner.device)
+        slots = host_to_device(torch.tensor(free)[:, None], runner.device)  # [new, 1]
+        for layer, theirs in layers:
+            for mine, states in ((layer.keys, theirs.keys), (layer.values, theirs.values)):
+                # [slots, columns + 1, heads, head_dim] <- [new, width, heads, head_dim]: one scatter.
+                mine.transpose(1, 2)[slots, targets] = states.transpose(1, 2)
 
     def row_kv(self, slot: int, start: int, end: int) -> torch.Tensor:
         """A copy of row `slot`'s KV for its tokens start..end-1: [layers, 2, heads, end - start, head_dim]."""
         assert 0 <= start < end <= int(self.lengths[slot]), (start, end, self.lengths[slot])
         index = self.slots[slot]
-        return torch.stack(
-            [
-                torch.stack([layer.keys[index, :, start:end], layer.values[index, :, start:end]])
-                for layer in self.runner.layers
-            ]
-        )
+        states = [state[index, :, start:end] for layer in self.runner.layers for state in (layer.keys, layer.values)]
+        return torch.stack(states).unflatten(0, (len(self.runner.layers), 2))  # one copy

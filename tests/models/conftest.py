@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from handler.engine import EngineOptions, SpeculativeEngine, build_engine
 from handler.runtime.loading import LoadedModels
@@ -68,3 +71,26 @@ def fail_batches_holding(engine, monkeypatch, max_new_tokens: int) -> None:
         return real_generate(requests, *args, **kwargs)
 
     monkeypatch.setattr(engine, "generate", flaky_generate)
+
+
+class KVCopies(TorchDispatchMode):
+    """Counts the calls that copy floating-point tensors (keys and values, not the CPU's bookkeeping of
+    ids and lengths) while active: by aten name in `calls`; views are no copies and are not counted."""
+
+    COPIES = frozenset(("copy_", "index_put_", "cat", "stack", "gather", "index", "clone", "_to_copy", "scatter"))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        written = output[0] if isinstance(output, (list, tuple)) else output
+        if name in self.COPIES and isinstance(written, torch.Tensor) and written.is_floating_point():
+            self.calls[name] += 1
+        return output
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())

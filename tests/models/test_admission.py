@@ -88,6 +88,33 @@ def test_each_steps_drafts_add_up_to_the_requests_counters(tiny_pair, engine, dr
     assert any(counts[0] for counts in drafted.values())
 
 
+def test_drafting_rows_joining_together_take_one_prefill_of_each_model(tiny_pair):
+    """Rows that join at once are prefilled together: one target pass over all of them, and at their
+    first proposal one draft pass over all of them, not one per row; then the step's draft passes and
+    its verify pass."""
+    target, draft, tokenizer = tiny_pair
+    engine = make_engine(target, draft, tokenizer)
+    prompts = [encode(tokenizer, prompt) for prompt in PROMPTS[:4]]
+    shapes = {"target": [], "draft": []}
+
+    def note(name):
+        return lambda module, args, kwargs: shapes[name].append(tuple(kwargs["input_ids"].shape))
+
+    models = {"target": target, "draft": draft}
+    hooks = [model.register_forward_pre_hook(note(name), with_kwargs=True) for name, model in models.items()]
+    try:
+        for index, prompt_ids in enumerate(prompts):
+            engine.add_request(index, GenerationRequest(prompt_ids, 8, GREEDY, 2, drafter="model"))
+        engine.step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    # Both models prefill all but each prompt's last token, which the first step verifies.
+    prefill_width = max(len(prompt_ids) for prompt_ids in prompts) - 1
+    assert shapes["target"] == [(4, prefill_width), (4, 3)]
+    assert shapes["draft"] == [(4, prefill_width), (4, 1), (4, 1)]
+
+
 def test_abort_frees_the_row_and_leaves_the_others_untouched(engine, tiny_pair):
     _, _, tokenizer = tiny_pair
     keep = GenerationRequest(encode(tokenizer, PROMPTS[0]), 30, GREEDY, 4)

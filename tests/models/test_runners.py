@@ -16,6 +16,8 @@ from handler.caches.kv_cache import RaggedCache, prefill
 from handler.runners.static import COLUMN_STEP, StaticRunner, width_bucket
 from handler.tree import chunk_attention
 
+from .conftest import KVCopies
+
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
 TOLERANCE = 1e-4
 
@@ -101,6 +103,31 @@ def test_the_buffers_grow_and_keep_what_they_hold(target):
         static.extend(prefill(target, [prompt], 0))
     assert runner.num_slots >= 3
     ids = torch.tensor([[60], [61], [62]])
+    assert_same(dynamic, static, ids, torch.ones_like(ids), keep=1)
+
+
+@pytest.mark.parametrize("layout", ["one length", "lengths apart", "holes"])
+@torch.inference_mode()
+def test_joining_rows_take_one_copy_per_layer_for_keys_and_one_for_values(target, layout):
+    """However many rows join, their KV goes into the slots in one copy per layer for the keys and one
+    for the values, nothing copied on the way: rows of one length, rows of different lengths, and rows
+    with holes between a prefix cache's part and the prefilled rest."""
+    prompts = {"one length": [[5, 6, 7, 8]] * 4, "lengths apart": PROMPTS, "holes": PROMPTS}[layout]
+    cached = None
+    if layout == "holes":  # the first row's first 4 tokens from a prefix cache, the others' none
+        cached = [prefill(target, [PROMPTS[0][:4]], 0).row_kv(0, 0, 4), None, None]
+    running = [[1, 2, 3]]  # a row in flight: the joining rows' slots follow its
+    dynamic = prefill(target, running, 0)
+    static = StaticRunner(target, num_slots=8).adopt(prefill(target, running, 0))
+    joining = prefill(target, prompts, 0, cached)
+    assert (layout == "holes") == bool((joining.mask.cumsum(dim=1) * (1 - joining.mask)).any())
+    with KVCopies() as copies:
+        static.extend(joining)
+    assert copies.total == 2 * len(static.runner.layers), copies.calls
+    dynamic.extend(prefill(target, prompts, 0, cached))
+    for row, prompt in enumerate(prompts, start=1):
+        assert torch.equal(static.row_kv(row, 0, len(prompt)), dynamic.row_kv(row, 0, len(prompt)))
+    ids = torch.arange(len(prompts) + 1)[:, None] + 40
     assert_same(dynamic, static, ids, torch.ones_like(ids), keep=1)
 
 
