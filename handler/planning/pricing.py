@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
+import numpy
+
 from handler.planning.trackers import ConfidenceCalibration
 
 
@@ -97,30 +99,87 @@ def plan_batch(
         plain = _plain_if_bound(offers, max_lookup, max_model, with_trees, step_seconds)
         if plain is not None:
             return plain
-    best: BatchPlan | None = None
-    explored: BatchPlan | None = None
+    # Every (drafts, width) plan is priced at once, over arrays [drafts, widths, rows] (`_Plans`).
+    model = _ModelSide(offers, max_model)
+    best: tuple[_Plans, int, int, float] | None = None
+    explored: tuple[_Plans, int, int, float] | None = None
+    best_rate = explored_rate = 0.0
     for trees in with_trees:
-        # Per row: the look-up this pass verifies (its tree, where trees are verified) and its model
-        # curve, taken out of the offers once: the loops below run every step, for every row.
-        rows = [
-            (offer.tree, offer.model, offer.passes, True)
-            if trees and offer.tree is not None
-            else (offer.lookup, offer.model, offer.passes, False)
-            for offer in offers
-        ]
+        plans = _Plans(offers, model, trees, max(max_model, max_lookup))
         for drafts in range(max_model + 1):
             for width in range(drafts, max(drafts, max_lookup) + 1):
-                plan = _priced(rows, width, drafts, step_seconds)
-                if plan.width == 0 and (width or drafts):
+                plan_width = plans.widths[drafts][width]
+                if plan_width == 0 and (width or drafts):
                     continue  # nothing to draft: the same as plain decoding
-                rate = plan.tokens / plan.seconds
+                seconds = step_seconds(plan_width, plans.passes[drafts][width], plans.trees[drafts][width])
+                rate = plans.tokens[drafts][width] / seconds
                 # A relative margin, so that rounding never breaks a tie in favour of drafting.
-                if best is None or rate > best.tokens / best.seconds * (1.0 + 1e-9):
-                    best = plan
-                if plan.width and (explored is None or rate > explored.tokens / explored.seconds * (1.0 + 1e-9)):
-                    explored = plan
+                if best is None or rate > best_rate * (1.0 + 1e-9):
+                    best, best_rate = (plans, drafts, width, seconds), rate
+                if plan_width and (explored is None or rate > explored_rate * (1.0 + 1e-9)):
+                    explored, explored_rate = (plans, drafts, width, seconds), rate
     assert best is not None
-    return explored if explore and best.width == 0 and explored is not None else best
+    best_plans, best_drafts, best_width, _ = best
+    if explore and best_plans.widths[best_drafts][best_width] == 0 and explored is not None:
+        best = explored
+    return best[0].plan(*best[1:])
+
+
+class _ModelSide:
+    """The draft model's side of every plan, per number of model drafts d and row: the drafts a row
+    takes (min(d, its cap)), their expected tokens and the draft passes they need; [drafts, rows] each."""
+
+    def __init__(self, offers: Sequence[Offer], max_model: int) -> None:
+        self.num, self.tokens = _padded([offer.model for offer in offers], max_model)
+        needed = [
+            [offer.passes(n) for n in column] if offer.passes is not None else column
+            for offer, column in zip(offers, self.num.T.tolist())
+        ]
+        self.passes = numpy.array(needed, dtype=numpy.float64).T  # [drafts, rows]
+
+
+class _Plans:
+    """Every plan of `plan_batch` for one choice of trees, priced at once over arrays [drafts, widths, rows].
+
+    In the plan of d model drafts and width w, a row verifies min(d, its cap) model drafts where
+    it has some and they promise more than its look-up's first min(w, its most) drafts, else
+    those look-up drafts. Each plan's tokens are summed over the rows in order (a cumulative
+    sum, as a loop over the rows adds them), so the rates, and the plan chosen, are the same to
+    the bit as a plan priced row by row. The per-plan figures are lists: the caller reads them one
+    by one, and a list is read faster than an array.
+    """
+
+    def __init__(self, offers: Sequence[Offer], model: _ModelSide, trees: bool, max_width: int) -> None:
+        lookups = [offer.tree if trees and offer.tree is not None else offer.lookup for offer in offers]
+        is_tree = numpy.array([trees and offer.tree is not None for offer in offers])  # [rows]
+        num_lookup, lookup_tokens = _padded(lookups, max_width)  # [widths, rows] each
+        self.uses_model = (model.num[:, None] > 0) & (model.tokens[:, None] > lookup_tokens[None])  # [d, w, rows]
+        self.ks = numpy.where(self.uses_model, model.num[:, None], num_lookup[None])  # [drafts, widths, rows]
+        tokens = numpy.where(self.uses_model, model.tokens[:, None], lookup_tokens[None])  # [drafts, widths, rows]
+        passes = numpy.where(self.uses_model, model.passes[:, None], 0.0)  # [drafts, widths, rows]
+        any_tree = ~self.uses_model & is_tree & (num_lookup[None] > 0)  # [drafts, widths, rows]
+        self.widths = self.ks.max(axis=-1).tolist()  # [drafts][widths]
+        self.tokens = tokens.cumsum(axis=-1)[..., -1].tolist()
+        self.passes = passes.max(axis=-1).tolist()
+        self.trees = any_tree.any(axis=-1).tolist()
+
+    def plan(self, drafts: int, width: int, seconds: float) -> BatchPlan:
+        return BatchPlan(
+            ks=tuple(self.ks[drafts, width].tolist()),
+            uses_model=tuple(self.uses_model[drafts, width].tolist()),
+            trees=self.trees[drafts][width],
+            draft_passes=self.passes[drafts][width],
+            tokens=self.tokens[drafts][width],
+            seconds=seconds,
+        )
+
+
+def _padded(curves: Sequence[Sequence[float]], max_n: int) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """Per n in 0..max_n and row: the drafts the row verifies out of n (min(n, its curve's most)), and
+    their expected tokens (its curve there); [max_n + 1, rows] each."""
+    num = numpy.minimum(numpy.arange(max_n + 1)[:, None], numpy.array([len(curve) - 1 for curve in curves]))
+    tokens = [[curve[n] for n in column] for curve, column in zip(curves, num.T.tolist())]
+    return num, numpy.array(tokens, dtype=numpy.float64).T
 
 
 def _plain_if_bound(
@@ -157,32 +216,6 @@ def _plain_if_bound(
         if most_tokens / least_seconds > plain_rate:
             return None
     return BatchPlan((0,) * num_rows, (False,) * num_rows, False, 0.0, float(num_rows), plain_seconds)
-
-
-# Per row, for `_priced`: the look-up's curve it verifies, its model curve, its passes, whether the look-up is a tree.
-_Row = tuple[Sequence[float], Sequence[float], Callable[[int], float] | None, bool]
-
-
-def _priced(rows: list[_Row], width: int, drafts: int, step_seconds: Callable[[int, float, bool], float]) -> BatchPlan:
-    """The plan of width `width` and `drafts` model drafts: each row's better way, and the step's cost."""
-    ks, uses_model, tokens, passes, any_tree = [], [], 0.0, 0.0, False
-    for lookup, model, row_passes, is_tree in rows:
-        num_lookup = min(width, len(lookup) - 1)
-        num_model = min(drafts, len(model) - 1)
-        if num_model and model[num_model] > lookup[num_lookup]:
-            ks.append(num_model)
-            uses_model.append(True)
-            tokens += model[num_model]
-            needed = row_passes(num_model) if row_passes else float(num_model)
-            if needed > passes:
-                passes = needed
-        else:
-            ks.append(num_lookup)
-            uses_model.append(False)
-            tokens += lookup[num_lookup]
-            any_tree = any_tree or (is_tree and num_lookup > 0)
-    seconds = step_seconds(max(ks), passes, any_tree)
-    return BatchPlan(tuple(ks), tuple(uses_model), any_tree, passes, tokens, seconds)
 
 
 class ConfidenceStop:

@@ -198,6 +198,78 @@ def test_the_bound_that_skips_planning_never_changes_the_plan(monkeypatch):
     assert any(p.width for p in priced)
 
 
+def priced_row_by_row(offers, step_seconds, explore=False):
+    """`plan_batch` as a loop over (trees, drafts, width) and then over rows, pricing one plan at a
+    time: the definition its arrays must reproduce."""
+    from handler.planning.pricing import BatchPlan
+
+    max_model = max(len(offer.model) - 1 for offer in offers)
+    max_lookup = max(max(len(offer.lookup), len(offer.tree or ())) - 1 for offer in offers)
+    best = explored = None
+    for trees in (False, True) if any(offer.tree is not None for offer in offers) else (False,):
+        for drafts in range(max_model + 1):
+            for width in range(drafts, max(drafts, max_lookup) + 1):
+                ks, uses_model, tokens, passes, any_tree = [], [], 0.0, 0.0, False
+                for offer in offers:
+                    is_tree = trees and offer.tree is not None
+                    curve = offer.tree if is_tree else offer.lookup
+                    num_lookup, num_model = min(width, len(curve) - 1), min(drafts, len(offer.model) - 1)
+                    if num_model and offer.model[num_model] > curve[num_lookup]:
+                        ks.append(num_model)
+                        uses_model.append(True)
+                        tokens += offer.model[num_model]
+                        passes = max(passes, offer.passes(num_model) if offer.passes else float(num_model))
+                    else:
+                        ks.append(num_lookup)
+                        uses_model.append(False)
+                        tokens += curve[num_lookup]
+                        any_tree = any_tree or (is_tree and num_lookup > 0)
+                seconds = step_seconds(max(ks), passes, any_tree)
+                plan = BatchPlan(tuple(ks), tuple(uses_model), any_tree, passes, tokens, seconds)
+                if plan.width == 0 and (width or drafts):
+                    continue
+                rate = tokens / seconds
+                if best is None or rate > best.tokens / best.seconds * (1.0 + 1e-9):
+                    best = plan
+                if plan.width and (explored is None or rate > explored.tokens / explored.seconds * (1.0 + 1e-9)):
+                    explored = plan
+    return explored if explore and best.width == 0 and explored is not None else best
+
+
+def test_every_plan_priced_at_once_is_the_plan_priced_row_by_row(monkeypatch):
+    """`plan_batch` prices all its plans over arrays: over random batches (model, look-up, tree and
+    guessed rows, cheap and dear drafts, with and without exploring) it returns the plan a row-by-row
+    loop returns, its tokens and seconds to the bit."""
+    import random
+
+    from handler.planning import pricing
+
+    monkeypatch.setattr(pricing, "_plain_if_bound", lambda *args: None)
+    rng = random.Random(11)
+    drafting = 0
+    for case in range(600):
+        per_token = rng.uniform(0.0, 0.3)
+        costs = table(lambda width, s=per_token: 1.0 + s * (width - 1), draft=rng.uniform(0.02, 0.6))
+        offers = []
+        for _ in range(rng.randint(1, 16)):
+            acceptance = rng.uniform(0.0, 1.0) ** rng.choice((1, 2, 4))
+            kind = rng.choice(("model", "lookup", "both", "tree", "guessed", "none"))
+            cap = rng.randint(1, 8)
+            model_curve = model(acceptance, cap).model if kind in ("model", "both", "guessed") else (1.0,)
+            lookup_curve = lookup(acceptance, rng.randint(0, 16)).lookup if kind in ("lookup", "both") else (1.0,)
+            tree_curve = lookup(min(1.0, acceptance * 1.3), rng.randint(1, 16)).lookup if kind == "tree" else None
+            guess_rate = rng.random()
+            passes = (
+                (lambda n, r=guess_rate: 0.0 if n <= 0 else 1.0 + (n - 1) * (1.0 - r)) if kind == "guessed" else None
+            )
+            offers.append(Offer(lookup=lookup_curve, tree=tree_curve, model=model_curve, passes=passes))
+        seconds = step_seconds(costs, len(offers), tree_factor=rng.uniform(0.9, 1.5))
+        explore = case % 5 == 0
+        assert plan_batch(offers, seconds, explore=explore) == priced_row_by_row(offers, seconds, explore), case
+        drafting += plan_batch(offers, seconds).width > 0
+    assert 100 <= drafting <= 500, drafting  # both kinds of batch occurred
+
+
 def test_expected_tokens_matches_the_geometric_series():
     assert geometric_tokens(0.0, 4) == 1.0
     assert geometric_tokens(1.0, 4) == 5.0
