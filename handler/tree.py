@@ -28,6 +28,7 @@ This module imports only torch.
 
 from __future__ import annotations
 
+import heapq
 from typing import Sequence
 
 import torch
@@ -70,14 +71,17 @@ def order_best_first(
     available = []
     for index, parent in enumerate(parents):
         (available if parent == ROOT else children[parent]).append(index)
+    # A heap of the available nodes, keyed (-score, node): the highest score first, ties to the earlier node.
+    heap = [(-scores[node], node) for node in available]
+    heapq.heapify(heap)
     new_index = {}
     order: list[int] = []
-    while available:
-        best = max(available, key=lambda node: (scores[node], -node))
-        available.remove(best)
+    while heap:
+        _, best = heapq.heappop(heap)
         new_index[best] = len(order)
         order.append(best)
-        available.extend(children[best])
+        for child in children[best]:
+            heapq.heappush(heap, (-scores[child], child))
     return (
         [token_ids[node] for node in order],
         [ROOT if parents[node] == ROOT else new_index[parents[node]] for node in order],

@@ -80,6 +80,28 @@ def test_order_best_first_puts_parents_first_and_the_likeliest_next():
     assert (token_ids, parents) == ([1, 2], [ROOT, 0])
 
 
+def test_order_best_first_is_the_greedy_pick_among_the_nodes_whose_parent_is_placed():
+    """Over random trees with tied and rising scores: at each place, of the nodes whose parent is
+    placed, the highest score, ties to the earlier node (the definition, picked by a scan)."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(300):
+        num = rng.randint(1, 24)
+        parents = [rng.randint(ROOT, index - 1) for index in range(num)]
+        scores = [rng.choice((0.1, 0.2, 0.5, rng.random())) for _ in range(num)]
+        order, placed = [], set()
+        while len(order) < num:
+            available = [n for n in range(num) if n not in placed and (parents[n] == ROOT or parents[n] in placed)]
+            best = max(available, key=lambda node: (scores[node], -node))
+            order.append(best)
+            placed.add(best)
+        token_ids, new_parents, new_scores = order_best_first(list(range(num)), parents, scores)
+        assert token_ids == order
+        assert new_scores == [scores[node] for node in order]
+        assert [ROOT if p == ROOT else token_ids[p] for p in new_parents] == [parents[n] for n in order]
+
+
 def test_greedy_walk_descends_while_the_target_agrees():
     # The target wants a, then d, then 7: accepts a and d, emits 7 (d has no children).
     target_probs = one_hot([10, 13, 9, 9, 7, 9])  # columns: root, a, b, c, d, e
