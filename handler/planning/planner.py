@@ -177,7 +177,16 @@ class Planner:
         """(k, drafts with the model) -> the cost table's seconds for a step of the batch; None without a table."""
         if self.cost_table is None:
             return None
-        return lambda k, model: self.pass_seconds(batch_size, k, k if model else 0)
+        # Every row's candidates ask for the same few (k, model) within a plan: each is priced once.
+        priced: dict[tuple[int, bool], float] = {}
+
+        def seconds(k: int, model: bool) -> float:
+            cost = priced.get((k, model))
+            if cost is None:
+                cost = priced[k, model] = self.pass_seconds(batch_size, k, k if model else 0)
+            return cost
+
+        return seconds
 
     def _fill_share(self, row: PlannedRow, model_curve: Sequence[float]) -> float:
         """The seconds per step of the draft model's prefill of a row it has not drafted for (`fill`):
