@@ -38,20 +38,27 @@ def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [batch,
     return logits
 
 
+def confidence_tensors(
+    logits: torch.Tensor,
+    sampled: torch.Tensor,  # [rows, n, vocab], [rows, n]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On the device: the draft model's own probability of each draft (softmax of its logits, before
+    warping), and its likeliest other token with that token's probability; each [rows, n]."""
+    raw_probs = torch.softmax(logits.float(), dim=-1)  # [rows, n, vocab]
+    confidence = raw_probs.gather(-1, sampled[..., None])[..., 0]
+    # The likeliest token other than the draft: the first of the top two that differs from it.
+    top = raw_probs.topk(2, dim=-1)
+    other = torch.where(top.indices[..., :1] == sampled[..., None], 1, 0)
+    return confidence, top.indices.gather(-1, other)[..., 0], top.values.gather(-1, other)[..., 0]
+
+
 def draft_confidences(
     logits: torch.Tensor,
     sampled: torch.Tensor,  # [rows, n, vocab], [rows, n]
 ) -> tuple[list[list[float]], list[list[int]], list[list[float]]]:
-    """The draft model's own probability of each draft (softmax of its logits, before warping), and
-    its likeliest other token with that token's probability; each [rows][n]."""
-    raw_probs = torch.softmax(logits.float(), dim=-1)  # [rows, n, vocab]
-    confidence = raw_probs.gather(-1, sampled[..., None])[..., 0].tolist()
-    # The likeliest token other than the draft: the first of the top two that differs from it.
-    top = raw_probs.topk(2, dim=-1)
-    other = torch.where(top.indices[..., :1] == sampled[..., None], 1, 0)
-    other_ids = top.indices.gather(-1, other)[..., 0].tolist()
-    other_probs = top.values.gather(-1, other)[..., 0].tolist()
-    return confidence, other_ids, other_probs
+    """`confidence_tensors` read by the host; each [rows][n]."""
+    confidence, other_ids, other_probs = confidence_tensors(logits, sampled)
+    return confidence.tolist(), other_ids.tolist(), other_probs.tolist()
 
 
 class ModelDrafter:
@@ -71,11 +78,13 @@ class ModelDrafter:
         prefix_cache: PrefixCache | None = None,
         runner=None,
         guesser=None,
+        stop_by_mask: bool | None = None,
     ) -> None:
         """`vocab_size` is the target's: draft distributions are put on it. `prefix_cache` holds
         the draft model's KV of earlier prompts and completions (keyed by the ids it was fed).
         `runner` holds the running batch (`handler.runners`); None: the dynamic one. `guesser`: the
-        look-up whose `continuation` guesses a guessing row's next drafts (guessed drafting), or None."""
+        look-up whose `continuation` guesses a guessing row's next drafts (guessed drafting), or None.
+        `stop_by_mask`: see the attribute; None: True where the draft model runs on CUDA."""
         self.model = model
         self.guesser = guesser
         self.runner = runner or DynamicRunner(model)
@@ -83,6 +92,12 @@ class ModelDrafter:
         self.draft_vocab_size = model.config.get_text_config().vocab_size
         self.pad_token_id = pad_token_id
         self.device = next(model.parameters()).device
+        # How a proposal that measures confidences meets its stop rule (`keep_drafting`). True: its chains
+        # run all k passes on the device and are read once, and the rule is applied to what was read, the
+        # drafts past the stop dropped (`_propose_chains`). False: the host reads every pass and stops
+        # drafting where the rule says. On a GPU a read per pass stalls the queue of passes; on a CPU a
+        # read costs nothing and a stop saves whole passes.
+        self.stop_by_mask = self.device.type == "cuda" if stop_by_mask is None else stop_by_mask
         self.cache: BatchCache | None = None
         self.order: list[Hashable] = []  # request ids, in cache row order
         self.pending: dict[Hashable, list[int]] = {}
@@ -98,6 +113,8 @@ class ModelDrafter:
         # proposal kept for every row.
         self.last_draft_counts: dict[Hashable, list[int]] = {}
         self.last_num_drafts = 0
+        # Passes the last proposal ran after its drafts were decided (a stop by mask runs all k).
+        self.last_passes_past_stop = 0
 
     def add(self, prompts: Mapping[Hashable, Sequence[int]], private: Sequence[Hashable] = ()) -> None:
         """Takes the new requests' prompts; each joins the cache when it first drafts (`fill`). A row's
@@ -214,7 +231,8 @@ class ModelDrafter:
                 greedily and their drafts are only fed to keep the batch rectangular.
             sampling: the step's settings, rows in the step's order.
             keep_drafting: f(drafts so far, request id -> confidence of its latest draft, for the
-                asking rows) -> whether to draft one more; None: draft k.
+                asking rows) -> whether to draft one more; None: draft k. With `stop_by_mask` the k
+                passes all run and the rule is asked after them, draft by draft: the same drafts stay.
 
         Returns:
             each row's `Proposal` of n <= k drafts, with their distributions (and confidences and
@@ -243,8 +261,8 @@ class ModelDrafter:
                 if wanted[self.order[slot]].guess and slot not in shaped
             }
         texts = self._texts(asking, settings, shaped)
-        if not (guess_of or texts or shaped or with_confidence) and self._feeds_drafts:
-            return self._propose_chains(rows, settings, k, asking)
+        if not (guess_of or texts or shaped) and self._feeds_drafts and (self.stop_by_mask or not with_confidence):
+            return self._propose_chains(rows, settings, k, asking, with_confidence, keep_drafting)
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         probs_of: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
         confidences: list[list[float]] = [[] for _ in range(num_rows)]
@@ -331,6 +349,7 @@ class ModelDrafter:
             num_drafts = min(k, max(len(drafts[slot]) for slot in asking))
         self.last_draft_counts = {self.order[slot]: counts[slot] for slot in asking}
         self.last_num_drafts = num_drafts
+        self.last_passes_past_stop = 0
         self._end_proposal(drafts, num_drafts)
         proposals = {}
         for slot in asking:
@@ -350,18 +369,32 @@ class ModelDrafter:
         return [proposals[row.request_id] for row in rows]
 
     def _propose_chains(
-        self, rows: Sequence[DraftRow], settings: SamplingBatch, k: int, asking: list[int]
+        self,
+        rows: Sequence[DraftRow],
+        settings: SamplingBatch,
+        k: int,
+        asking: list[int],
+        with_confidence: bool = False,
+        keep_drafting: Callable[[int, dict[Hashable, float]], bool] | None = None,
     ) -> list[Proposal]:
         """`propose` where every row drafts one token a pass and feeds it to the next: no guesses, no
-        shaping, no confidences, a draft the draft model reads. The drafts stay on the device across
-        the k passes and the host reads them once, after the last: the same drafts as the general
-        loop's (row i's draft j drawn with uniform j), without a wait for the device per pass."""
+        shaping, a draft the draft model reads. The drafts stay on the device across the k passes and
+        the host reads them once, after the last: the same drafts as the general loop's (row i's draft j
+        drawn with uniform j), without a wait for the device per pass.
+
+        With confidences (where `stop_by_mask`), each pass also measures them where they are
+        (`confidence_tensors`), read with the drafts. The stop rule is then asked on the host, pass by
+        pass, as the general loop asks it (`agree_on_drafts`: the same calls, of a rule that keeps
+        state), and the drafts past its stop are dropped with the cache's feeds of them
+        (`_end_proposal`): the proposals, the counts and the cache are the general loop's. The passes
+        past the stop still ran, and `last_num_passes` counts them.
+        """
         input_ids, chunk_mask = left_pad(self._first_feeds(), self.pad_token_id)
         # Where no row samples, a draw is the argmax, and its distribution is one-hot at the draft itself:
         # a proposal without `draft_probs` says so, as a look-up's does.
         greedy = settings.all_greedy
         uniforms = None if greedy else host_to_device(settings.uniforms[:, :k], self.device)  # [rows, k]
-        sampled_per_pass, probs_per_pass = [], []
+        sampled_per_pass, probs_per_pass, measured_per_pass = [], [], []
         for number in range(k):
             draft_logits = self.cache.forward(self._pass_ids(input_ids), chunk_mask, logits_to_keep=1)
             logits = self._target_logits(draft_logits)  # [rows, 1, vocab]
@@ -372,16 +405,54 @@ class ModelDrafter:
                 sampled = sample_from_probs(probs[:, 0], uniforms[:, number])  # [rows]
                 probs_per_pass.append(probs[:, 0])
             sampled_per_pass.append(sampled)
+            if with_confidence:
+                measured_per_pass.append(confidence_tensors(logits, sampled[:, None]))  # 3 x [rows, 1]
             input_ids = sampled[:, None]  # [rows, 1]: the next pass reads the draft where it is
             chunk_mask = None  # one draft a row: no padding
         # The proposal's one wait for the device: the drafts are the host's bookkeeping from here on.
-        drafts = torch.stack(sampled_per_pass, dim=1).tolist()  # [rows][k]
+        drafted = torch.stack(sampled_per_pass, dim=1)  # [rows, k]
+        if with_confidence:
+            measured = [torch.cat(parts, dim=1) for parts in zip(*measured_per_pass)]  # 3 x [rows, k]
+            # One read of the four: float64 holds the ids (below 2**53) and the float32 probabilities exactly.
+            read = torch.stack([values.double() for values in (drafted, *measured)]).tolist()  # [4][rows][k]
+            drafts = [[int(token) for token in row] for row in read[0]]
+            confidences, other_ids, other_probs = read[1:]
+        else:
+            drafts = drafted.tolist()  # [rows][k]
         draft_probs = None if greedy else torch.stack(probs_per_pass, dim=1)  # [rows, k, vocab]
-        self.last_draft_counts = {self.order[slot]: list(range(1, k + 1)) for slot in asking}
-        self.last_num_drafts = k
-        self._end_proposal(drafts, k)
+        num_drafts = num_passes = k
+        counts = {slot: list(range(1, k + 1)) for slot in asking}
+        if with_confidence:
+            # The general loop's decisions, pass by pass, on the drafts it would have had by then.
+            counts = {slot: [] for slot in asking}
+            num_drafts, num_passes, stop = 0, 0, False
+            while not stop:
+                num_passes += 1
+                so_far = [row[:num_passes] for row in drafts]
+                num_drafts, stop = agree_on_drafts(
+                    self.order, asking, so_far, confidences, counts, num_drafts, k, keep_drafting, stop=num_passes >= k
+                )
+            if num_passes >= k:
+                num_drafts = k  # out of passes with k drafts a row: the general loop keeps them all
+        self.last_draft_counts = {self.order[slot]: counts[slot] for slot in asking}
+        self.last_num_drafts = num_drafts
+        # The passes past the stop ran over the whole batch, and the draft seconds hold them: the step's
+        # record and the cost table's draft scale (`handler.engine.propose`) take all k, so that the
+        # scale is the seconds of a pass that ran. A row's own passes (`passes_needed`, its draft_passes)
+        # stay those its drafts needed, as the general loop counts a row that needed fewer than the batch.
+        self.last_passes_past_stop = k - num_passes
+        self._end_proposal(drafts, num_drafts)
         proposals = {
-            self.order[slot]: Proposal(drafts[slot], draft_probs=None if greedy else draft_probs[slot])
+            self.order[slot]: Proposal(
+                drafts[slot][:num_drafts],
+                draft_probs=None if greedy else draft_probs[slot, :num_drafts],
+                confidences=confidences[slot][:num_drafts] if with_confidence else None,
+                runners_up=(
+                    [(int(token), prob) for token, prob in zip(other_ids[slot], other_probs[slot][:num_drafts])]
+                    if with_confidence
+                    else None
+                ),
+            )
             for slot in asking
         }
         return [proposals[row.request_id] for row in rows]
@@ -442,8 +513,10 @@ class ModelDrafter:
 
     @property
     def last_num_passes(self) -> int:
-        """The draft passes the last proposal took: until its slowest row had its drafts."""
-        return max((self.passes_needed(r, self.last_num_drafts) for r in self.last_draft_counts), default=0)
+        """The draft passes the last proposal took: until its slowest row had its drafts, and those it
+        ran past its stop (`stop_by_mask`)."""
+        needed = max((self.passes_needed(r, self.last_num_drafts) for r in self.last_draft_counts), default=0)
+        return needed + self.last_passes_past_stop
 
     def observe(self, committed: Mapping[Hashable, Sequence[int]]) -> None:
         """Takes each row's newly committed tokens and rolls the cache back to what it got right (`_sync`).

@@ -21,6 +21,11 @@ seed per row), for each batch size.
     python -m scripts.bench.host_syncs                       # the tiny pair on the CPU
     python -m scripts.bench.host_syncs --where               # and the lines that read
     python -m scripts.bench.host_syncs --device cuda --shapes  # Qwen2.5 0.5B draft, 1.5B and 7B targets, bf16
+    python -m scripts.bench.host_syncs --confidence-stop mask  # planned, the stop read once a proposal
+
+`--confidence-stop loop|mask` (the tiny pair only) plans the steps from a fixed cost table and lets
+the draft's confidence stop its chains: the host reads every pass (`loop`), or the k passes run and
+are read once (`mask`); k is then each row's cap (`scripts.bench.own_time.self_drafting_engine`).
 
 Counts, not timings: they hold on a busy machine.
 """
@@ -216,19 +221,12 @@ def count_steps(engine, counter: HostReads, prompt_ids, batch_size: int, k: int,
     return reads, syncs, by_method, by_line
 
 
-def tiny_pair(device: str, runner: str, models: pathlib.Path | None):
+def tiny_pair(device: str, runner: str, models: pathlib.Path | None, confidence_stop: str = "off"):
     """The tiny target drafting for itself."""
-    from handler.engine import EngineOptions, build_engine
-    from handler.runtime.loading import LoadedModels
-    from scripts.bench.own_time import load_tiny_target
+    from scripts.bench.own_time import load_tiny_target, self_drafting_engine
 
     target, tokenizer = load_tiny_target(models, device)
-    engine = build_engine(
-        LoadedModels.of(target, target, tokenizer, eos_token_ids=()),
-        runner=runner,
-        speculative_tree="off",
-        options=EngineOptions(running_costs=False),
-    )
+    engine = self_drafting_engine(target, tokenizer, runner, confidence_stop, speculative_tree="off")
     return [("tiny, draft = target", engine, [target], tuple(tokenizer(PROMPT)["input_ids"]))]
 
 
@@ -260,7 +258,9 @@ def measure(args, pairs=None) -> list[Count]:
     """The table's rows for `pairs` ((name, engine, models, prompt ids) each; None: those `args` name)."""
     if pairs is None:
         pairs = (
-            shaped_pairs(args.device, args.runner) if args.shapes else tiny_pair(args.device, args.runner, args.models)
+            shaped_pairs(args.device, args.runner)
+            if args.shapes
+            else tiny_pair(args.device, args.runner, args.models, args.confidence_stop)
         )
     counts = []
     for pair, engine, models, prompt_ids in pairs:
@@ -303,7 +303,7 @@ def where(counts: list[Count]) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from scripts.bench.own_time import add_step_arguments
+    from scripts.bench.own_time import add_confidence_stop_argument, add_step_arguments
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_step_arguments(parser, steps=8, warmup=2)
@@ -313,7 +313,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--shapes", action="store_true", help="the Qwen2.5 shapes of scripts.bench.gpu_check (tiny ones on a CPU)"
     )
     parser.add_argument("--where", action="store_true", help="also list the lines that read")
-    return parser.parse_args(argv)
+    add_confidence_stop_argument(parser)
+    args = parser.parse_args(argv)
+    if args.shapes and args.confidence_stop != "off":
+        # The shapes' engines draft a fixed k (`scripts.bench.gpu_check.make_engine`).
+        parser.error("--confidence-stop runs on the tiny pair only")
+    return args
 
 
 def report_lines(args, pairs=None) -> tuple[list[Count], list[str]]:
@@ -322,7 +327,8 @@ def report_lines(args, pairs=None) -> tuple[list[Count], list[str]]:
     cuda = args.device == "cuda"
     lines = [
         f"Host reads a step: {args.runner} runner, {args.device}, {args.steps} steps after {args.warmup}; "
-        f"draft k = {DRAFTING_K} where k > 0, chains, temperature 0.8 where sampled",
+        f"draft k = {DRAFTING_K} where k > 0, chains, temperature 0.8 where sampled"
+        + ("" if args.confidence_stop == "off" else f"; planned, the confidence stop by {args.confidence_stop}"),
         "",
         *table(counts, cuda),
     ]

@@ -22,6 +22,10 @@ steps that admit rows are not measured.
 `--shapes` takes random-weight Qwen2.5 shapes from scripts.bench.gpu_check (bf16; nothing downloaded)
 instead of the tiny pair; each shape drafts for itself, as the tiny target does.
 
+`--confidence-stop loop|mask` plans the drafting steps from a fixed cost table instead: the plan
+drafts to the row's k and the draft's confidence stops it, the host reading every pass (`loop`) or
+the k passes running and being read once (`mask`, `handler.drafters.model.ModelDrafter.stop_by_mask`).
+
 Benchmarks are programs: take figures on a quiet machine, never in a test.
 """
 
@@ -41,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 PROMPT = "def fibonacci(n):\n    "
 DRAFTING_K = 4
+CONFIDENCE_STOPS = ("off", "loop", "mask")
 
 
 class ForwardTimer:
@@ -103,6 +108,39 @@ def load_tiny_target(models: pathlib.Path | None, device: str):
     return target, tokenizer
 
 
+def self_drafting_engine(target, tokenizer, runner: str, confidence_stop: str = "off", **settings):
+    """The target drafting for itself, no stop token; a fixed k where `confidence_stop` is off, else planned
+    from a fixed cost table with the confidence stop, by mask or by the loop (`CONFIDENCE_STOPS`).
+    `settings`: further `handler.engine.EngineSettings` fields."""
+    from handler.engine import EngineOptions, build_engine
+    from handler.planning.cost_table import CostModel
+    from handler.runtime.loading import LoadedModels
+
+    assert confidence_stop in CONFIDENCE_STOPS, confidence_stop
+    if confidence_stop != "off":
+        # A draft pass at 0.15 of a target pass, a verified column at 0.05: the tests' costs for the stop.
+        costs = CostModel(draft_step=0.15, target_step=1.0, target_per_extra_token=0.05)
+        settings.update(cost_table=costs, draft_confidence=True)
+    engine = build_engine(
+        LoadedModels.of(target, target, tokenizer, eos_token_ids=()),
+        runner=runner,
+        options=EngineOptions(running_costs=False),
+        **settings,
+    )
+    if confidence_stop != "off":
+        engine.model_drafter.stop_by_mask = confidence_stop == "mask"
+    return engine
+
+
+def add_confidence_stop_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--confidence-stop",
+        choices=CONFIDENCE_STOPS,
+        default="off",
+        help="off: a fixed k; loop or mask: planned, the draft's confidence stops it, read a pass or once",
+    )
+
+
 def run_steps(engine, timer: ForwardTimer, prompt_ids, batch_size: int, k: int, warmup: int, steps: int) -> dict:
     """Admits `batch_size` greedy rows of k drafts, runs `warmup` steps, then times `steps` steps."""
     from handler.config import SamplingParams
@@ -147,15 +185,8 @@ def load_target(args, shape: str | None):
 
 
 def measure(args, target, tokenizer) -> list[dict]:
-    from handler.engine import EngineOptions, build_engine
-    from handler.runtime.loading import LoadedModels
-
     # The draft is the target itself: every draft is accepted, and the step is all the machinery.
-    engine = build_engine(
-        LoadedModels.of(target, target, tokenizer, eos_token_ids=()),
-        runner=args.runner,
-        options=EngineOptions(running_costs=False),
-    )
+    engine = self_drafting_engine(target, tokenizer, args.runner, args.confidence_stop)
     timer = ForwardTimer(target)
     prompt_ids = tuple(tokenizer(PROMPT)["input_ids"])
     samples: dict[tuple[int, int, bool], list[dict]] = {}
@@ -223,6 +254,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runner", choices=("dynamic", "static"), default="dynamic")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shapes", default="", help="comma-separated gpu_check shapes, e.g. 1.5B,7B (bf16)")
+    add_confidence_stop_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -235,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     for shape in shapes:
         rows = measure(args, *load_target(args, shape))
         what = "the tiny pair, float32" if shape is None else f"the {shape} shape, random weights, bf16"
-        print(f"Own time: {what}, draft == target, greedy, {args.runner} runner, {args.device}")
+        stop = "" if args.confidence_stop == "off" else f", the confidence stop by {args.confidence_stop}"
+        print(f"Own time: {what}, draft == target, greedy, {args.runner} runner, {args.device}{stop}")
         device = torch.cuda.get_device_name() if args.device.startswith("cuda") else machine_info()["description"]
         print(device)
         print(f"medians of {args.repeats} runs of {args.steps} steps after {args.warmup}; ratios against k = 0 here")

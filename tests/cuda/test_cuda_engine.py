@@ -1,8 +1,9 @@
 """The engine on a CUDA GPU, eager (dynamic runner) and with CUDA graphs (static runner).
 
-fp32 greedy output equals the target's own, alone and batched; seeded requests do
-not depend on the batch; sampled tokens follow the target's distribution (chi-square,
-with the check shown to catch a broken coupling); a bf16 run completes.
+fp32 greedy output equals the target's own, alone and batched, and under the
+confidence stop by mask; seeded requests do not depend on the batch; sampled
+tokens follow the target's distribution (chi-square, with the check shown to
+catch a broken coupling); a bf16 run completes.
 """
 
 from __future__ import annotations
@@ -91,6 +92,28 @@ def test_a_seeded_request_does_not_depend_on_its_batch_on_cuda(cuda_pair, runner
     others = [GenerationRequest(encode(tokenizer, p), 25, sampled, 2) for p in PROMPTS[1:]]
     assert engine.generate([*others, seeded])[-1].token_ids == alone
     assert engine.generate([seeded])[0].token_ids == alone
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_the_confidence_stop_goes_by_mask_on_cuda_and_keeps_greedy_and_seeded_output(cuda_pair, runner):
+    """On CUDA the draft's chains run their k passes and are read once, the stop rule asked afterwards
+    (`ModelDrafter.stop_by_mask`, the default there): greedy output is the target's, and a seeded
+    request does not depend on its batch, as with the loop."""
+    from tests.models.test_engine import CONFIDENT_COSTS
+
+    target, draft, tokenizer = cuda_pair
+    requests = [GenerationRequest(encode(tokenizer, p), 40, GREEDY, 8) for p in PROMPTS]
+    sampled = SamplingParams(temperature=0.9, top_k=0, top_p=1.0)
+    seeded = GenerationRequest(encode(tokenizer, PROMPTS[1]), 24, sampled, 6, seed=3)
+    for stop_by_mask in (True, False):
+        engine = make_engine(target, draft, tokenizer, runner=runner, cost_table=CONFIDENT_COSTS, draft_confidence=True)
+        assert engine.model_drafter.stop_by_mask
+        engine.model_drafter.stop_by_mask = stop_by_mask
+        for _ in range(2):  # the second round after the calibration has seen the first
+            results = engine.generate(requests)
+            assert [r.token_ids for r in results] == [reference_greedy(target, r.prompt_ids, 40) for r in requests]
+        alone = engine.generate([seeded])[0].token_ids
+        assert engine.generate([*requests[:2], seeded])[-1].token_ids == alone
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["rejection_sampling", "coupled"])

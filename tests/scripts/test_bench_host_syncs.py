@@ -39,3 +39,20 @@ def test_the_table_gives_a_count_for_every_row(tiny_models_dir, capsys):
         assert reads == int(reads) >= 1  # every step reads its outcome once at least
     drafting = [int(float(row[4])) for row in rows if row[2] == "4"]
     assert len(drafting) == 6 and all(isinstance(num, int) for num in drafting)
+
+
+def test_the_confidence_stop_by_mask_reads_the_drafts_once_a_proposal(tiny_models_dir):
+    """Planned steps whose chains the draft's confidence stops: the drafter reads at most once a step by
+    mask, four times a pass (drafts, confidences, runners-up and their probabilities) by the loop."""
+    argv = ["--models", str(tiny_models_dir), "--batch-sizes", "2", "--steps", "2", "--warmup", "1"]
+    for stop in ("mask", "loop"):
+        counts, lines = host_syncs.report_lines(host_syncs.parse_args([*argv, "--confidence-stop", stop]))
+        assert f"the confidence stop by {stop}" in lines[0]
+        for count in counts:
+            drafter = sum(num for line, num in count.by_line.items() if line.startswith("handler/drafters/"))
+            if count.k == 0:
+                assert drafter == 0
+            elif stop == "mask":
+                assert 0 < drafter <= count.steps, count.by_line
+            else:
+                assert drafter > count.steps, count.by_line

@@ -66,10 +66,11 @@ def test_engine_samples_follow_the_target(pair, sampling, seeded, reproducible_u
     assert min(p_values(pair, sampling, sample_two_tokens(pair, sampling, seeded))) > PASS_P_VALUE
 
 
+@pytest.mark.parametrize("stop_by_mask", [False, True], ids=["loop", "mask"])
 @pytest.mark.parametrize("seeded", [False, True], ids=["rejection_sampling", "coupled"])
-def test_engine_samples_follow_the_target_with_the_confidence_stop(pair, seeded, reproducible_unseeded):
-    """The draft model stops after one draft or goes on to two, by its own confidence: the tokens
-    still follow the target's distribution."""
+def test_engine_samples_follow_the_target_with_the_confidence_stop(pair, seeded, stop_by_mask, reproducible_unseeded):
+    """The draft model stops after one draft or goes on to two, by its own confidence, read every pass
+    or after both (`ModelDrafter.stop_by_mask`): the tokens still follow the target's distribution."""
     from handler.planning.cost_table import CostModel
     from tests.models.conftest import make_engine
 
@@ -78,6 +79,7 @@ def test_engine_samples_follow_the_target_with_the_confidence_stop(pair, seeded,
     confident = make_engine(
         target, engine.model_drafter.model, tokenizer, eos_token_ids=(), cost_table=costs, draft_confidence=True
     )
+    confident.model_drafter.stop_by_mask = stop_by_mask
     sampling, draft_counts = SETTINGS[0], collections.Counter()
     tokens = sample_two_tokens((target, tokenizer, confident), sampling, seeded, draft_counts)
     assert len(draft_counts) > 1, draft_counts  # the stop cut some chains, not others
