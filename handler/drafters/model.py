@@ -458,6 +458,12 @@ class ModelDrafter:
         return [proposals[row.request_id] for row in rows]
 
     @property
+    def stops_by_mask(self) -> bool:
+        """Whether a proposal without guesses or shaping that measures confidences runs its k passes and
+        applies the stop rule after them (`stop_by_mask`, where the chains serve it), not pass by pass."""
+        return self.stop_by_mask and self._feeds_drafts
+
+    @property
     def _feeds_drafts(self) -> bool:
         """Whether every draft is fed back as it is and nothing notes the feeds: the chains skip both
         `_feed_of` and `_fed`, so a drafter that overrides either (`cross_vocab`) takes the general loop."""

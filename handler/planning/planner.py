@@ -210,8 +210,11 @@ class Planner:
         step_seconds = self.step_seconds(len(rows))
         choices = [_choose_lookup(option, step_seconds) for option in options]
         batch = self._batch_plan(rows, choices, num_steps)
-        # The plan says whether to draft; the draft's confidence says how far (`_confidence_stop`).
-        to_cap = bool(batch.draft_passes) and self.draft_confidence
+        # The plan says whether to draft; the draft's confidence says how far (`_confidence_stop`). Where
+        # the stop is a mask, every planned pass runs whatever it says: the plan's k stands, and the
+        # stop only cuts drafts whose verify columns do not pay.
+        masked = bool(batch.draft_passes) and self.draft_confidence and self._stops_by_mask(rows, batch.uses_model)
+        to_cap = bool(batch.draft_passes) and self.draft_confidence and not masked
         plans = []
         for choice, k, uses_model in zip(choices, batch.ks, batch.uses_model):
             if uses_model or choice.lookup_drafter is None:
@@ -234,7 +237,15 @@ class Planner:
                 )
             )
         expected_rate = batch.tokens / batch.seconds if batch.seconds > 0 else 0.0
-        return StepPlan(tuple(plans), self._confidence_stop(rows, plans), expected_rate)
+        return StepPlan(tuple(plans), self._confidence_stop(rows, plans, masked), expected_rate)
+
+    def _stops_by_mask(self, rows: list[PlannedRow], uses_model: Sequence[bool]) -> bool:
+        """Whether the draft model's proposal this step runs all its passes and applies the stop after
+        them (`ModelDrafter.stop_by_mask`): it does where no row that drafts with it guesses."""
+        drafter = self.model_drafter
+        if drafter is None or not getattr(drafter, "stops_by_mask", False):
+            return False
+        return not any(self.guesses_for(row) is not None for row, model in zip(rows, uses_model) if model)
 
     def _batch_plan(self, rows: list[PlannedRow], choices: list[_Choice], num_steps: int) -> BatchPlan:
         """Without a cost table every row drafts its cap: with its look-up where it found one, else the
@@ -314,8 +325,12 @@ class Planner:
                 return plan_batch(forced, seconds_with(0.0))
         return plan
 
-    def _confidence_stop(self, rows: list[PlannedRow], plans: list[RowPlan]) -> Callable[[int, dict], bool] | None:
-        """The draft model's stop rule this step (`ConfidenceStop`), or None: it drafts its rows' ks."""
+    def _confidence_stop(
+        self, rows: list[PlannedRow], plans: list[RowPlan], masked: bool = False
+    ) -> Callable[[int, dict], bool] | None:
+        """The draft model's stop rule this step (`ConfidenceStop`), or None: it drafts its rows' ks.
+        `masked`: the proposal runs all its passes whatever the rule says, so one more draft costs its
+        verify column only."""
         model_slots = [slot for slot, plan in enumerate(plans) if plan.uses_model and plan.k > 0]
         if not (self.draft_confidence and self.cost_table is not None and model_slots):
             return None
@@ -327,14 +342,17 @@ class Planner:
         rates = [self.guesses_for(rows[slot]) or GuessRate() for slot in model_slots]
         slowest = min(rates, key=lambda rate: rate.rate)
 
+        max_drafts = max(plans[slot].k for slot in model_slots)
+
         def step_seconds(num_drafts: int) -> float:
-            return self.pass_seconds(batch_size, max(num_drafts, other_width), slowest.passes(num_drafts))
+            passes = slowest.passes(max_drafts if masked else num_drafts)
+            return self.pass_seconds(batch_size, max(num_drafts, other_width), passes)
 
         calibrations = [self.estimates.calibrations[rows[slot].request.sampling.is_greedy] for slot in model_slots]
         stop = ConfidenceStop(
             calibrations,
             [calibration.mean_acceptance for calibration in calibrations],
-            max(plans[slot].k for slot in model_slots),
+            max_drafts,
             planned_tokens([plans[slot] for slot in others]),
             step_seconds,
         )

@@ -161,6 +161,9 @@ def test_greedy_output_with_the_mask_is_the_targets(tiny_pair):
     target, _, tokenizer = tiny_pair
     prompts = [encode(tokenizer, prompt) for prompt in PROMPTS[:3]]
     masked, looped = confident_engine(tiny_pair, True), confident_engine(tiny_pair, False)
+    # The two plan alike here (`test_with_the_mask_the_plan_keeps_its_priced_k` has how they differ), so
+    # that the steps below differ by the way the stop is applied alone.
+    masked.planner._stops_by_mask = lambda rows, uses_model: False
     for prompt_ids in prompts:
         result = masked.generate([GenerationRequest(prompt_ids, 40, GREEDY, 8)])[0]
         assert result.token_ids == reference_greedy(target, prompt_ids, 40)
@@ -180,6 +183,36 @@ def test_greedy_output_with_the_mask_is_the_targets(tiny_pair):
     # A step that stopped short of its cap still ran the cap's passes, and its record says so.
     assert all(m.draft_passes >= s.draft_passes for m, s in zip(masked_steps, looped_steps))
     assert any(m.draft_passes > s.draft_passes for m, s in zip(masked_steps, looped_steps))
+
+
+def test_with_the_mask_the_plan_keeps_its_priced_k(tiny_pair):
+    """With the loop, a confident plan drafts up to the row's cap and the stop ends the passes; with the
+    mask every planned pass runs, so the plan keeps the k it priced and the stop only cuts drafts. Each
+    masked step runs as many draft passes as its plan's most model drafts; greedy output stays the target's."""
+    target, _, tokenizer = tiny_pair
+    prompts = [encode(tokenizer, prompt) for prompt in PROMPTS[:3]]
+    planned = {}
+    for stop_by_mask in (True, False):
+        engine = confident_engine(tiny_pair, stop_by_mask)
+        plans = planned[stop_by_mask] = []
+        real = engine.planner.plan
+
+        def recorded(*args, real=real, plans=plans, **kwargs):
+            plan = real(*args, **kwargs)
+            plans.append([row.k for row in plan.rows if row.uses_model])
+            return plan
+
+        engine.planner.plan = recorded
+        results = engine.generate([GenerationRequest(p, 40, GREEDY, 8) for p in prompts])
+        assert [r.token_ids for r in results] == [reference_greedy(target, p, 40) for p in prompts]
+        steps = list(engine.steps.recent_steps)
+        drafting = [(ks, step) for ks, step in zip(plans, steps) if ks]
+        assert drafting
+        if stop_by_mask:
+            assert all(step.draft_passes == max(ks) for ks, step in drafting), drafting
+    # The loop plans the cap (8, or the room left); the mask plans the priced k, below the cap at times.
+    assert all(k == 8 for ks in planned[False][:5] for k in ks), planned[False][:5]
+    assert any(k < 8 for ks in planned[True][:5] for k in ks), planned[True][:5]
 
 
 def test_a_seeded_request_keeps_its_tokens_with_the_mask(tiny_pair):
