@@ -47,15 +47,20 @@ class Guesses:
         return list(self.by_row[request_id](drafts, max_tokens))
 
 
+def sampling_batch(sampling: dict, device) -> SamplingBatch:
+    """The step's settings for the rows of `sampling` (request id -> `settings`), with their uniforms."""
+    params = [SamplingParams(temperature=t, top_k=top_k, top_p=top_p) for t, top_k, top_p, _ in sampling.values()]
+    uniforms = torch.zeros(len(sampling), max(len(setting[3]) for setting in sampling.values()), dtype=torch.float64)
+    for slot, setting in enumerate(sampling.values()):
+        uniforms[slot, : len(setting[3])] = setting[3]
+    return SamplingBatch.from_params(params, device).with_uniforms(uniforms)
+
+
 def propose(drafter: ModelDrafter, sampling: dict, guesses: dict | None = None, shapers: dict | None = None) -> dict:
     """The drafter's proposals for the rows of `sampling` (request id -> `settings`), by request id;
     `guesses`, `shapers`: per row, its guesses of its next drafts and its rules on the draft's logits."""
     ids = list(sampling)
-    params = [SamplingParams(temperature=t, top_k=top_k, top_p=top_p) for t, top_k, top_p, _ in sampling.values()]
-    uniforms = torch.zeros(len(ids), max(len(setting[3]) for setting in sampling.values()), dtype=torch.float64)
-    for slot, setting in enumerate(sampling.values()):
-        uniforms[slot, : len(setting[3])] = setting[3]
-    batch = SamplingBatch.from_params(params, drafter.device).with_uniforms(uniforms)
+    batch = sampling_batch(sampling, drafter.device)
     drafter.guesser = Guesses(guesses) if guesses else None
     rows = [
         DraftRow(

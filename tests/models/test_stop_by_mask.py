@@ -14,15 +14,13 @@ import pytest
 import torch
 
 from handler import runners
-from handler.config import SamplingParams
 from handler.drafters import DraftRow
 from handler.drafters.model import ModelDrafter
 from handler.engine import GenerationRequest
-from handler.sampler import SamplingBatch
 
 from .conftest import make_engine
 from .test_engine import CONFIDENT_COSTS, GREEDY, PROMPTS, SAMPLED, encode, reference_greedy
-from .test_propose import settings
+from .test_propose import sampling_batch, settings
 
 # The rows that verify (request id -> `settings`), and the cache's rows that do not (they draft greedily
 # to keep the batch rectangular).
@@ -74,11 +72,7 @@ def drafter_for(tiny_pair, prompts: dict, stop_by_mask: bool) -> ModelDrafter:
 def propose(drafter: ModelDrafter, sampling: dict, rule: Rule | None) -> dict:
     """The drafter's proposals for the rows of `sampling` (request id -> `settings`), by request id."""
     ids = list(sampling)
-    params = [SamplingParams(temperature=t, top_k=top_k, top_p=top_p) for t, top_k, top_p, _ in sampling.values()]
-    uniforms = torch.zeros(len(ids), max(len(setting[3]) for setting in sampling.values()), dtype=torch.float64)
-    for slot, setting in enumerate(sampling.values()):
-        uniforms[slot, : len(setting[3])] = setting[3]
-    batch = SamplingBatch.from_params(params, drafter.device).with_uniforms(uniforms)
+    batch = sampling_batch(sampling, drafter.device)
     rows = [DraftRow(rid, len(sampling[rid][3]), slot, measure_confidence=True) for slot, rid in enumerate(ids)]
     return dict(zip(ids, drafter.propose(rows, batch, keep_drafting=rule)))
 
