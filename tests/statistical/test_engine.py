@@ -80,10 +80,41 @@ def test_engine_samples_follow_the_target_with_the_confidence_stop(pair, seeded,
         target, engine.model_drafter.model, tokenizer, eos_token_ids=(), cost_table=costs, draft_confidence=True
     )
     confident.model_drafter.stop_by_mask = stop_by_mask
+    # Every step drafts, as while the pool is learning: left to the plan, the tiny pair's acceptance
+    # stops drafting after the first batch, and the check would see almost no drafts.
+    confident.estimates.exploring = lambda proposers: True
     sampling, draft_counts = SETTINGS[0], collections.Counter()
     tokens = sample_two_tokens((target, tokenizer, confident), sampling, seeded, draft_counts)
-    assert len(draft_counts) > 1, draft_counts  # the stop cut some chains, not others
+    # Nearly every request drafted, and the stop cut some chains after one draft (a request's count
+    # adds its steps' drafts: 1 is a chain cut after its first draft that emitted all three tokens).
+    assert draft_counts[0] <= NUM_SAMPLES // 10 and draft_counts[1] >= 10 and draft_counts[2] >= 300, draft_counts
     assert min(p_values(pair, sampling, tokens)) > PASS_P_VALUE
+
+
+@pytest.mark.parametrize("stop_by_mask", [False, True], ids=["loop", "mask"])
+def test_the_confidence_check_catches_drafts_not_drawn_from_their_distributions(pair, stop_by_mask, monkeypatch):
+    """The classic bug: the draft model's drafts drawn from one distribution (uniform here) and verified
+    against another (the draft's own). With every step drafting, the check above must fail."""
+    import handler.drafters.model as model_module
+    from handler.planning.cost_table import CostModel
+    from handler.sampler import sample_from_probs
+    from tests.models.conftest import make_engine
+
+    monkeypatch.setattr(
+        model_module, "sample_from_probs", lambda probs, uniforms: sample_from_probs(torch.ones_like(probs), uniforms)
+    )
+    target, tokenizer, engine = pair
+    costs = CostModel(draft_step=0.15, target_step=1.0, target_per_extra_token=0.05)
+    confident = make_engine(
+        target, engine.model_drafter.model, tokenizer, eos_token_ids=(), cost_table=costs, draft_confidence=True
+    )
+    confident.model_drafter.stop_by_mask = stop_by_mask
+    confident.estimates.exploring = lambda proposers: True
+    sampling = SETTINGS[0]
+    tokens = sample_two_tokens((target, tokenizer, confident), sampling, seeded=False)
+    # The first token alone: the bug spreads it so far that no first token is frequent enough to
+    # condition the second on.
+    assert p_values(pair, sampling, tokens, second=False)[0] < BUG_P_VALUE
 
 
 def test_the_check_catches_a_coupling_that_reuses_one_uniform(pair, monkeypatch):
@@ -98,8 +129,8 @@ def test_the_check_catches_a_coupling_that_reuses_one_uniform(pair, monkeypatch)
     assert min(p_values(pair, sampling, sample_two_tokens(pair, sampling, seeded=True))) < BUG_P_VALUE
 
 
-def p_values(pair, sampling, tokens: torch.Tensor) -> list[float]:
-    """Chi-square p-values of the first token, and of the second after the most frequent first token."""
+def p_values(pair, sampling, tokens: torch.Tensor, second: bool = True) -> list[float]:
+    """Chi-square p-values of the first token, and (`second`) of the second after the most frequent first token."""
     target, tokenizer, _ = pair
     prompt_ids = tuple(tokenizer(PROMPT)["input_ids"])
 
@@ -111,6 +142,8 @@ def p_values(pair, sampling, tokens: torch.Tensor) -> list[float]:
     )[0, 0]
     first_counts = torch.bincount(tokens[:, 0], minlength=vocab)
     first_p_value = chi_square_p_value(first_counts, first_probs)
+    if not second:
+        return [first_p_value]
 
     # Second token, conditioned on the most frequent first token.
     most_common = int(first_counts.argmax())
