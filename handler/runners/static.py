@@ -308,9 +308,8 @@ class SlotCache:
         """As `RaggedCache.forward`: appends a chunk to every row and returns its last logits."""
         num_rows, width = input_ids.shape
         unpadded = chunk_mask is None
-        if unpadded:
-            chunk_mask = torch.ones(input_ids.shape, dtype=torch.long)
-        assert chunk_mask.shape == input_ids.shape and num_rows == len(self.slots), (chunk_mask.shape, self.slots)
+        assert unpadded or chunk_mask.shape == input_ids.shape, (chunk_mask.shape, input_ids.shape)
+        assert num_rows == len(self.slots), (num_rows, self.slots)
         padded = width_bucket(width)
         num_slots = batch_bucket(max(self.slots) + 1)
         runner = self.runner
@@ -330,7 +329,8 @@ class SlotCache:
         ids = torch.zeros((num_rows, padded), dtype=torch.long, device=input_ids.device)
         ids[:, padded - width :] = input_ids
         if tree is None:
-            real = chunk_mask.sum(dim=1)  # [rows]
+            # Built only here: the dense path above takes an unpadded chunk without one.
+            real = torch.full((num_rows,), width, dtype=torch.long) if unpadded else chunk_mask.sum(dim=1)  # [rows]
         else:
             allowed_chunk, depth = tree  # [rows, width, width] bool, [rows, width] long
             real = torch.full((num_rows,), width, dtype=torch.long)
