@@ -66,11 +66,10 @@ def test_engine_samples_follow_the_target(pair, sampling, seeded, reproducible_u
     assert min(p_values(pair, sampling, sample_two_tokens(pair, sampling, seeded))) > PASS_P_VALUE
 
 
-@pytest.mark.parametrize("stop_by_mask", [False, True], ids=["loop", "mask"])
-@pytest.mark.parametrize("seeded", [False, True], ids=["rejection_sampling", "coupled"])
-def test_engine_samples_follow_the_target_with_the_confidence_stop(pair, seeded, stop_by_mask, reproducible_unseeded):
-    """The draft model stops after one draft or goes on to two, by its own confidence, read every pass
-    or after both (`ModelDrafter.stop_by_mask`): the tokens still follow the target's distribution."""
+def confident_pair(pair, stop_by_mask: bool):
+    """`pair` with an engine whose draft model stops by its confidence (read every pass, or by mask),
+    and whose every step drafts, as while the pool is learning: left to the plan, the tiny pair's
+    acceptance stops drafting after the first batch, and a check would see almost no drafts."""
     from handler.planning.cost_table import CostModel
     from tests.models.conftest import make_engine
 
@@ -80,11 +79,17 @@ def test_engine_samples_follow_the_target_with_the_confidence_stop(pair, seeded,
         target, engine.model_drafter.model, tokenizer, eos_token_ids=(), cost_table=costs, draft_confidence=True
     )
     confident.model_drafter.stop_by_mask = stop_by_mask
-    # Every step drafts, as while the pool is learning: left to the plan, the tiny pair's acceptance
-    # stops drafting after the first batch, and the check would see almost no drafts.
     confident.estimates.exploring = lambda proposers: True
+    return target, tokenizer, confident
+
+
+@pytest.mark.parametrize("stop_by_mask", [False, True], ids=["loop", "mask"])
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection_sampling", "coupled"])
+def test_engine_samples_follow_the_target_with_the_confidence_stop(pair, seeded, stop_by_mask, reproducible_unseeded):
+    """The draft model stops after one draft or goes on to two, by its own confidence, read every pass
+    or after both (`ModelDrafter.stop_by_mask`): the tokens still follow the target's distribution."""
     sampling, draft_counts = SETTINGS[0], collections.Counter()
-    tokens = sample_two_tokens((target, tokenizer, confident), sampling, seeded, draft_counts)
+    tokens = sample_two_tokens(confident_pair(pair, stop_by_mask), sampling, seeded, draft_counts)
     # Nearly every request drafted, and the stop cut some chains after one draft (a request's count
     # adds its steps' drafts: 1 is a chain cut after its first draft that emitted all three tokens).
     assert draft_counts[0] <= NUM_SAMPLES // 10 and draft_counts[1] >= 10 and draft_counts[2] >= 300, draft_counts
@@ -96,22 +101,13 @@ def test_the_confidence_check_catches_drafts_not_drawn_from_their_distributions(
     """The classic bug: the draft model's drafts drawn from one distribution (uniform here) and verified
     against another (the draft's own). With every step drafting, the check above must fail."""
     import handler.drafters.model as model_module
-    from handler.planning.cost_table import CostModel
     from handler.sampler import sample_from_probs
-    from tests.models.conftest import make_engine
 
     monkeypatch.setattr(
         model_module, "sample_from_probs", lambda probs, uniforms: sample_from_probs(torch.ones_like(probs), uniforms)
     )
-    target, tokenizer, engine = pair
-    costs = CostModel(draft_step=0.15, target_step=1.0, target_per_extra_token=0.05)
-    confident = make_engine(
-        target, engine.model_drafter.model, tokenizer, eos_token_ids=(), cost_table=costs, draft_confidence=True
-    )
-    confident.model_drafter.stop_by_mask = stop_by_mask
-    confident.estimates.exploring = lambda proposers: True
     sampling = SETTINGS[0]
-    tokens = sample_two_tokens((target, tokenizer, confident), sampling, seeded=False)
+    tokens = sample_two_tokens(confident_pair(pair, stop_by_mask), sampling, seeded=False)
     # The first token alone: the bug spreads it so far that no first token is frequent enough to
     # condition the second on.
     assert p_values(pair, sampling, tokens, second=False)[0] < BUG_P_VALUE
