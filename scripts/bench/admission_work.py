@@ -120,22 +120,21 @@ def _caller() -> str:
 
 
 def build_model(role: str):
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    """A random-weight model with the cache layout of the pair's `role` (`LAYOUTS`), float32 on the CPU."""
+    from scripts.bench import gpu_check
 
     num_layers, num_kv_heads, head_dim = LAYOUTS[role]
     hidden = num_kv_heads * head_dim
-    config = Qwen2Config(
-        hidden_size=hidden,
-        intermediate_size=hidden,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_kv_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        vocab_size=VOCAB,
-        max_position_embeddings=8192,
-    )
-    torch.manual_seed(0 if role == "target" else 1)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    shape = {
+        "hidden_size": hidden,
+        "intermediate_size": hidden,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_kv_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": VOCAB,
+    }
+    return gpu_check.build_model(shape, torch.device("cpu"), torch.float32)
 
 
 @dataclasses.dataclass
