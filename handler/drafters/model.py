@@ -261,7 +261,7 @@ class ModelDrafter:
                 if wanted[self.order[slot]].guess and slot not in shaped
             }
         texts = self._texts(asking, settings, shaped)
-        if not (guess_of or texts or shaped) and self._feeds_drafts and (self.stop_by_mask or not with_confidence):
+        if not (guess_of or texts or shaped) and (self.stops_by_mask if with_confidence else self._feeds_drafts):
             return self._propose_chains(rows, settings, k, asking, with_confidence, keep_drafting)
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         probs_of: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
