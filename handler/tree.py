@@ -68,11 +68,13 @@ def order_best_first(
     num_nodes = len(token_ids)
     assert len(parents) == num_nodes == len(scores), (len(token_ids), len(parents), len(scores))
     children: list[list[int]] = [[] for _ in range(num_nodes)]
-    available = []
+    # The nodes whose parent is placed, keyed (-score, node): the highest score first, ties to the earlier node.
+    heap = []
     for index, parent in enumerate(parents):
-        (available if parent == ROOT else children[parent]).append(index)
-    # A heap of the available nodes, keyed (-score, node): the highest score first, ties to the earlier node.
-    heap = [(-scores[node], node) for node in available]
+        if parent == ROOT:
+            heap.append((-scores[index], index))
+        else:
+            children[parent].append(index)
     heapq.heapify(heap)
     new_index = {}
     order: list[int] = []
