@@ -25,7 +25,8 @@ seed per row), for each batch size.
 
 `--confidence-stop loop|mask` (the tiny pair only) plans the steps from a fixed cost table and lets
 the draft's confidence stop its chains: the host reads every pass (`loop`), or the k passes run and
-are read once (`mask`); k is then each row's cap (`scripts.bench.own_time.self_drafting_engine`).
+are read once (`mask`); k is then the plan's: the row's cap with the loop, the priced k with the mask
+(the cap too here, every draft being accepted) (`scripts.bench.own_time.self_drafting_engine`).
 
 Counts, not timings: they hold on a busy machine.
 """

@@ -22,9 +22,10 @@ steps that admit rows are not measured.
 `--shapes` takes random-weight Qwen2.5 shapes from scripts.bench.gpu_check (bf16; nothing downloaded)
 instead of the tiny pair; each shape drafts for itself, as the tiny target does.
 
-`--confidence-stop loop|mask` plans the drafting steps from a fixed cost table instead: the plan
-drafts to the row's k and the draft's confidence stops it, the host reading every pass (`loop`) or
-the k passes running and being read once (`mask`, `handler.drafters.model.ModelDrafter.stop_by_mask`).
+`--confidence-stop loop|mask` plans the drafting steps from a fixed cost table instead, and the
+draft's confidence stops the chains: the plan drafts to the row's k and the host reads every pass
+(`loop`), or the plan's priced k passes run and are read once (`mask`,
+`handler.drafters.model.ModelDrafter.stop_by_mask`).
 
 Benchmarks are programs: take figures on a quiet machine, never in a test.
 """

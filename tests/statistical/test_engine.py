@@ -70,13 +70,17 @@ def confident_pair(pair, stop_by_mask: bool):
     """`pair` with an engine whose draft model stops by its confidence (read every pass, or by mask),
     and whose every step drafts, as while the pool is learning: left to the plan, the tiny pair's
     acceptance stops drafting after the first batch, and a check would see almost no drafts."""
-    from handler.planning.cost_table import CostModel
     from tests.models.conftest import make_engine
+    from tests.models.test_engine import CONFIDENT_COSTS
 
     target, tokenizer, engine = pair
-    costs = CostModel(draft_step=0.15, target_step=1.0, target_per_extra_token=0.05)
     confident = make_engine(
-        target, engine.model_drafter.model, tokenizer, eos_token_ids=(), cost_table=costs, draft_confidence=True
+        target,
+        engine.model_drafter.model,
+        tokenizer,
+        eos_token_ids=(),
+        cost_table=CONFIDENT_COSTS,
+        draft_confidence=True,
     )
     confident.model_drafter.stop_by_mask = stop_by_mask
     confident.estimates.exploring = lambda proposers: True
