@@ -170,9 +170,12 @@ class Proposer:
             return drafts, times
         drafter = self.drafters[MODEL]
         cost_table = self.planner.cost_table
+        filling = sum(drafter.unfilled_tokens(rows[slot].request_id) for slot in model_slots)
         started = time.perf_counter()
         drafter.fill([rows[slot].request_id for slot in model_slots])
         times.fill_seconds = time.perf_counter() - started
+        if filling and isinstance(cost_table, RunningCostTable):
+            cost_table.observe_fill(filling, times.fill_seconds)
         started = time.perf_counter()
         asking = [
             DraftRow(

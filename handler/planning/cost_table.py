@@ -205,6 +205,9 @@ class RunningCostTable:
         self.tree_ratios: list[float] = []
         self._tree_median: float | None = None
         self._buckets: dict[int, int] = {}
+        # The draft's latest prefills of joining rows (`observe_fill`): seconds per token, and their median.
+        self.fill_token_seconds: list[float] = []
+        self._fill_median: float | None = None
 
     @property
     def tree_factor(self) -> float:
@@ -224,6 +227,14 @@ class RunningCostTable:
         otherwise keep the draft's stale figure against the target's fresh one."""
         median = self._medians["draft"]
         return self.target_scale if median is None else median
+
+    @property
+    def draft_token_seconds(self) -> float | None:
+        """The draft's seconds per token over a wide chunk, as its prefills of joining rows ran; None
+        until one was timed. The table times one-token passes only: a wider pass of the draft is
+        priced from the target's cost of that width, which past the table's widths it extrapolates,
+        flat where a few tokens cost what one does, while hundreds cost each their share of compute."""
+        return self._fill_median
 
     def _bucket(self, batch_size: int) -> int:
         """The table's batch size nearest to `batch_size` (by ratio): whose shape it shares."""
@@ -274,6 +285,15 @@ class RunningCostTable:
         shape = _windowed(self.draft_shapes.setdefault(key, []), ratio / self.draft_scale, self.window)
         if shape is not None:
             self._draft_shape_medians[key] = shape
+
+    def observe_fill(self, num_tokens: int, seconds: float) -> None:
+        """The draft's prefill of `num_tokens` tokens (joining rows, in one pass) took `seconds`."""
+        if num_tokens <= 0:
+            return
+        self.fill_token_seconds.append(seconds / num_tokens)
+        del self.fill_token_seconds[: -self.window]
+        # One prefill is hundreds of tokens timed together: the first already beats an extrapolation.
+        self._fill_median = statistics.median(self.fill_token_seconds)
 
     def _observe(self, model: str, ratio: float) -> None:
         """Adds a ratio of observed to measured seconds to the model's window."""

@@ -167,10 +167,27 @@ class Planner:
             seconds *= table.tree_factor
         if num_draft_passes:
             draft_rows = max(1, self.model_drafter.num_rows)
-            one_pass = table.draft_seconds(draft_rows)
-            catch_up = self.model_drafter.max_pending
-            first_pass = one_pass * table.target_seconds(draft_rows, catch_up) / table.target_seconds(draft_rows, 1)
-            seconds += first_pass + max(0.0, num_draft_passes - 1) * one_pass
+            first_pass = self.draft_pass_seconds(draft_rows, self.model_drafter.max_pending)
+            seconds += first_pass + max(0.0, num_draft_passes - 1) * table.draft_seconds(draft_rows)
+        return seconds
+
+    def draft_pass_seconds(self, num_rows: int, width: int) -> float:
+        """The draft model's pass over `width` tokens for each of `num_rows` rows: a first pass that
+        catches up on the tokens committed without it, or its prefill of a joining row.
+
+        The draft has no table of its own beyond one token: its one-token pass, scaled by the target's
+        cost of that width. A wider pass costs no less than its tokens at the draft's seconds per
+        token in the prefills it ran (`RunningCostTable.draft_token_seconds`): under load on a CPU,
+        prefills of a few hundred tokens ran 6 times that scaled price.
+        """
+        table = self.cost_table
+        one_pass = table.draft_seconds(num_rows)
+        if width <= 1:
+            return one_pass
+        seconds = one_pass * table.target_seconds(num_rows, width) / table.target_seconds(num_rows, 1)
+        token_seconds = getattr(table, "draft_token_seconds", None)
+        if token_seconds is not None:
+            seconds = max(seconds, num_rows * width * token_seconds)
         return seconds
 
     def step_seconds(self, batch_size: int) -> Callable[[int, bool], float] | None:
@@ -190,13 +207,12 @@ class Planner:
 
     def _fill_share(self, row: PlannedRow, model_curve: Sequence[float]) -> float:
         """The seconds per step of the draft model's prefill of a row it has not drafted for (`fill`):
-        priced by the target's cost of that width (the draft has no table of its own), and spread
-        over the steps the row has left at its cap's expected tokens, as the prefill serves them all."""
+        priced as a pass of that width (`draft_pass_seconds`), and spread over the steps the row has
+        left at its cap's expected tokens, as the prefill serves them all."""
         num_tokens = self.model_drafter.unfilled_tokens(row.request_id)
         if not num_tokens:
             return 0.0
-        table = self.cost_table
-        seconds = table.draft_seconds(1) * table.target_seconds(1, num_tokens) / table.target_seconds(1, 1)
+        seconds = self.draft_pass_seconds(1, num_tokens)
         steps_left = max(1.0, row.remaining / model_curve[-1])
         return seconds / steps_left
 

@@ -210,3 +210,55 @@ def test_tree_passes_set_the_trees_premium_and_leave_the_chains_scale():
         running.observe_target(1, 4, 0.30, tree=True)
     assert running.target_scale == pytest.approx(1.0)
     assert running.tree_factor == pytest.approx(1.5)
+
+
+# A machine where the target's pass costs the same up to the widest measured width: past it the
+# table extrapolates flat, so a draft pass over hundreds of tokens is priced as one over one token.
+FLAT = CostTable(widths=(1, 16, 17), batch_sizes=(1, 8), target=((0.26, 0.26, 0.26), (0.26, 0.5, 0.6)), draft=(0.04, 0.08))
+
+
+class _Drafter:
+    """What the planner asks the draft model when it prices a catch-up or a prefill."""
+
+    def __init__(self, unfilled: int = 0, num_rows: int = 8, max_pending: int = 1) -> None:
+        self.unfilled, self.num_rows, self.max_pending = unfilled, num_rows, max_pending
+
+    def unfilled_tokens(self, request_id) -> int:
+        return self.unfilled
+
+
+def test_the_drafts_prefills_set_its_seconds_per_token():
+    running = RunningCostTable(FLAT, window=3)
+    assert running.draft_token_seconds is None, "no prefill timed yet"
+    running.observe_fill(0, 1.0)  # nothing filled: nothing to learn
+    assert running.draft_token_seconds is None
+    running.observe_fill(300, 1.2)
+    assert running.draft_token_seconds == pytest.approx(0.004), "one prefill of many tokens is enough"
+    for seconds in (0.3, 0.6, 0.9):
+        running.observe_fill(100, seconds)
+    assert running.draft_token_seconds == pytest.approx(0.006), "the median of the window's last prefills"
+
+
+def test_a_wide_draft_pass_costs_its_tokens_at_the_seconds_the_prefills_took():
+    """Under load, prefills and catch-ups of hundreds of tokens ran 6x what the flat extrapolation
+    priced; once one prefill was timed, the planner prices them at its seconds per token."""
+    from handler.planning.planner import Planner
+
+    running = RunningCostTable(FLAT)
+    planner = Planner(running, estimates=None, model_drafter=_Drafter(unfilled=300, max_pending=30))
+    assert planner.draft_pass_seconds(1, 300) == pytest.approx(0.04), "before: flat, one pass"
+    catch_up = 0.08 * FLAT.target_seconds(8, 30) / 0.26  # the target's width, extrapolated
+    assert planner.pass_seconds(8, 0, 2) == pytest.approx(0.26 + catch_up + 0.08)
+    running.observe_fill(300, 1.2)
+    assert planner.draft_pass_seconds(1, 300) == pytest.approx(1.2)
+    assert catch_up < 8 * 30 * 0.004
+    assert planner.draft_pass_seconds(8, 30) == pytest.approx(8 * 30 * 0.004), "a catch-up: its tokens"
+    assert planner.pass_seconds(8, 0, 2) == pytest.approx(0.26 + 0.96 + 0.08)
+    assert planner.draft_pass_seconds(8, 1) == pytest.approx(0.08), "a one-token pass: the table's"
+    assert planner.draft_pass_seconds(1, 2) == pytest.approx(0.04), "a narrow pass the table prices higher"
+
+    class Row:
+        request_id, remaining = "r", 60
+
+    # The row's prefill, spread over the 20 steps its 60 tokens take at 3 tokens a step.
+    assert planner._fill_share(Row(), [1.0, 2.0, 3.0]) == pytest.approx(1.2 / 20)
