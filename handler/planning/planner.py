@@ -12,6 +12,7 @@ verifying reads those.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -27,7 +28,7 @@ from handler.planning.pricing import (
     choose_runners_up,
     plan_batch,
 )
-from handler.planning.trackers import GuessRate, OutcomeCheck, PlannedRow, batch_bucket
+from handler.planning.trackers import OUTCOME_MIN_STEPS, GuessRate, OutcomeCheck, PlannedRow, batch_bucket
 from handler.types import DrafterName
 
 
@@ -205,16 +206,29 @@ class Planner:
 
         return seconds
 
-    def _fill_share(self, row: PlannedRow, model_curve: Sequence[float]) -> float:
+    def _fill_share(self, row: PlannedRow, model_curve: Sequence[float], max_steps: float = math.inf) -> float:
         """The seconds per step of the draft model's prefill of a row it has not drafted for (`fill`):
         priced as a pass of that width (`draft_pass_seconds`), and spread over the steps the row has
-        left at its cap's expected tokens, as the prefill serves them all."""
+        left at its cap's expected tokens, as the prefill serves them all, or over `max_steps`, where
+        the row may not draft for longer (`_fill_steps`)."""
         num_tokens = self.model_drafter.unfilled_tokens(row.request_id)
         if not num_tokens:
             return 0.0
         seconds = self.draft_pass_seconds(1, num_tokens)
-        steps_left = max(1.0, row.remaining / model_curve[-1])
+        steps_left = min(max(1.0, row.remaining / model_curve[-1]), max_steps)
         return seconds / steps_left
+
+    def _fill_steps(self, batch_size: int) -> float:
+        """The most steps a prefill in the draft is spread over at this batch size.
+
+        A prefill pays only while its row drafts. Where drafting at this batch size has run below its
+        price (`OutcomeCheck.ratio` < 1), the check may turn it off again within the steps its verdict
+        takes (OUTCOME_MIN_STEPS): a prefill must pay within them. Under load on a CPU, steps that
+        prefilled 8 rows for a plan barely clearing the check ran 2.6 to 3.7 s, and drafting stopped
+        at the next step: 9 % of a C = 8 run lost to plain decoding.
+        """
+        ratio = None if self.outcome_check is None else self.outcome_check.ratio(batch_bucket(batch_size))
+        return OUTCOME_MIN_STEPS if ratio is not None and ratio < 1.0 else math.inf
 
     def plan(self, rows: list[PlannedRow], options: list[RowOptions], num_steps: int) -> StepPlan:
         """Each row's drafter, k and tree this step, priced for the whole batch: the one place they are decided.
@@ -285,8 +299,9 @@ class Planner:
 
         # A row the draft model has not drafted for yet must be prefilled first: priced as a whole, with
         # the plan where such rows do not draft with the model as the alternative.
+        max_steps = self._fill_steps(batch_size)
         fill = [
-            self._fill_share(row, choice.model_curve) if choice.model_curve is not None else 0.0
+            self._fill_share(row, choice.model_curve, max_steps) if choice.model_curve is not None else 0.0
             for row, choice in zip(rows, choices)
         ]
 

@@ -214,7 +214,9 @@ def test_tree_passes_set_the_trees_premium_and_leave_the_chains_scale():
 
 # A machine where the target's pass costs the same up to the widest measured width: past it the
 # table extrapolates flat, so a draft pass over hundreds of tokens is priced as one over one token.
-FLAT = CostTable(widths=(1, 16, 17), batch_sizes=(1, 8), target=((0.26, 0.26, 0.26), (0.26, 0.5, 0.6)), draft=(0.04, 0.08))
+FLAT = CostTable(
+    widths=(1, 16, 17), batch_sizes=(1, 8), target=((0.26, 0.26, 0.26), (0.26, 0.5, 0.6)), draft=(0.04, 0.08)
+)
 
 
 class _Drafter:
@@ -262,3 +264,35 @@ def test_a_wide_draft_pass_costs_its_tokens_at_the_seconds_the_prefills_took():
 
     # The row's prefill, spread over the 20 steps its 60 tokens take at 3 tokens a step.
     assert planner._fill_share(Row(), [1.0, 2.0, 3.0]) == pytest.approx(1.2 / 20)
+
+
+def test_where_drafting_ran_below_its_price_a_prefill_must_pay_within_the_checks_steps():
+    """A prefill serves its row only while it drafts; where the outcome check found drafting below its
+    price at this batch size, it may stop it within OUTCOME_MIN_STEPS, so the prefill is spread over
+    those at most. Elsewhere (no verdict, or drafting at or above its price) over the row's steps."""
+    from handler.planning.planner import Planner
+    from handler.planning.trackers import OUTCOME_MIN_STEPS, OutcomeCheck
+
+    running = RunningCostTable(FLAT)
+    running.observe_fill(300, 1.2)
+    check = OutcomeCheck()
+    planner = Planner(running, estimates=None, model_drafter=_Drafter(unfilled=300), outcome_check=check)
+
+    class Row:
+        request_id, remaining = "r", 300
+
+    curve = [1.0, 2.0, 3.0]  # 100 steps left
+    assert planner._fill_steps(8) == float("inf"), "no verdict yet"
+    assert planner._fill_share(Row(), curve, planner._fill_steps(8)) == pytest.approx(1.2 / 100)
+    for _ in range(OUTCOME_MIN_STEPS):
+        check.observe(8, True, 1.0, 0.55)
+        check.observe(8, False, 1.0, 1.0)
+    assert check.ratio(8) == pytest.approx(0.55)
+    assert planner._fill_steps(8) == OUTCOME_MIN_STEPS
+    assert planner._fill_steps(7) == OUTCOME_MIN_STEPS, "7 rows share 8's verdict"
+    assert planner._fill_share(Row(), curve, planner._fill_steps(8)) == pytest.approx(1.2 / OUTCOME_MIN_STEPS)
+    assert planner._fill_steps(1) == float("inf"), "another batch size has its own verdict"
+    for _ in range(OUTCOME_MIN_STEPS):
+        check.observe(1, True, 1.0, 1.1)
+        check.observe(1, False, 1.0, 1.0)
+    assert planner._fill_steps(1) == float("inf"), "drafting above its price: the row's steps"
