@@ -49,8 +49,8 @@ EXPLORE_UNSEEN = 4
 # which a count of steps did not see.
 EXPLORE_SHARE = 0.02
 # The other arm runs in bursts of this many steps: the first drafting step after plain ones feeds
-# the draft every token it missed (a wide catch-up pass) and is not a fair sample; the engine
-# samples a drafting step only after one that drafted. The catch-up counts against the budget.
+# the draft every token it missed (a wide catch-up pass), which steady drafting does not pay. It is
+# a sample all the same (drafting that comes and goes pays it every time), and counts against the budget.
 EXPLORE_BURST = 4
 # A burst runs its steps unless they have taken this many times the seconds it was granted (its
 # arm's steps turned dearer than before); a burst a little over is repaid before the next one.
@@ -131,7 +131,7 @@ class OutcomeCheck:
     table's draft pass, so that a burst in every 16 had cost more than a sixteenth of the time.
     Where the two arms are close, the other arm loses less per second, and a larger share would
     still lose under EXPLORE_SHARE; it is not taken, because that loss would be judged from the
-    verdict, whose samples leave out the catch-up steps that make most of a drafting burst's cost.
+    verdict's medians, which a burst's one catch-up step, most of its cost, hardly moves.
     """
 
     def __init__(self) -> None:
