@@ -77,17 +77,20 @@ class StepLog:
         drafted = max(ks) > 0
         # A step that verified only the tokens a grammar forced is no sample: they are certain, not
         # speculation. A drafting step right after plain ones, which fed the draft the tokens it missed
-        # (its catch-up) or prefilled rows in it, is one: drafting that comes and goes pays them every
-        # time. Under load on a CPU, while such steps were left out, the samples kept put drafting at 0.8
-        # to 1.3 of its price at 16 rows, and the steps left out ran 1.8 to 5.9 s for their few tokens.
+        # (its catch-up), is one: drafting that comes and goes pays that every time. Under load on a CPU,
+        # while such steps were left out, the samples kept put drafting at 0.8 to 1.3 of its price at 16
+        # rows, and the steps left out ran 1.8 to 5.9 s for their few tokens. Its prefill of joining rows
+        # is not in a step's rate: the plan spread its price over the steps it serves (`Planner._fill_share`),
+        # and the step that pays it whole would turn the verdict against the drafting it was paid for.
         speculated = any(k and row.drafter != PROPOSER_GRAMMAR for row, k in zip(plan.rows, ks))
         fair = not drafted or speculated
         if self.outcome_check is not None and ended > started:
             rate = None
-            if fair and plan.expected_rate > 0:
+            seconds = ended - started - times.fill_seconds
+            if fair and plan.expected_rate > 0 and seconds > 0:
                 tokens = sum(len(output.new_token_ids) for output in outputs)
                 # As it ran over as priced: drafts of every kind then weigh alike (`OutcomeCheck`).
-                rate = tokens / (ended - started) / plan.expected_rate
+                rate = tokens / seconds / plan.expected_rate
             # Every step's own seconds, a catch-up's too: the other arm's time is budgeted. Like its rate,
             # they leave out the admission before it (the joining rows' prefill, the same in either arm).
             self.outcome_check.observe(batch_bucket(len(ks)), drafted, ended - started, rate)

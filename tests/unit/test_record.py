@@ -47,3 +47,17 @@ def test_every_step_shows_its_seconds_and_a_rate():
     assert catch_up[1] and catch_up[2] >= 0.5 and catch_up[3] == pytest.approx(6 / catch_up[2] / 20.0)
     assert steady[1] and steady[3] == pytest.approx(6 / steady[2] / 20.0)
     assert catch_up[3] < steady[3]
+
+
+def test_a_steps_prefill_in_the_draft_is_not_in_its_rate():
+    """The plan spread the prefill's price over the steps it serves; the step that pays it whole is
+    judged without it (its seconds count all the same)."""
+    check = Check()
+    steps = StepLog(check)
+    drafting = StepPlan((DRAFTING,) * 2, expected_rate=20.0)
+    started = time.perf_counter() - 0.5
+    outputs = [StepOutput(slot, [0] * 3, [0] * 3, None, None) for slot in range(2)]
+    steps.record(drafting, [2, 2], DraftTimes(fill_seconds=0.3), 0.0, 0.0, outputs, started, started)
+    ((_, drafted, seconds, rate),) = check.observed
+    assert drafted and seconds >= 0.5
+    assert rate == pytest.approx(6 / (seconds - 0.3) / 20.0)
