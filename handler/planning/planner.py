@@ -154,20 +154,23 @@ class Planner:
         """The row's guess rate where its model drafts are guessed (a hybrid row), else None."""
         return row.guess_rate if self.draft_guesses and row.drafter == HYBRID else None
 
-    def pass_seconds(self, batch_size: int, width: int, num_draft_passes: float, trees: bool = False) -> float:
+    def pass_seconds(
+        self, batch_size: int, width: int, num_draft_passes: float, trees: bool = False, joining: int = 0
+    ) -> float:
         """The cost table's seconds for a step: a target pass over `width` drafts and the pending
         token (a tree pass at its measured premium), after `num_draft_passes` draft-model passes.
 
-        A draft pass runs over every row the draft model holds, and its first pass also feeds the
-        tokens each row committed since it last drafted: after steps without model drafts that
-        pass is wider, priced by the target's cost of that width (the draft has no table of its own).
+        A draft pass runs over every row the draft model holds, and the `joining` rows the step
+        prefills in it first; its first pass also feeds the tokens each row committed since it last
+        drafted: after steps without model drafts that pass is wider, priced by the target's cost of
+        that width (the draft has no table of its own).
         """
         table = self.cost_table
         seconds = table.target_seconds(batch_size, width + 1)
         if trees and isinstance(table, RunningCostTable):
             seconds *= table.tree_factor
         if num_draft_passes:
-            draft_rows = max(1, self.model_drafter.num_rows)
+            draft_rows = max(1, self.model_drafter.num_rows + joining)
             first_pass = self.draft_pass_seconds(draft_rows, self.model_drafter.max_pending)
             seconds += first_pass + max(0.0, num_draft_passes - 1) * table.draft_seconds(draft_rows)
         return seconds
@@ -305,16 +308,21 @@ class Planner:
             for row, choice in zip(rows, choices)
         ]
 
-        priced: dict[tuple[int, float, bool], float] = {}  # the plans below ask for the same shapes
+        # The rows such a plan prefills: every draft pass then runs over them too.
+        joining = sum(1 for share in fill if share)
+        priced: dict[tuple[int, float, bool, int], float] = {}  # the plans below ask for the same shapes
 
-        def pass_seconds(width: int, passes: float, trees: bool) -> float:
-            seconds = priced.get((width, passes, trees))
+        def pass_seconds(width: int, passes: float, trees: bool, joining: int = 0) -> float:
+            key = (width, passes, trees, joining)
+            seconds = priced.get(key)
             if seconds is None:
-                seconds = priced[width, passes, trees] = self.pass_seconds(batch_size, width, passes, trees)
+                seconds = priced[key] = self.pass_seconds(batch_size, width, passes, trees, joining)
             return seconds
 
-        def seconds_with(fill_seconds: float) -> Callable[[int, float, bool], float]:
-            return lambda width, passes, trees: pass_seconds(width, passes, trees) + (fill_seconds if passes else 0.0)
+        def seconds_with(fill_seconds: float, joining: int = 0) -> Callable[[int, float, bool], float]:
+            return lambda width, passes, trees: (
+                pass_seconds(width, passes, trees, joining) + (fill_seconds if passes else 0.0)
+            )
 
         # The same offers where a row the draft has not prefilled cannot draft with the model.
         filled_only = (
@@ -322,7 +330,7 @@ class Planner:
             if any(fill)
             else offers
         )
-        plan = plan_batch(offers, seconds_with(sum(fill)), explore)
+        plan = plan_batch(offers, seconds_with(sum(fill), joining), explore)
         # While the pool learns the acceptance, the plan drafts, a prefill included. Where no row the
         # draft holds could draft with it, the alternative's plans are all plans above, none dearer.
         filled_model_rows = any(not share and choice.model_curve is not None for share, choice in zip(fill, choices))

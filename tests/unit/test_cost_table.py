@@ -296,3 +296,13 @@ def test_where_drafting_ran_below_its_price_a_prefill_must_pay_within_the_checks
         check.observe(1, True, 1.0, 1.1)
         check.observe(1, False, 1.0, 1.0)
     assert planner._fill_steps(1) == float("inf"), "drafting above its price: the row's steps"
+
+
+def test_a_step_that_prefills_rows_in_the_draft_prices_its_passes_over_them_too():
+    """The draft held no row; a plan that prefills 8 rows runs each draft pass over 8 rows, not one:
+    priced at one row, its passes looked half their cost at 8."""
+    from handler.planning.planner import Planner
+
+    planner = Planner(RunningCostTable(FLAT), estimates=None, model_drafter=_Drafter(num_rows=0))
+    assert planner.pass_seconds(8, 0, 2) == pytest.approx(0.26 + 2 * 0.04), "the draft's one row"
+    assert planner.pass_seconds(8, 0, 2, joining=8) == pytest.approx(0.26 + 2 * 0.08)
