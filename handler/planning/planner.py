@@ -189,9 +189,8 @@ class Planner:
         if width <= 1:
             return one_pass
         seconds = one_pass * table.target_seconds(num_rows, width) / table.target_seconds(num_rows, 1)
-        token_seconds = getattr(table, "draft_token_seconds", None)
-        if token_seconds is not None:
-            seconds = max(seconds, num_rows * width * token_seconds)
+        if isinstance(table, RunningCostTable) and table.draft_token_seconds is not None:
+            seconds = max(seconds, num_rows * width * table.draft_token_seconds)
         return seconds
 
     def step_seconds(self, batch_size: int) -> Callable[[int, bool], float] | None:
