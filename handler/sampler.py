@@ -49,6 +49,36 @@ from typing import Sequence
 
 import torch
 
+ARGMAX_BLOCK = 512  # entries a block in `argmax_vocab` on a CPU
+ARGMAX_MIN_BLOCKS = 8  # fewer blocks than this: the plain argmax
+
+
+def argmax_vocab(values: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [...] long
+    """`values.argmax(dim=-1)`: each row's first index of its largest value (NaN counting as the
+    largest, as argmax counts it), bit for bit.
+
+    On a CPU, torch's argmax over a vocabulary is a scalar loop, about ten times slower than `amax`
+    (2.9 ms against 0.26 ms for 16 rows of 151,936 float32 logits, 2 cores): on a real vocabulary the
+    argmaxes of a greedy drafting step cost as much as a draft pass. So by blocks: each block's `amax`
+    (vectorised), the first block holding the row's largest (an argmax over the few block maxima),
+    and the argmax within that block. Earlier blocks hold only smaller values, so the index is the
+    first; a NaN makes its block's maximum NaN, which the argmax over blocks takes first, as argmax
+    would. On other devices, and for small vocabularies, the plain argmax.
+    """
+    vocab = values.shape[-1]
+    num_blocks = vocab // ARGMAX_BLOCK
+    if values.device.type != "cpu" or num_blocks < ARGMAX_MIN_BLOCKS:
+        return values.argmax(dim=-1)
+    body = values[..., : num_blocks * ARGMAX_BLOCK].unflatten(-1, (num_blocks, ARGMAX_BLOCK))  # [..., blocks, block]
+    block_max = body.amax(dim=-1)  # [..., blocks]
+    if num_blocks * ARGMAX_BLOCK < vocab:  # the tail, a shorter block of its own
+        block_max = torch.cat([block_max, values[..., num_blocks * ARGMAX_BLOCK :].amax(dim=-1, keepdim=True)], dim=-1)
+    first = block_max.argmax(dim=-1, keepdim=True) * ARGMAX_BLOCK  # [..., 1]: the block's first index
+    # The tail's block reaches past the vocabulary: its indices are clamped to the last, which repeats
+    # the last entry after the tail's own and never comes first.
+    index = (first + torch.arange(ARGMAX_BLOCK, device=values.device)).clamp(max=vocab - 1)  # [..., block]
+    return (first + values.gather(-1, index).argmax(dim=-1, keepdim=True))[..., 0]
+
 
 @dataclasses.dataclass(frozen=True)
 class InUse:
@@ -159,7 +189,7 @@ def warp_logits_to_probs(
     # so the host never waits for the device here. A row's result is its own path's, bit for bit.
     greedy = temperature == 0  # [batch]
     if in_use is None or in_use.greedy:
-        one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(logits).scatter_(-1, argmax_vocab(logits)[..., None], 1.0)
         if in_use is not None and not in_use.sampled:
             return one_hot
     # Shift by the max before dividing: a tiny temperature would overflow logits / t to inf, then NaN.
@@ -413,7 +443,7 @@ def greedy_verify(
     vocabulary is built: one argmax per position, instead of the one-hot tensors, the residual and a
     cumulative sum over the vocabulary.
     """
-    return match_verify(target_logits.argmax(dim=-1), draft_token_ids, num_draft_tokens)
+    return match_verify(argmax_vocab(target_logits), draft_token_ids, num_draft_tokens)
 
 
 def match_verify(

@@ -32,7 +32,7 @@ import torch
 from handler.caches.prefix_cache import PrefixCache
 from handler.drafters import CROSS_VOCAB_GREEDY, SLEM, TLI
 from handler.drafters.model import ModelDrafter, draft_confidences
-from handler.sampler import SamplingBatch
+from handler.sampler import SamplingBatch, argmax_vocab
 from handler.vocab_map import CONTEXT_TOKENS, VocabMap
 
 # The committed target tokens a row keeps to re-tokenize the draft's text after (SLEM).
@@ -92,7 +92,7 @@ class CrossVocabDrafter(ModelDrafter):
     def _own_choices(self, draft_logits: torch.Tensor, with_confidence: bool):
         """The draft's greedy choice over its whole vocabulary, and its confidence: what a text row
         drafts (SLEM) and what a row that drafts no more feeds."""
-        own_ids = draft_logits[:, -1].argmax(dim=-1)  # [rows]
+        own_ids = argmax_vocab(draft_logits[:, -1])  # [rows]
         own_confidence = None
         if with_confidence:
             own_confidence = [row[0] for row in draft_confidences(draft_logits, own_ids[:, None])[0]]

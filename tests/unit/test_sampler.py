@@ -281,3 +281,64 @@ def test_what_the_host_knows_spares_work_never_a_rows_result(settings):
         torch.cat([logits[:1], logits]), selected.temperature, selected.top_k, selected.top_p, selected.min_p
     )
     assert torch.equal(selected.warp(torch.cat([logits[:1], logits])), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [7, 4096, 4096 + 384, 151_936])
+def test_argmax_vocab_is_argmax_with_ties_infinities_and_nans(dtype, vocab):
+    """The blocked argmax returns torch's argmax, index for index: ties (the first wins), rows of -inf,
+    +inf, NaNs (the first NaN wins), the largest in the tail block or in the vocabulary's last entry,
+    and a sliced, non-contiguous view as the verifier passes it."""
+    from handler.sampler import argmax_vocab
+
+    generator = torch.Generator().manual_seed(vocab)
+    rows = 24
+    values = torch.randn((rows, 3, vocab + 5), generator=generator).to(dtype)  # sliced to vocab below
+    few = torch.randint(0, 4, (rows, 3, vocab + 5), generator=generator).to(dtype)  # many ties
+    values[:4] = few[:4]
+    values[4] = float("-inf")
+    values[5, :, vocab // 2] = float("inf")
+    values[5, 1, vocab // 3] = float("inf")  # two +inf: the first
+    values[6, :, vocab - 1] = 100.0  # the last entry
+    values[7, :, (vocab // 512) * 512 :] = 50.0  # ties across the whole tail block
+    values[8, 0, vocab // 2] = float("nan")
+    values[8, 1, [vocab - 1, vocab // 4]] = float("nan")
+    values[9, :, 0] = 100.0  # the first entry
+    values[10, 2] = 1.0  # one value everywhere
+    sliced = values[..., :vocab]  # [rows, 3, vocab], not contiguous
+    assert torch.equal(argmax_vocab(sliced), sliced.argmax(dim=-1))
+    assert torch.equal(argmax_vocab(sliced[:, 0]), sliced[:, 0].argmax(dim=-1))  # [rows, vocab]
+    assert torch.equal(argmax_vocab(sliced.contiguous()), sliced.argmax(dim=-1))
+
+
+def test_argmax_vocab_random_rows_against_argmax():
+    """Thousands of random rows on a real vocabulary's size, ties drawn often."""
+    from handler.sampler import argmax_vocab
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(8):
+        values = torch.randint(0, 50, (256, 151_936), generator=generator).float()
+        assert torch.equal(argmax_vocab(values), values.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [384, 151_936])
+def test_confidence_tensors_are_the_top_two_of_the_draft_probabilities(vocab):
+    """The draft's probability of its draft, and its likeliest other token with that token's probability:
+    the top two of the softmax, the second where the draft is the first, whether the draft is the
+    argmax (a greedy draw) or another token (a sampled one)."""
+    from handler.drafters.model import confidence_tensors
+
+    generator = torch.Generator().manual_seed(vocab)
+    logits = 3 * torch.randn((6, 2, vocab), generator=generator)  # [rows, n, vocab]
+    probs = torch.softmax(logits, dim=-1)
+    top = probs.topk(2, dim=-1)
+    sampled = top.indices[..., 0].clone()  # [rows, n]: the argmax, then others below
+    sampled[3:] = torch.randint(0, vocab, (3, 2), generator=generator)
+    sampled[5, 0] = top.indices[5, 0, 1]  # the second likeliest: the other is the first
+    confidence, other_ids, other_probs = confidence_tensors(logits, sampled)
+    assert torch.equal(confidence, probs.gather(-1, sampled[..., None])[..., 0])
+    is_top = sampled == top.indices[..., 0]
+    expected_ids = torch.where(is_top, top.indices[..., 1], top.indices[..., 0])
+    assert torch.equal(other_ids, expected_ids)
+    assert torch.equal(other_probs, probs.gather(-1, expected_ids[..., None])[..., 0])
+    assert not bool(is_top[5, 0]) and other_ids[5, 0] == top.indices[5, 0, 0]
