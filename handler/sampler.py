@@ -51,6 +51,7 @@ import torch
 
 ARGMAX_BLOCK = 512  # entries a block in `argmax_vocab` on a CPU
 ARGMAX_MIN_BLOCKS = 8  # fewer blocks than this: the plain argmax
+TOP_P_PREFIX = 256  # likeliest tokens read first for top-p on a CPU (`_apply_top_p`)
 
 
 def argmax_vocab(values: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [...] long
@@ -245,16 +246,45 @@ def _apply_top_p(
     logits: torch.Tensor,  # [rows, positions, vocab]
     top_p: torch.Tensor,  # [rows]
 ) -> torch.Tensor:
-    active = top_p < 1.0  # [rows]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    # Keep the smallest prefix whose mass reaches top_p; the top token is always kept. A row without
-    # top-p keeps everything (its mass can round up to 1 before the end).
-    remove_sorted = (mass_before >= top_p.to(logits.dtype)[:, None, None]) & active[:, None, None]
-    remove_sorted[..., 0] = False
-    remove = torch.zeros_like(remove_sorted).scatter_(-1, order, remove_sorted)
+    """Keeps, at each position of a row with top-p, the likeliest tokens whose mass before them is
+    below top_p (the top token always).
+
+    A position's nucleus is read from its probabilities in descending order. On a CPU a sort over a
+    real vocabulary is slow (160 ms for 16 rows of 151,936 tokens on 2 cores, against 7.5 ms for their
+    top 256), and a nucleus is mostly far smaller: so the top TOP_P_PREFIX come first, and only the
+    positions whose nucleus may reach past them are sorted whole. Both paths read the same
+    probabilities in the same order, so a position's result depends neither on the path nor on the
+    batch it came in.
+    """
+    active = (top_p < 1.0)[:, None, None]  # [rows, 1, 1]
+    threshold = top_p.to(logits.dtype)[:, None, None]  # [rows, 1, 1]
+    probs = logits.softmax(dim=-1)  # [rows, positions, vocab]
+    if logits.device.type != "cpu" or probs.shape[-1] <= TOP_P_PREFIX:
+        values, order = probs.sort(dim=-1, descending=True)
+        removed = _outside_nucleus(values, threshold) & active
+        return logits.masked_fill(torch.zeros_like(removed).scatter_(-1, order, removed), float("-inf"))
+    values, order = probs.topk(TOP_P_PREFIX, dim=-1)  # [rows, positions, prefix], descending
+    removed = _outside_nucleus(values, threshold) & active
+    # Past the prefix every token of a row with top-p goes, unless its nucleus reaches that far.
+    remove = active.expand(probs.shape).clone().scatter_(-1, order, removed)  # [rows, positions, vocab]
+    reaches_past = ~removed[..., -1] & active[..., 0]  # [rows, positions]
+    if bool(reaches_past.any()):  # a CPU's read, which costs nothing: only those positions are sorted
+        rows, positions = reaches_past.nonzero(as_tuple=True)
+        values, order = probs[rows, positions].sort(dim=-1, descending=True)  # [n, vocab]
+        removed = _outside_nucleus(values, threshold[rows, 0])
+        remove[rows, positions] = torch.zeros_like(removed).scatter_(-1, order, removed)
     return logits.masked_fill(remove, float("-inf"))
+
+
+def _outside_nucleus(
+    values: torch.Tensor,  # [..., n]: probabilities in descending order
+    threshold: torch.Tensor,  # broadcast to [..., 1]: top_p
+) -> torch.Tensor:  # [..., n] bool
+    """Which of the sorted probabilities fall outside the nucleus: those whose mass before them reaches
+    top_p; the first never does."""
+    removed = (values.cumsum(dim=-1) - values) >= threshold
+    removed[..., 0] = False
+    return removed
 
 
 def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

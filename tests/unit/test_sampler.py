@@ -342,3 +342,28 @@ def test_confidence_tensors_are_the_top_two_of_the_draft_probabilities(vocab):
     assert torch.equal(other_ids, expected_ids)
     assert torch.equal(other_probs, probs.gather(-1, expected_ids[..., None])[..., 0])
     assert not bool(is_top[5, 0]) and other_ids[5, 0] == top.indices[5, 0, 0]
+
+
+@pytest.mark.parametrize("vocab", [1000, 151_936])
+def test_top_p_by_its_prefix_keeps_what_the_whole_sort_keeps(vocab, monkeypatch):
+    """On a CPU, top-p reads the likeliest TOP_P_PREFIX tokens first and sorts whole only the positions
+    whose nucleus reaches past them: the same tokens kept as sorting every position, for peaked
+    positions (the nucleus inside the prefix), flat ones (past it) and rows without top-p, side by side."""
+    import handler.sampler as sampler
+
+    generator = torch.Generator().manual_seed(vocab)
+    rows, positions = 8, 3
+    scale = torch.tensor([8.0, 8.0, 0.05, 3.0, 8.0, 0.05, 1.0, 8.0])[:, None, None]  # peaked .. flat
+    logits = scale * torch.randn((rows, positions, vocab), generator=generator)
+    top_p = torch.tensor([0.9, 0.5, 0.9, 0.999, 1.0, 0.3, 0.95, 0.99])
+    by_prefix = sampler._apply_top_p(logits, top_p)
+    kept = (by_prefix > float("-inf")).sum(dim=-1)  # [rows, positions]
+    assert kept.max() > sampler.TOP_P_PREFIX and kept.min() < sampler.TOP_P_PREFIX // 4  # both paths ran
+    assert (kept[4] == vocab).all()  # no top-p: everything
+    # One position alone, as plain decoding would see it (a flat one, a peaked one): the same tokens.
+    for row in (2, 0):
+        assert torch.equal(
+            by_prefix[row : row + 1, 1:2], sampler._apply_top_p(logits[row : row + 1, 1:2], top_p[row : row + 1])
+        )
+    monkeypatch.setattr(sampler, "TOP_P_PREFIX", vocab)  # every position sorted whole
+    assert torch.equal(by_prefix, sampler._apply_top_p(logits, top_p))
