@@ -4,7 +4,10 @@ A greedy step takes an argmax of every draft pass's logits and of every verified
 draft's confidence takes its likeliest other token. On a CPU, torch's `argmax` and `topk` are scalar
 loops, many times slower than `amax` over the same logits; the engine's `handler.sampler.argmax_vocab`
 (by blocks) and `handler.drafters.model.confidence_tensors` (an argmax with the draft's own entry
-put below the rest, instead of a top two) replace them. This program times both on random logits of
+put below the rest, instead of a top two) replace them. A sampled row with top-p sorts each
+position's probabilities, and a CPU's sort over a vocabulary is slower still: the engine's top-p
+(`handler.sampler._apply_top_p`) reads the likeliest 256 first and sorts only the positions whose
+nucleus reaches past them (a flat distribution's). This program times both on random logits of
 the shapes a step reduces (rows x positions x vocabulary, in the models' dtypes), checks that they
 agree index for index, and prints a table with the ratio of each.
 
@@ -22,6 +25,8 @@ import statistics
 import time
 
 import torch
+
+PEAKED_SCALE = 8.0  # logits of N(0, 8^2): the nucleus of 0.9 holds a few dozen of 151,936 tokens
 
 
 def seconds(call, repeats: int, device: torch.device) -> float:
@@ -47,9 +52,17 @@ def top_two_other(logits: torch.Tensor, sampled: torch.Tensor) -> tuple[torch.Te
     return top.indices.gather(-1, other)[..., 0], top.values.gather(-1, other)[..., 0]
 
 
+def sorted_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p by one sort of every position's whole vocabulary (as on a GPU)."""
+    values, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)
+    removed = (values.cumsum(dim=-1) - values) >= top_p[:, None, None]
+    removed[..., 0] = False
+    return logits.masked_fill(torch.zeros_like(removed).scatter_(-1, order, removed), float("-inf"))
+
+
 def measure(vocab: int, rows_list: list[int], positions_list: list[int], dtypes, repeats: int, device) -> list[dict]:
     from handler.drafters.model import confidence_tensors
-    from handler.sampler import argmax_vocab
+    from handler.sampler import _apply_top_p, argmax_vocab
 
     generator = torch.Generator().manual_seed(0)
     results = []
@@ -66,6 +79,13 @@ def measure(vocab: int, rows_list: list[int], positions_list: list[int], dtypes,
                 shape = dict(dtype=dtype, rows=rows, positions=positions)
                 assert torch.equal(argmax_vocab(logits), logits.argmax(dim=-1))
                 compare("argmax", functools.partial(torch.argmax, dim=-1), argmax_vocab, logits, **shape)
+                # Top-p 0.9 over a peaked distribution (its nucleus within the prefix) and a flat one (past
+                # it); in float32, as the warp takes logits (bf16's ties could order a tie differently)
+                top_p = torch.full((rows,), 0.9, device=device)
+                for spread in ("peaked", "flat") if dtype == torch.float32 else ():
+                    scaled = logits.float() * (PEAKED_SCALE if spread == "peaked" else 1.0)
+                    assert torch.equal(_apply_top_p(scaled, top_p), sorted_top_p(scaled, top_p))
+                    compare(f"top-p, {spread}", sorted_top_p, _apply_top_p, scaled, top_p, **shape)
                 if positions != 1:
                     continue  # the confidence is a draft pass's: one position
                 sampled = argmax_vocab(logits)
