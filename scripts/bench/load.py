@@ -30,7 +30,8 @@ Rows (--rows): `shipped` (the config as shipped), `plain` (k = 0), `k1`,
 each drafter alone with the planner (`model`, `ngram`, `suffix`, `hybrid`).
 
 Prompts are distinct coding requests (chat template applied), greedy, up to
---max-new-tokens tokens each. Each row has its own engine, warmed up (above);
+--max-new-tokens tokens each; with --temperature above 0 (and --top-p) sampled, each seeded by
+its prompt, so that every row still emits plain decoding's tokens. Each row has its own engine, warmed up (above);
 its suffix trees start empty in every measure, so that no row drafts
 from an earlier row's answers to the same prompts, and the prefix cache is
 off. Per measure: tokens/s (completion tokens over the makespan), TPOT
@@ -63,6 +64,7 @@ import os
 import pathlib
 import statistics
 import time
+import zlib
 
 from handler.config import SamplingParams
 from handler.drafters import HYBRID, MODEL, NGRAM, SUFFIX
@@ -182,6 +184,7 @@ class Bench:
     def __init__(self, models, config, cost_table: CostTable | None, settings: EngineSettings, args) -> None:
         self.models, self.config, self.cost_table, self.settings = models, config, cost_table, settings
         self.max_new_tokens = args.max_new_tokens
+        self.sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p) if args.temperature else GREEDY
         self.warm_tokens = args.warm_tokens or args.max_new_tokens
         self.warm_concurrency = args.concurrency if args.warm_tokens else [1]
         # Taken from the end of the prompts, the measured ones from the start.
@@ -206,8 +209,16 @@ class Bench:
         return self.engines[row.key]
 
     def request(self, row: Row, prompt_ids: tuple[int, ...], max_new_tokens: int | None = None) -> GenerationRequest:
+        # A sampled request is seeded by its prompt: every row then emits the same tokens as plain decoding
+        # (coupled verification), and the column of outputs that differ still checks exactness.
+        seed = None if self.sampling.is_greedy else zlib.crc32(repr(prompt_ids).encode())
         return GenerationRequest(
-            prompt_ids, max_new_tokens or self.max_new_tokens, GREEDY, num_speculative_tokens=row.k, drafter=row.drafter
+            prompt_ids,
+            max_new_tokens or self.max_new_tokens,
+            self.sampling,
+            num_speculative_tokens=row.k,
+            seed=seed,
+            drafter=row.drafter,
         )
 
     def measure(self, row: Row, prompts: list, arrivals: list[float] | None, concurrency: int) -> dict:
@@ -324,7 +335,8 @@ def markdown(report: dict) -> str:
         "",
         f"Machine: {report['machine']['description']}. Models: target {settings['target']}, "
         f"draft {settings['draft']} ({settings['draft_note']}), {settings['dtype']}; config {settings['config']}.",
-        f"Greedy, up to {settings['max_new_tokens']} new tokens per request; closed loop: "
+        f"{settings.get('sampling', 'Greedy')}, up to {settings['max_new_tokens']} new tokens per request; "
+        "closed loop: "
         f"{settings['requests_per_client']} requests per client (at least {settings['min_requests']}); "
         f"open loop: {settings['open_requests']} Poisson arrivals, at most {settings['max_in_flight']} in flight; "
         f"medians of {settings['repeats']} repeat(s); each engine first served 2C requests of "
@@ -410,6 +422,8 @@ def parse_args(argv):
     parser.add_argument("--open-requests", type=int, default=24)
     parser.add_argument("--max-in-flight", type=int, default=16, help="open loop: the batch's room (batchSize)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sampled, seeded")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sampled requests' top-p (1.0: off)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument(
         "--warm-tokens",
@@ -473,6 +487,11 @@ def main(argv=None) -> int:
             "dtype": str(models.dtype).replace("torch.", ""),
             "draft_note": draft_note,
             "max_new_tokens": args.max_new_tokens,
+            "sampling": (
+                f"Sampled (temperature {args.temperature:g}, top-p {args.top_p:g}, seeded)"
+                if args.temperature
+                else "Greedy"
+            ),
             "requests_per_client": args.requests_per_client,
             "min_requests": args.min_requests,
             "open_requests": args.open_requests,
