@@ -312,12 +312,12 @@ def test_argmax_vocab_is_argmax_with_ties_infinities_and_nans(dtype, vocab):
 
 
 def test_argmax_vocab_random_rows_against_argmax():
-    """Thousands of random rows on a real vocabulary's size, ties drawn often."""
+    """Hundreds of random rows on a real vocabulary's size, ties drawn often."""
     from handler.sampler import argmax_vocab
 
     generator = torch.Generator().manual_seed(0)
-    for _ in range(8):
-        values = torch.randint(0, 50, (256, 151_936), generator=generator).float()
+    for _ in range(2):
+        values = torch.randint(0, 50, (128, 151_936), generator=generator).float()
         assert torch.equal(argmax_vocab(values), values.argmax(dim=-1))
 
 
