@@ -24,7 +24,7 @@ def test_bench_structured_reports_every_method_with_plain_decoding_s_output(tiny
             *("--target", str(tiny_models_dir / "target"), "--draft", str(tiny_models_dir / "draft")),
             *("--config", str(REPO_ROOT / "model-config" / "model-config.yaml")),
             *("--runs", "1", "--validate-requests", "4"),
-            *("--max-new-tokens", "150", "--out", str(out)),
+            *("--max-new-tokens", "60", "--out", str(out)),
         ]
     )
     report = json.loads(out.read_text())
