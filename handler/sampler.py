@@ -260,9 +260,7 @@ def _apply_top_p(
     threshold = top_p.to(logits.dtype)[:, None, None]  # [rows, 1, 1]
     probs = logits.softmax(dim=-1)  # [rows, positions, vocab]
     if logits.device.type != "cpu" or probs.shape[-1] <= TOP_P_PREFIX:
-        values, order = probs.sort(dim=-1, descending=True)
-        removed = _outside_nucleus(values, threshold) & active
-        return logits.masked_fill(torch.zeros_like(removed).scatter_(-1, order, removed), float("-inf"))
+        return logits.masked_fill(outside_nucleus_by_sort(probs, threshold) & active, float("-inf"))
     values, order = probs.topk(TOP_P_PREFIX, dim=-1)  # [rows, positions, prefix], descending
     removed = _outside_nucleus(values, threshold) & active
     # Past the prefix every token of a row with top-p goes, unless its nucleus reaches that far.
@@ -270,10 +268,18 @@ def _apply_top_p(
     reaches_past = ~removed[..., -1] & active[..., 0]  # [rows, positions]
     if bool(reaches_past.any()):  # a CPU's read, which costs nothing: only those positions are sorted
         rows, positions = reaches_past.nonzero(as_tuple=True)
-        values, order = probs[rows, positions].sort(dim=-1, descending=True)  # [n, vocab]
-        removed = _outside_nucleus(values, threshold[rows, 0])
-        remove[rows, positions] = torch.zeros_like(removed).scatter_(-1, order, removed)
+        remove[rows, positions] = outside_nucleus_by_sort(probs[rows, positions], threshold[rows, 0])
     return logits.masked_fill(remove, float("-inf"))
+
+
+def outside_nucleus_by_sort(
+    probs: torch.Tensor,  # [..., vocab]
+    threshold: torch.Tensor,  # broadcast to [..., 1]: top_p
+) -> torch.Tensor:  # [..., vocab] bool
+    """Which tokens fall outside the nucleus, from one sort of the whole vocabulary."""
+    values, order = probs.sort(dim=-1, descending=True)
+    removed = _outside_nucleus(values, threshold)
+    return torch.zeros_like(removed).scatter_(-1, order, removed)
 
 
 def _outside_nucleus(

@@ -54,10 +54,10 @@ def top_two_other(logits: torch.Tensor, sampled: torch.Tensor) -> tuple[torch.Te
 
 def sorted_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Top-p by one sort of every position's whole vocabulary (as on a GPU)."""
-    values, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)
-    removed = (values.cumsum(dim=-1) - values) >= top_p[:, None, None]
-    removed[..., 0] = False
-    return logits.masked_fill(torch.zeros_like(removed).scatter_(-1, order, removed), float("-inf"))
+    from handler.sampler import outside_nucleus_by_sort
+
+    remove = outside_nucleus_by_sort(logits.softmax(dim=-1), top_p[:, None, None])
+    return logits.masked_fill(remove, float("-inf"))
 
 
 def measure(vocab: int, rows_list: list[int], positions_list: list[int], dtypes, repeats: int, device) -> list[dict]:
