@@ -21,10 +21,11 @@ from handler.planning.cost_table import RunningCostTable
 from handler.planning.planner import Drafts
 from handler.sampler import (
     SamplingBatch,
-    coupled_verify,
+    coupled_targets,
     draw_step_uniforms,
     greedy_verify,
     host_to_device,
+    match_drafts,
     position_uniforms,
     rejection_sample,
 )
@@ -139,30 +140,41 @@ class Verifier:
             assert k == 0 and logits.shape[:2] == (batch_size, 1), (k, logits.shape)
         logits = logits[..., : self.vocab_size]
         shaped = _shape_target_logits(rows, logits, draft_lists, ks, self.device)
-        num_draft_tokens = torch.tensor(ks, device=self.device)
         if greedy:
-            num_accepted, output_token_ids = greedy_verify(shaped, draft_token_ids, num_draft_tokens)
+            # The step's one synchronisation point: a read of the target's argmaxes; the verdicts and
+            # the bookkeeping after them are plain Python.
+            num_accepted, output_token_ids = greedy_verify(shaped, draft_lists, ks)
         else:
             target_probs = sampling.warp(shaped)  # [batch, k + 1, vocab]
             verify_uniforms, coupled_uniforms = uniforms.for_verify(k)
-            num_accepted, output_token_ids = rejection_sample(
+            accepted, emitted = rejection_sample(
                 target_probs,
                 draft_probs,
                 draft_token_ids,
-                num_draft_tokens,
+                torch.tensor(ks, device=self.device),
                 host_to_device(verify_uniforms, self.device),
             )
-        if uniforms.coupled:
-            index = torch.tensor(uniforms.coupled, device=self.device)
-            num_accepted[index], output_token_ids[index] = coupled_verify(
-                target_probs[index],
-                draft_token_ids[index],
-                num_draft_tokens[index],
-                host_to_device(coupled_uniforms, self.device),
-            )
-        # The step's one synchronisation point, one read of both: the bookkeeping after it is plain Python.
-        outcome = torch.cat([num_accepted[:, None].to(output_token_ids.dtype), output_token_ids], dim=1).tolist()
-        num_accepted, output_token_ids = [row[0] for row in outcome], [row[1:] for row in outcome]
+            outcome = torch.cat([accepted[:, None].to(emitted.dtype), emitted], dim=1)  # [batch, k + 2]
+            coupled = None
+            if uniforms.coupled:
+                index = torch.tensor(uniforms.coupled, device=self.device)
+                coupled = coupled_targets(target_probs[index], host_to_device(coupled_uniforms, self.device))
+                outcome = torch.cat([outcome.flatten(), coupled.flatten()])
+            # The step's one synchronisation point, one read of it all.
+            read = outcome.flatten().tolist()
+            width = k + 2
+            num_accepted = read[0 : batch_size * width : width]
+            output_token_ids = [read[row * width + 1 : (row + 1) * width] for row in range(batch_size)]
+            if coupled is not None:
+                # A coupled row's verdict: its drafts against the target's own samples (`coupled_verify`).
+                targets = read[batch_size * width :]
+                verdicts = match_drafts(
+                    [targets[index * (k + 1) : (index + 1) * (k + 1)] for index in range(len(uniforms.coupled))],
+                    [draft_lists[slot] for slot in uniforms.coupled],
+                    [ks[slot] for slot in uniforms.coupled],
+                )
+                for slot, num, emitted_row in zip(uniforms.coupled, *verdicts):
+                    num_accepted[slot], output_token_ids[slot] = num, emitted_row
         paths = [list(range(accepted + 1)) for accepted in num_accepted]
         for slot in tree_slots:
             proposal = drafts[slot].proposal
