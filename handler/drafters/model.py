@@ -14,6 +14,7 @@ of the next proposal, so the cache never has to recompute a prefix.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from typing import Callable, Hashable, Mapping, Sequence
 
@@ -515,8 +516,8 @@ class ModelDrafter:
         """The passes of the last proposal after which the row had its first `num_drafts` drafts."""
         if num_drafts <= 0:
             return 0
-        counts = self.last_draft_counts[request_id]
-        return next((p for p, n in enumerate(counts, 1) if n >= num_drafts), len(counts))
+        counts = self.last_draft_counts[request_id]  # drafts so far after each pass: never decreasing
+        return min(bisect.bisect_left(counts, num_drafts) + 1, len(counts))
 
     @property
     def last_num_passes(self) -> int:
