@@ -278,6 +278,26 @@ class RaggedCache:
     def mask(self, mask: torch.Tensor) -> None:
         self._mask = mask
         self._holes = None  # unknown until asked (`has_holes`)
+        self._room = None  # no columns past the mask to append into (`_append_columns`)
+
+    def _append_columns(self, chunk_mask: torch.Tensor | None, width: int) -> None:
+        """Appends a chunk's `width` columns to the mask: `chunk_mask`, or ones (no padding, no new holes).
+
+        In place, into room that an earlier append left past the mask, where there is some: a pass
+        then writes its own columns instead of copying the whole mask (a copy per pass grows with
+        the context). Views of the mask taken before stay as they were: an append writes past them.
+        """
+        batch_size, columns = self._mask.shape
+        room = self._room
+        if room is None or room.shape[1] < columns + width:
+            room = self._mask.new_zeros((batch_size, 2 * (columns + width) + 16))
+            room[:, :columns] = self._mask
+        room[:, columns : columns + width] = 1 if chunk_mask is None else chunk_mask
+        holes = self._holes
+        self.mask = room[:, : columns + width]
+        self._room = room
+        if chunk_mask is None:
+            self._holes = holes
 
     @property
     def has_holes(self) -> bool:
@@ -314,12 +334,10 @@ class RaggedCache:
             return self._forward_tree(input_ids, tree, logits_to_keep)
         old_mask = self.mask
         width = input_ids.shape[1]
-        unpadded = chunk_mask is None
-        if unpadded:
+        if chunk_mask is None:
             position_ids = self.lengths[:, None]  # [batch, width]
             if width > 1:
                 position_ids = position_ids + torch.arange(width)
-            chunk_mask = self.mask.new_ones(input_ids.shape)
             self.lengths = self.lengths + width
         else:
             assert input_ids.shape == chunk_mask.shape, (input_ids.shape, chunk_mask.shape)
@@ -327,11 +345,10 @@ class RaggedCache:
             position_ids = self.lengths[:, None] + chunk_mask.cumsum(dim=1) - 1  # [batch, width]
             position_ids = position_ids.clamp(min=0)
             self.lengths = self.lengths + chunk_mask.sum(dim=1)
-        holes = self._holes
-        self.mask = torch.cat([self.mask, chunk_mask], dim=1)
-        if unpadded:
-            self._holes = holes  # the chunk adds none
+        self._append_columns(chunk_mask, width)
         if self.layout[0] is not None:
+            if chunk_mask is None:
+                chunk_mask = self.mask.new_ones(input_ids.shape)
             old_positions = old_mask.cumsum(dim=1) - 1  # [batch, old columns]: each valid column's position
             kv_positions = torch.cat([old_positions, position_ids], dim=1)  # [batch, columns]
             seen = self.mask.bool()[:, None, :] & (kv_positions[:, None, :] <= position_ids[:, :, None])
@@ -355,7 +372,7 @@ class RaggedCache:
         # Each column sees the row's valid cached columns and its own ancestors in the chunk.
         seen = torch.cat([self.mask.bool()[:, None, :].expand(-1, width, -1), allowed], dim=2)  # [b, w, cols]
         kv_positions = torch.cat([self.mask.cumsum(dim=1) - 1, position_ids], dim=1)  # [batch, columns]
-        self.mask = torch.cat([self.mask, torch.ones((batch_size, width), dtype=torch.long)], dim=1)
+        self._append_columns(None, width)
         self.lengths = self.lengths + width
         masks = attention_masks(seen, kv_positions, position_ids, self.layout, self.model.dtype, self.device)
         return self._run(input_ids, masks, position_ids, logits_to_keep)
