@@ -45,7 +45,8 @@ derived from a seed (`position_uniforms`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import functools
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -109,16 +110,28 @@ class InUse:
         )
 
 
+class _Greedy(NamedTuple):
+    """The settings of a row that draws greedily (`SamplingBatch.select`'s rows without a slot)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+
+_GREEDY = _Greedy()
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingBatch:
-    """A step's sampling settings as tensors, one row per request in batch order (`from_params`): the
-    draft model samples with them (`select` puts them in its cache's row order) and the verify pass
-    warps the target's logits with them (`warp`)."""
+    """A step's sampling settings, one row per request in batch order (`from_params`): the draft model
+    samples with them (`select` puts them in its cache's row order) and the verify pass warps the
+    target's logits with them (`warp`). Their tensors are built when first read: a batch whose rows
+    are all greedy draws and verifies by argmaxes, and never reads them."""
 
-    temperature: torch.Tensor  # [batch] float, 0 means greedy
-    top_k: torch.Tensor  # [batch] long, 0 means off
-    top_p: torch.Tensor  # [batch] float, 1.0 means off
-    min_p: torch.Tensor  # [batch] float, 0 means off
+    # Per row, an object with temperature, top_k, top_p and min_p (`handler.types.SamplingParams`).
+    params: tuple
+    device: torch.device
     # [batch, k] float64 on the CPU: each row's uniforms for its draft draws, once the step's plan has
     # drawn them (`with_uniforms`); None before.
     uniforms: torch.Tensor | None = None
@@ -129,13 +142,32 @@ class SamplingBatch:
     def from_params(cls, params: Sequence, device: torch.device) -> SamplingBatch:
         """The batch of each row's settings (`params`: objects with temperature, top_k, top_p and min_p,
         `handler.types.SamplingParams`)."""
-        return cls(
-            torch.tensor([p.temperature for p in params], device=device),
-            torch.tensor([p.top_k for p in params], device=device),
-            torch.tensor([p.top_p for p in params], device=device),
-            torch.tensor([p.min_p for p in params], device=device),
-            in_use=InUse.of(params),
+        return cls(tuple(params), device, in_use=InUse.of(params))
+
+    @functools.cached_property
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (
+            torch.tensor([p.temperature for p in self.params], device=self.device),
+            torch.tensor([p.top_k for p in self.params], device=self.device),
+            torch.tensor([p.top_p for p in self.params], device=self.device),
+            torch.tensor([p.min_p for p in self.params], device=self.device),
         )
+
+    @property
+    def temperature(self) -> torch.Tensor:  # [batch] float, 0 means greedy
+        return self._tensors[0]
+
+    @property
+    def top_k(self) -> torch.Tensor:  # [batch] long, 0 means off
+        return self._tensors[1]
+
+    @property
+    def top_p(self) -> torch.Tensor:  # [batch] float, 1.0 means off
+        return self._tensors[2]
+
+    @property
+    def min_p(self) -> torch.Tensor:  # [batch] float, 0 means off
+        return self._tensors[3]
 
     @property
     def all_greedy(self) -> bool:
@@ -149,18 +181,14 @@ class SamplingBatch:
         """The settings of another order of rows: row i takes this batch's row `slots[i]`, and the first
         `num_uniforms[i]` of its uniforms (zeros after them, up to `width`); a row whose slot is None
         samples greedily (its draws are never verified)."""
-        device = self.temperature.device
-        known = torch.tensor([slot is not None for slot in slots], device=device)  # [rows]
-        index = torch.tensor([slot or 0 for slot in slots], device=device)  # [rows]
         uniforms = torch.zeros((len(slots), width), dtype=torch.float64)  # [rows, width]
-        for row, (slot, num) in enumerate(zip(slots, num_uniforms)):
-            if slot is not None and self.uniforms is not None and not self.all_greedy:  # greedy: zeros
-                uniforms[row, :num] = self.uniforms[slot, :num]
+        if self.uniforms is not None and not self.all_greedy:  # greedy: zeros
+            for row, (slot, num) in enumerate(zip(slots, num_uniforms)):
+                if slot is not None:
+                    uniforms[row, :num] = self.uniforms[slot, :num]
         return SamplingBatch(
-            torch.where(known, self.temperature[index], 0.0),
-            torch.where(known, self.top_k[index], 0),
-            torch.where(known, self.top_p[index], 1.0),
-            torch.where(known, self.min_p[index], 0.0),
+            tuple(_GREEDY if slot is None else self.params[slot] for slot in slots),
+            self.device,
             uniforms,
             # A row without a slot is greedy.
             self.in_use if self.in_use is None or None not in slots else dataclasses.replace(self.in_use, greedy=True),
