@@ -259,6 +259,15 @@ def left_pad(token_lists: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.T
     return torch.tensor(ids, dtype=torch.long).reshape(shape), torch.tensor(mask, dtype=torch.long).reshape(shape)
 
 
+def chunk_of(token_lists: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`left_pad`, with no mask where every row has as many tokens (no padding): `RaggedCache.forward`
+    then takes the positions from the lengths alone, without a mask's sums."""
+    width = len(token_lists[0])
+    if all(len(tokens) == width for tokens in token_lists):
+        return torch.tensor(token_lists, dtype=torch.long).reshape(len(token_lists), width), None
+    return left_pad(token_lists, pad_id)
+
+
 class RaggedCache:
     """One model's KV cache for a batch of rows of different lengths."""
 

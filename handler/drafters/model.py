@@ -20,7 +20,7 @@ from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 
-from handler.caches.kv_cache import left_pad
+from handler.caches.kv_cache import chunk_of
 from handler.caches.prefix_cache import PrefixCache, prefill_with_cache
 from handler.caches.rollback import draft_rollback
 from handler.drafters import MODEL, DraftRow, Proposal
@@ -284,7 +284,7 @@ class ModelDrafter:
                 if room > 0:
                     tried[slot] = list(guess(drafts[slot], room))[:room]
             num_kept = 1 + max(len(tokens) for tokens in tried)
-            input_ids, chunk_mask = left_pad([feed + extra for feed, extra in zip(feeds, tried)], self.pad_token_id)
+            input_ids, chunk_mask = chunk_of([feed + extra for feed, extra in zip(feeds, tried)], self.pad_token_id)
             draft_logits = self.cache.forward(self._pass_ids(input_ids), chunk_mask, logits_to_keep=num_kept)
             num_passes += 1
             self._fed(feeds)
@@ -391,7 +391,7 @@ class ModelDrafter:
         (`_end_proposal`): the proposals, the counts and the cache are the general loop's. The passes
         past the stop still ran, and `last_num_passes` counts them.
         """
-        input_ids, chunk_mask = left_pad(self._first_feeds(), self.pad_token_id)
+        input_ids, chunk_mask = chunk_of(self._first_feeds(), self.pad_token_id)
         # Where no row samples, a draw is the argmax, and its distribution is one-hot at the draft itself:
         # a proposal without `draft_probs` says so, as a look-up's does.
         greedy = settings.all_greedy
