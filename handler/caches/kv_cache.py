@@ -119,19 +119,64 @@ def _owns_its_storage(states: torch.Tensor) -> bool:
 
 
 class _FullLayer(DynamicLayer):
-    """A layer that keeps every token and takes its first chunk's keys and values as the model made them.
+    """A layer that keeps every token, takes its first chunk's keys and values as the model made them,
+    and appends later chunks in place.
 
     `DynamicLayer` concatenates an empty tensor with the first chunk: one more copy of a whole
     prefill's KV per layer, for nothing. States that are a slice of a larger tensor (a fused
     projection's output) are still copied: keeping them would keep all of it.
+
+    `DynamicLayer` also concatenates every later chunk, a copy of the layer's whole KV per pass:
+    at 16 rows of 500 tokens, 14 ms of a 1.5B-shaped pass on a 2-core CPU. Here a chunk is written
+    into room past the layer's columns (`_room`, grown by an eighth when full, so a pass copies a
+    few columns' worth on average), and the keys and values are views of it. Whatever replaces the
+    states (a rollback's gather, a row selection, a merge) leaves no room: the next chunk makes new.
+    A crop keeps the room; the columns it dropped are written over by the next chunks.
     """
 
+    _room: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.is_initialized or not (_owns_its_storage(key_states) and _owns_its_storage(value_states)):
+        if not self.is_initialized:
+            if not (_owns_its_storage(key_states) and _owns_its_storage(value_states)):
+                return super().update(key_states, value_states, *args, **kwargs)
+            self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = key_states, value_states  # [batch, heads, width, head_dim]
+            return self.keys, self.values
+        if self.keys.dim() != 4:  # initialized from empty states: nothing to keep
             return super().update(key_states, value_states, *args, **kwargs)
-        self.lazy_initialization(key_states, value_states)
-        self.keys, self.values = key_states, value_states  # [batch, heads, width, head_dim]
+        columns, width = self.keys.shape[2], key_states.shape[2]
+        if not self._has_room(columns + width):
+            capacity = columns + width + max(ROOM_MIN_COLUMNS, (columns + width) // 8)
+            self._room = (_with_room(self.keys, capacity), _with_room(self.values, capacity))
+        for room, states in zip(self._room, (key_states, value_states)):
+            room[:, :, columns : columns + width] = states
+        self.keys, self.values = (room[:, :, : columns + width] for room in self._room)
         return self.keys, self.values
+
+    def _has_room(self, columns: int) -> bool:
+        """Whether the keys and values are still the first columns of the room, with `columns` in it."""
+        if self._room is None:
+            return False
+        return all(
+            states.data_ptr() == room.data_ptr()
+            and states.stride() == room.stride()
+            and states.shape[:2] == room.shape[:2]
+            and states.shape[3] == room.shape[3]
+            and room.shape[2] >= columns
+            for states, room in zip((self.keys, self.values), self._room)
+        )
+
+
+ROOM_MIN_COLUMNS = 32  # the least room a layer's append leaves past its columns (`_FullLayer`)
+
+
+def _with_room(states: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A copy of `states` [batch, heads, columns, head_dim] at the front of [batch, heads, capacity, head_dim]."""
+    batch, heads, columns, head_dim = states.shape
+    room = states.new_empty((batch, heads, capacity, head_dim))
+    room[:, :, :columns] = states
+    return room
 
 
 def full_cache(model: torch.nn.Module) -> DynamicCache:
