@@ -128,8 +128,8 @@ class _FullLayer(DynamicLayer):
 
     `DynamicLayer` also concatenates every later chunk, a copy of the layer's whole KV per pass:
     at 16 rows of 500 tokens, 14 ms of a 1.5B-shaped pass on a 2-core CPU. Here a chunk is written
-    into room past the layer's columns (`_room`, grown by an eighth when full, so a pass copies a
-    few columns' worth on average), and the keys and values are views of it. Whatever replaces the
+    into room past the layer's columns (`_room`, `_with_room`: grown by an eighth when full, so a
+    pass copies a few columns' worth on average), and the keys and values are views of it. Whatever replaces the
     states (a rollback's gather, a row selection, a merge) leaves no room: the next chunk makes new.
     A crop keeps the room; the columns it dropped are written over by the next chunks.
     """
@@ -143,12 +143,9 @@ class _FullLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
             self.keys, self.values = key_states, value_states  # [batch, heads, width, head_dim]
             return self.keys, self.values
-        if self.keys.dim() != 4:  # initialized from empty states: nothing to keep
-            return super().update(key_states, value_states, *args, **kwargs)
         columns, width = self.keys.shape[2], key_states.shape[2]
         if not self._has_room(columns + width):
-            capacity = columns + width + max(ROOM_MIN_COLUMNS, (columns + width) // 8)
-            self._room = (_with_room(self.keys, capacity), _with_room(self.values, capacity))
+            self._room = (_with_room(self.keys, 2, columns + width), _with_room(self.values, 2, columns + width))
         for room, states in zip(self._room, (key_states, value_states)):
             room[:, :, columns : columns + width] = states
         self.keys, self.values = (room[:, :, : columns + width] for room in self._room)
@@ -168,14 +165,18 @@ class _FullLayer(DynamicLayer):
         )
 
 
-ROOM_MIN_COLUMNS = 32  # the least room a layer's append leaves past its columns (`_FullLayer`)
+ROOM_MIN_COLUMNS = 32  # the least room an append leaves past the columns (`_with_room`)
 
 
-def _with_room(states: torch.Tensor, capacity: int) -> torch.Tensor:
-    """A copy of `states` [batch, heads, columns, head_dim] at the front of [batch, heads, capacity, head_dim]."""
-    batch, heads, columns, head_dim = states.shape
-    room = states.new_empty((batch, heads, capacity, head_dim))
-    room[:, :, :columns] = states
+def _with_room(states: torch.Tensor, dim: int, needed: int) -> torch.Tensor:
+    """A tensor like `states` whose size along `dim` holds `needed` and an eighth more (at least
+    ROOM_MIN_COLUMNS), `states` copied to its front: room that later appends write into in place
+    (a cache layer's keys and values, a ragged cache's mask). Past `states` it is uninitialised:
+    an append writes its columns before they are read."""
+    shape = list(states.shape)
+    shape[dim] = needed + max(ROOM_MIN_COLUMNS, needed // 8)
+    room = states.new_empty(shape)
+    room.narrow(dim, 0, states.shape[dim]).copy_(states)
     return room
 
 
@@ -341,11 +342,10 @@ class RaggedCache:
         then writes its own columns instead of copying the whole mask (a copy per pass grows with
         the context). Views of the mask taken before stay as they were: an append writes past them.
         """
-        batch_size, columns = self._mask.shape
+        columns = self._mask.shape[1]
         room = self._room
         if room is None or room.shape[1] < columns + width:
-            room = self._mask.new_zeros((batch_size, 2 * (columns + width) + 16))
-            room[:, :columns] = self._mask
+            room = _with_room(self._mask, 1, columns + width)
         room[:, columns : columns + width] = 1 if chunk_mask is None else chunk_mask
         holes = self._holes
         self.mask = room[:, : columns + width]
