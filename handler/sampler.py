@@ -24,7 +24,8 @@ its own uniform, keyed by the request's seed and the position alone
 (`position_uniforms`). The target's token at a position is its inverse-CDF
 sample of target_probs with that uniform; the draft token there is the
 inverse-CDF sample of draft_probs with the same uniform, and drafts are
-accepted while they equal the target's tokens (`coupled_verify`). Every
+accepted while they equal the target's tokens (`coupled_targets`, then
+`match_drafts`). Every
 emitted token is then the target's own sample for its position, whatever was
 drafted: the output follows the target's distribution exactly and depends on
 the seed and the target alone, not on k, the drafter or the batch (the idea of
@@ -477,33 +478,12 @@ def coupled_targets(
     uniforms: torch.Tensor,  # [batch, k + 1] float64: each position's own uniform
 ) -> torch.Tensor:  # [batch, k + 1] long, where the probabilities are
     """The target's own token at each position of coupled rows: its inverse-CDF sample with that
-    position's uniform. Drafts are then accepted while they equal these (`match_drafts`)."""
+    position's uniform. Drafts are then accepted while they equal these (`match_drafts`): every
+    emitted token is the target's own sample, whatever was drafted. The engine reads them with the rest
+    of its step's outcome (`handler.engine.verify`)."""
     batch_size, k_plus_1, vocab_size = target_probs.shape
     assert uniforms.shape == (batch_size, k_plus_1), uniforms.shape
     return sample_from_probs(target_probs.reshape(-1, vocab_size), uniforms.reshape(-1)).reshape(batch_size, k_plus_1)
-
-
-def coupled_verify(
-    target_probs: torch.Tensor,  # [batch, k + 1, vocab]
-    draft_token_ids: Sequence[Sequence[int]],  # per row, its k drafts (or more: padding, never read)
-    num_draft_tokens: Sequence[int],  # per row, its drafts, each <= k
-    uniforms: torch.Tensor,  # [batch, k + 1] float64: each position's own uniform
-) -> tuple[list[int], list[list[int]]]:
-    """Verifies drafts by coupling: the results of `rejection_sample`, read to the host.
-
-    Position j's token is the target's inverse-CDF sample with uniforms[:, j].
-    A draft is accepted while it equals that token, and the first mismatch (or
-    the bonus position) emits the target's token. Drafts decide only how many
-    positions one step covers, never which tokens come out. One read of the
-    target's tokens (`coupled_targets`); the engine reads them with the rest of its
-    step's outcome instead (`handler.engine.verify`).
-
-    Returns:
-        num_accepted: per row, its accepted drafts.
-        output_token_ids: per row [k + 1]: the target's tokens up to and including index
-            num_accepted, then -1.
-    """
-    return match_drafts(coupled_targets(target_probs, uniforms).tolist(), draft_token_ids, num_draft_tokens)
 
 
 def greedy_verify(
@@ -512,7 +492,7 @@ def greedy_verify(
     num_draft_tokens: Sequence[int],  # per row, its drafts, each <= k
 ) -> tuple[list[int], list[list[int]]]:
     """`rejection_sample` for a batch whose every row is greedy, from the logits: the same results, read
-    to the host (as `coupled_verify` gives them).
+    to the host (as `match_drafts` gives them).
 
     On one-hot distributions with zero uniforms, rejection sampling accepts a draft iff it is the
     target's argmax (its draft distribution is one-hot at the draft itself: a greedy draw, a look-up),
@@ -529,7 +509,7 @@ def match_drafts(
     num_draft_tokens: Sequence[int],  # per row, its drafts, each <= k
 ) -> tuple[list[int], list[list[int]]]:
     """Drafts accepted while they equal the target's own tokens, then the target's token at the first
-    mismatch (or the bonus position): `coupled_verify` and `greedy_verify` once the target's tokens are
+    mismatch (or the bonus position): coupling and `greedy_verify` once the target's tokens are
     read. On the host: a few comparisons a row, where the same on tensors is a dozen small ops.
 
     Returns:

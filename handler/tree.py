@@ -15,7 +15,7 @@ Acceptance (`verify_tree`): walk down from the root. At each node, draw the
 target's own token there: its argmax for a greedy row, its inverse-CDF sample
 with the depth's uniform otherwise (a fresh uniform per depth for an unseeded
 row; the position's seeded uniform for a coupled row, as in
-`handler.sampler.coupled_verify`). If a child holds that token, it is
+`handler.sampler.coupled_targets`). If a child holds that token, it is
 accepted and the walk descends; otherwise the token is emitted and the step
 ends. Every emitted token is a sample of the target's distribution given the
 path so far, so the output is exactly the target's, for any tree chosen

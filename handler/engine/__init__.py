@@ -31,7 +31,7 @@ The engine is built in one place, `build` (`build_engine`, `engine_from_config`)
 drafters, the prefix caches, the cost table and the planner, from a handler config or a test's
 keywords; `SpeculativeEngine` receives them built (`EngineParts`).
 
-A seeded sampled request is verified by coupling (`handler.sampler.coupled_verify`): its output
+A seeded sampled request is verified by coupling (`handler.sampler.coupled_targets`): its output
 depends on its seed and the target alone, so neither the plan nor the rows beside it can change it.
 
 Nothing here imports TorchServe.

@@ -4,7 +4,7 @@ One target pass covers the batch: each row's pending token and its drafts, a tre
 seeing their own ancestors only (`handler.tree.chunk_attention`). Each row's rules then shape
 the target's logits, and the rows are decided by modified rejection sampling
 (`handler.sampler.rejection_sample`), by coupling for a seeded sampled row
-(`handler.sampler.coupled_verify`), or by walking a tree (`handler.tree.verify_tree`).
+(`handler.sampler.coupled_targets`), or by walking a tree (`handler.tree.verify_tree`).
 Nothing here drafts.
 """
 
@@ -166,7 +166,7 @@ class Verifier:
             num_accepted = read[0 : batch_size * width : width]
             output_token_ids = [read[row * width + 1 : (row + 1) * width] for row in range(batch_size)]
             if coupled is not None:
-                # A coupled row's verdict: its drafts against the target's own samples (`coupled_verify`).
+                # A coupled row's verdict: its drafts against the target's own samples.
                 targets = read[batch_size * width :]
                 verdicts = match_drafts(
                     [targets[index * (k + 1) : (index + 1) * (k + 1)] for index in range(len(uniforms.coupled))],

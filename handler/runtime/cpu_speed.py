@@ -358,7 +358,7 @@ def quantize_draft_int8(draft):
     benchmark measures. Because the scale is shared, a row's proposals depend
     on the rows beside it; outputs do not: greedy ones are the target's, and a
     seeded sampled one depends on its seed and the target alone
-    (`handler.sampler.coupled_verify`).
+    (`handler.sampler.coupled_targets`).
     """
     from torch.ao.quantization import quantize_dynamic
 

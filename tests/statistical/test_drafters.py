@@ -3,7 +3,7 @@
 An n-gram or suffix-tree proposal is deterministic, so its draft distribution is one-hot: the
 draft token x is accepted with probability target_probs[x], and a rejection
 samples from target_probs with x removed. Seeded requests are coupled instead
-(`handler.sampler.coupled_verify`) and must follow the same distribution. The
+(`handler.sampler.coupled_targets`) and must follow the same distribution. The
 same check run on a broken variant, which hands the rejection sampler a
 uniform draft distribution instead of the one-hot, must fail, so the check is
 known to have power.

@@ -225,8 +225,14 @@ def test_position_uniforms_depend_on_the_seed_and_the_position_alone():
     assert len(set(position_uniforms(0, 0, 64).tolist())) == 64
 
 
+def coupled_verify(target_probs, drafts, num_drafts, uniforms):
+    """Coupling as the engine verifies a seeded row: the target's own samples, read, matched."""
+    from handler.sampler import coupled_targets, match_drafts
+
+    return match_drafts(coupled_targets(target_probs, uniforms).tolist(), drafts, num_drafts)
+
+
 def test_coupled_verify_accepts_drafts_while_they_equal_the_target_samples():
-    from handler.sampler import coupled_verify
 
     # One-hot targets: the target's token at each position is 1, 2, 3 whatever the uniform.
     target = torch.stack([dist(0, 1, 0, 0), dist(0, 0, 1, 0), dist(0, 0, 0, 1)])[None].expand(3, -1, -1)
@@ -241,8 +247,6 @@ def test_coupled_verify_accepts_drafts_while_they_equal_the_target_samples():
 
 
 def test_coupled_verify_emits_the_targets_own_samples_whatever_was_drafted():
-    from handler.sampler import coupled_verify
-
     generator = torch.Generator().manual_seed(3)
     target = torch.softmax(torch.randn(64, 4, VOCAB, generator=generator), dim=-1)  # [batch, k + 1, vocab]
     uniforms = torch.rand(64, 4, generator=generator, dtype=torch.float64)
