@@ -133,17 +133,22 @@ done < "$TS_CONFIG"
 # /proc/net/tcp and tcp6 list the sockets of this network namespace (the pod's),
 # one per line: "sl local_address rem_address st ...", addresses as
 # HEXADDRESS:HEXPORT, state 01 = ESTABLISHED. Pure bash: no ss or netstat in
-# the image.
+# the image. Each table is read whole before it is parsed: bash's `read` on a
+# file reads a little and seeks back to the line's end, and a table that changes
+# between two of those reads (sockets opening and closing anywhere in the
+# namespace) can skip a line, so that an open connection went uncounted in
+# about 1 poll in 200 while other connections came and went.
 count_connections() {
-    local port_hex count=0 file _slot local_address _remote state _rest
+    local port_hex count=0 file table fields
     port_hex=$(printf '%04X' "$inference_port")
     for file in /proc/net/tcp /proc/net/tcp6; do
         [[ -r "$file" ]] || continue
-        while read -r _slot local_address _remote state _rest; do
-            if [[ "$state" == 01 && "${local_address##*:}" == "$port_hex" ]]; then
+        table=$(< "$file")
+        while read -r -a fields; do
+            if [[ "${fields[3]:-}" == 01 && "${fields[1]##*:}" == "$port_hex" ]]; then
                 count=$((count + 1))
             fi
-        done < "$file"
+        done <<< "$table"
     done
     echo "$count"
 }

@@ -742,6 +742,9 @@ def open_connection(entrypoint_env):
 
 
 def test_entrypoint_drains_until_the_inference_connections_close(entrypoint_env, open_connection):
+    # One quiet second, as in a pod (2 s by default), not none: with none, one poll that missed the
+    # connection would end the drain, and the sleep below still outlasts the quiet second.
+    entrypoint_env["DRAIN_QUIET_S"] = "1"
     process = start_entrypoint_and_wait_for_start(entrypoint_env)
     try:
         process.send_signal(signal.SIGTERM)
