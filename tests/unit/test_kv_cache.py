@@ -60,8 +60,8 @@ def test_later_chunks_are_written_in_place_and_any_replacement_of_the_states_is_
             layer.keys, layer.values = layer.keys[[1]], layer.values[[1]]
             expected_keys, expected_values = expected_keys[[1]], expected_values[[1]]
             old_copy = old.clone()
-        if step == 21:
-            assert torch.equal(old, old_copy)
+        if step == 21:  # bit for bit: past its columns the room holds whatever memory it got, NaNs included
+            assert torch.equal(old.view(torch.int32), old_copy.view(torch.int32))
         if step == 30:  # states laid out as the room is, but elsewhere (a rewrite): the room is not theirs
             fresh_keys, fresh_values = torch.empty_like(layer._room[0]), torch.empty_like(layer._room[1])
             columns = layer.keys.shape[2]
