@@ -26,6 +26,9 @@ TS_CONFIG ?= model-config/config.properties
 MANAGEMENT_URL ?= http://127.0.0.1:8081
 INFERENCE_URL ?= http://127.0.0.1:8080
 PYTEST_ARGS ?=
+# The suites run one pytest-xdist worker per usable core, each pinned to its share of the cores
+# (tests/conftest.py); a worker that is done takes tests from a busy one. PYTEST_PARALLEL=-n0: one process.
+PYTEST_PARALLEL ?= -n auto --dist worksteal
 
 # no-archive packages to a folder, the other formats to a .mar file.
 ARCHIVE_NAME = $(MODEL_NAME)$(if $(filter no-archive,$(ARCHIVE_FORMAT)),,.mar)
@@ -70,11 +73,11 @@ STATIC_RUNNER_TESTS ?= tests/models/test_engine.py tests/models/test_tree.py tes
 	tests/statistical/test_drafters.py
 
 test: install ## Run the whole test suite (every tier; the engine's under both runners)
-	$(PY) -m pytest tests -q -ra $(PYTEST_ARGS)
-	$(PY) -m pytest $(STATIC_RUNNER_TESTS) -q -ra --runner static $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -ra $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+	$(PY) -m pytest $(STATIC_RUNNER_TESTS) -q -ra --runner static $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 test-static: install ## Run the model and statistical tiers on the static runner
-	$(PY) -m pytest tests/models tests/statistical -q -ra --runner static $(PYTEST_ARGS)
+	$(PY) -m pytest tests/models tests/statistical -q -ra --runner static $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 test-gpu: install ## Run the CUDA tests (tests/cuda; on a machine with a GPU and a CUDA torch)
 	$(PY) -m pytest tests/cuda -q -ra $(PYTEST_ARGS)
@@ -84,8 +87,8 @@ GPU_CHECK_OUT ?= bench_results/gpu
 gpu-check: install ## The GPU check: CUDA tests and the runners timed on Qwen2.5-shaped models (GPU_CHECK_OUT)
 	$(PY) -m scripts.bench.gpu_check $(GPU_CHECK_OUT)
 
-test-fast: install ## Run the unit tier only (under 30 s)
-	$(PY) -m pytest tests/unit tests/scripts -q -ra -m unit $(PYTEST_ARGS)
+test-fast: install ## Run the unit tier only (about a minute on 2 cores)
+	$(PY) -m pytest tests/unit tests/scripts -q -ra -m unit $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 lint: install ## ruff: lint and formatting check
 	$(PY) -m ruff check .

@@ -19,10 +19,18 @@ GPU and are skipped without one (`make test-gpu` runs them).
 The one model fixture, `tiny_models_dir`, builds the tiny random target/draft
 pair offline, once per session; `tiny_tokenizer` is the pair's tokenizer alone,
 for the unit tier, without building the models.
+
+`make test` spreads the tests over one pytest-xdist worker per usable core
+(`-n auto`). Each worker is pinned to its own share of the cores and runs
+torch on that many threads, as do the servers and scripts it starts: two
+processes each spinning torch's threads over every core slow each other down
+many times. Session fixtures (the tiny pair, the e2e TorchServe) are built once
+per worker. `-n 0` runs everything in one process.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -68,6 +76,41 @@ def pytest_configure(config):
     from handler import runners
 
     runners.DEFAULT_RUNNER = config.getoption("--runner")
+    _pin_xdist_worker()
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per core this process may use (affinity and a container's CPU limit)."""
+    from handler.runtime.host import usable_cpu_cores
+
+    return usable_cpu_cores()
+
+
+def _pin_xdist_worker() -> None:
+    """In a pytest-xdist worker: this worker's share of the usable cores, and torch's threads to match.
+
+    Processes the worker starts (scripts, TorchServe and its model workers) inherit the affinity,
+    and `handler.runtime.host.usable_cpu_cores` counts it, so a server's `cpu_threads: 0` takes the
+    worker's share too.
+    """
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker is None or count is None or not hasattr(os, "sched_setaffinity"):
+        return
+    import torch
+
+    from handler.runtime.host import usable_cpu_cores
+
+    share = worker_cores(
+        sorted(os.sched_getaffinity(0))[: usable_cpu_cores()], int(worker.removeprefix("gw")), int(count)
+    )
+    os.sched_setaffinity(0, share)
+    torch.set_num_threads(len(share))
+
+
+def worker_cores(cores: list[int], index: int, count: int) -> list[int]:
+    """Worker `index` of `count`'s share of `cores`: a contiguous slice, never empty (workers share
+    a core only where there are more workers than cores)."""
+    return cores[index * len(cores) // count : (index + 1) * len(cores) // count] or [cores[index % len(cores)]]
 
 
 def pytest_collection_modifyitems(config, items):
