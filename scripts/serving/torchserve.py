@@ -52,6 +52,8 @@ DEFAULT_TIMEOUT_S = 600.0  # longest wait for the next bytes of an answer
 PING_TIMEOUT_S = 120.0
 REGISTER_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 60.0
+# How often `scale_workers` asks for the workers' states while they start or stop.
+SCALE_POLL_S = 0.25
 PING_INTERVAL_S = 0.5
 # TorchServe binds the REST APIs before the gRPC ones and shuts down if a gRPC
 # port is taken, so /ping alone can answer for a server about to die.
@@ -599,12 +601,30 @@ def scale_workers(
     headers: dict[str, str],
     timeout_s: float = REGISTER_TIMEOUT_S,
 ) -> str:
-    """Sets a model's workers to `num_workers` (min and max) and waits until they are up or gone."""
+    """Sets a model's workers to `num_workers` (min and max) and waits until exactly that many are READY.
+
+    TorchServe's synchronous scaling can answer while a new worker is still starting (listed, not
+    yet loading), so the describe API is polled until the count and the states agree.
+
+    Raises:
+        ClientError: no answer in time, a failure, or workers not READY within `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
     params = {"min_worker": num_workers, "max_worker": num_workers, "synchronous": "true"}
     response = _management_call(
         "PUT", f"{management_url}/models/{model_name}", headers, timeout_s, f"scaling {model_name}", params=params
     )
-    return server_message(response)
+    while True:
+        workers = model_workers(management_url, model_name, headers)
+        states = [worker.get("status") for worker in workers]
+        if states == ["READY"] * num_workers:
+            return server_message(response)
+        if time.monotonic() > deadline:
+            raise ClientError(
+                f"scaling {model_name} to {num_workers} worker(s): after {timeout_s:.0f} s its workers are {states}; "
+                "see logs/model_log.log"
+            )
+        time.sleep(SCALE_POLL_S)
 
 
 def registered_models(management_url: str, headers: dict[str, str] | None = None) -> list[str]:

@@ -106,3 +106,38 @@ def test_server_urls_come_from_config_properties(tmp_path):
 def test_wait_for_ping_names_the_address_when_nothing_answers():
     with pytest.raises(torchserve.ClientError, match=r"did not answer http://127\.0\.0\.1:9/ping"):
         torchserve.wait_for_ping("http://127.0.0.1:9", None, timeout_s=0.3)
+
+
+def _fake_management(monkeypatch, described: list[list[str]]):
+    """requests.request answering the scaling PUT, then each describe with the next states in `described`."""
+    calls = []
+
+    def request(method, url, headers=None, timeout=None, **kwargs):
+        calls.append(method)
+        if method == "PUT":
+            return FakeResponse(200, {"status": "Processing worker updates..."})
+        states = described[min(len(calls) - 2, len(described) - 1)]
+        return FakeResponse(200, [{"workers": [{"id": str(9000 + i), "status": s} for i, s in enumerate(states)]}])
+
+    monkeypatch.setattr(torchserve.requests, "request", request)
+    monkeypatch.setattr(torchserve, "SCALE_POLL_S", 0.0)
+    return calls
+
+
+def test_scaling_waits_until_every_worker_is_ready(monkeypatch):
+    # TorchServe's synchronous scaling answered once with the new worker still starting (seen under load).
+    calls = _fake_management(monkeypatch, [["READY", "UNLOADING"], ["READY", "LOADING"], ["READY", "READY"]])
+    torchserve.scale_workers("http://m", "pair", 2, {})
+    assert calls == ["PUT", "GET", "GET", "GET"]
+
+
+def test_scaling_down_waits_until_the_extra_workers_are_gone(monkeypatch):
+    calls = _fake_management(monkeypatch, [["READY", "UNLOADING"], ["READY"]])
+    torchserve.scale_workers("http://m", "pair", 1, {})
+    assert calls == ["PUT", "GET", "GET"]
+
+
+def test_scaling_that_never_gets_ready_fails_naming_the_states(monkeypatch):
+    _fake_management(monkeypatch, [["READY", "UNLOADING"]])
+    with pytest.raises(torchserve.ClientError, match=r"2 worker\(s\).*\['READY', 'UNLOADING'\]"):
+        torchserve.scale_workers("http://m", "pair", 2, {}, timeout_s=0.05)
