@@ -44,6 +44,7 @@ import json
 import logging
 import pathlib
 import re
+import shutil
 import sys
 import tempfile
 import threading
@@ -537,8 +538,28 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def run(out_dir: pathlib.Path, pairs: list[str], args: argparse.Namespace) -> tuple[dict, list[str]]:
-    """Every pair in turn; (data by pair, markdown lines), written to OUT_DIR as each pair ends."""
+    """Every pair in turn; (data by pair, markdown lines), written to OUT_DIR as each pair ends.
+
+    The pairs' weights (gigabytes for the real shapes) and the servers' logs go to a scratch folder,
+    removed at the end unless a pair reported an error: then its servers' logs stay there, named
+    in the log.
+    """
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="serve-pair-"))
+    try:
+        data, lines = _run_pairs(out_dir, pairs, args, scratch)
+    except BaseException:
+        logger.error("kept %s: the servers' logs are under */server/logs", scratch)
+        raise
+    if any(pair["errors"] for pair in data.values()):
+        logger.error("kept %s: the servers' logs are under */server/logs", scratch)
+    else:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return data, lines
+
+
+def _run_pairs(
+    out_dir: pathlib.Path, pairs: list[str], args: argparse.Namespace, scratch: pathlib.Path
+) -> tuple[dict, list[str]]:
     data, lines = {}, ["# TorchServe serving the pairs", ""]
     for name in pairs:
         pair = tiny_pair(args.tiny, scratch) if name == TINY else shaped_pair(name, scratch, args.gpu_id)

@@ -9,14 +9,19 @@ then `generate` on the greedy prompts.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 
 from scripts.serving import serve_pair
 
 CONCURRENCIES = (1, 4, 16)
 
 
-def test_serve_section_on_the_cpu(java_runtime, tiny_models_dir, tmp_path):
+def test_serve_section_on_the_cpu(java_runtime, tiny_models_dir, tmp_path, monkeypatch):
     out = tmp_path / "serve"
+    made = []  # the script's scratch folder (in the system's temp folder: a server's socket path must be short)
+    mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *args, **kwargs: made.append(mkdtemp(*args, **kwargs)) or made[-1])
     argv = [
         str(out), "--tiny", str(tiny_models_dir), "--concurrency", ",".join(map(str, CONCURRENCIES)),
         "--max-new-tokens", "8", "--requests-per-client", "1", "--set", "cpu_threads=1", "--set", "adaptive_k=false",
@@ -26,6 +31,7 @@ def test_serve_section_on_the_cpu(java_runtime, tiny_models_dir, tmp_path):
 
     tiny = json.loads((out / "serve.json").read_text())["tiny"]
     assert tiny["errors"] == [] and exit_code == 0, tiny["errors"]
+    assert made and not any(map(os.path.exists, made)), "a run without errors leaves no weights or logs behind"
     assert tiny["java"] == java_runtime.describe()
     # Every native request counted once on /metrics; every OpenAI route generated.
     assert tiny["metrics"]["SpecRequests counted"] == tiny["metrics"]["requests sent"] == 6
