@@ -348,11 +348,14 @@ def sample_from_probs(
     assert probs.dim() == 2 and uniforms.shape == probs.shape[:1], (probs.shape, uniforms.shape)
     # float64 cumsum: a float32 sum over 150k entries drifts by ~1e-4.
     cdf = probs.double().cumsum(dim=-1)  # [rows, vocab]
-    threshold = uniforms.to(cdf)[:, None] * cdf[:, -1:]  # [rows, 1]
-    token_ids = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
-    # u * total can round up to total itself; fall back to the last token that has mass.
-    last_with_mass = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
-    return torch.minimum(token_ids, last_with_mass)
+    total = cdf[:, -1:].contiguous()  # [rows, 1]
+    threshold = uniforms.to(cdf)[:, None] * total  # [rows, 1]
+    # The first token whose cdf passes the threshold: its own mass took the cdf there, so it has some.
+    token_ids = torch.searchsorted(cdf, threshold, right=True)
+    # u * total can round up to total itself: then the token where the cdf reaches its total, the
+    # last with mass (looked up, not found by a scan of the vocabulary: that cost more than the cumsum).
+    last_with_mass = torch.searchsorted(cdf, total)
+    return torch.minimum(token_ids, last_with_mass).squeeze(-1)
 
 
 def rejection_sample(

@@ -200,6 +200,30 @@ def test_sample_from_probs_never_returns_a_zero_probability_token(u):
     assert probs[0, token] > 0
 
 
+def test_a_threshold_at_the_total_mass_takes_the_last_token_with_mass():
+    # u * total can round up to the total: no cdf passes it, and the last token with mass is sampled.
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
+    assert sample_from_probs(probs, torch.ones(3, dtype=torch.float64)).tolist() == [3, 3, 0]
+
+
+def test_sampling_from_probs_matches_a_scan_for_the_last_token_with_mass():
+    """The same tokens as the sampler that scanned the vocabulary for its last token with mass."""
+
+    def scanned(probs, uniforms):
+        cdf = probs.double().cumsum(dim=-1)
+        token_ids = torch.searchsorted(cdf, uniforms.to(cdf)[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+        return torch.minimum(token_ids, probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1))
+
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.rand(256, 50, generator=generator) ** 4
+    probs[torch.rand(256, 50, generator=generator) < 0.5] = 0.0  # zeros inside and at the ends of rows
+    probs[:, 0] += 1e-3  # every row has some mass
+    probs /= probs.sum(-1, keepdim=True)
+    uniforms = torch.rand(256, generator=generator, dtype=torch.float64)
+    uniforms[:8] = torch.tensor([0.0, 1.0 - 2**-53, 1.0, 1.0, 0.5, 1e-12, 0.999999, 1.0], dtype=torch.float64)
+    assert torch.equal(sample_from_probs(probs, uniforms), scanned(probs, uniforms))
+
+
 def test_uniforms_depend_only_on_each_requests_own_generator_and_k():
     def draws(seed_and_k, k):
         gens = [torch.Generator().manual_seed(s) if s is not None else None for s, _ in seed_and_k]
