@@ -147,27 +147,37 @@ class Verifier:
         else:
             target_probs = sampling.warp(shaped)  # [batch, k + 1, vocab]
             verify_uniforms, coupled_uniforms = uniforms.for_verify(k)
-            accepted, emitted = rejection_sample(
-                target_probs,
-                draft_probs,
-                draft_token_ids,
-                torch.tensor(ks, device=self.device),
-                host_to_device(verify_uniforms, self.device),
-            )
-            outcome = torch.cat([accepted[:, None].to(emitted.dtype), emitted], dim=1)  # [batch, k + 2]
+            # Rejection sampling verifies the rows that neither couple nor walk a tree (those have
+            # verdicts of their own below).
+            others = set(uniforms.coupled) | set(tree_slots)
+            sampled = [slot for slot in range(batch_size) if slot not in others]
+            outcomes = []
+            if sampled:
+                index = None if len(sampled) == batch_size else torch.tensor(sampled, device=self.device)
+                accepted, emitted = rejection_sample(
+                    *(
+                        tensor if index is None else tensor[index]
+                        for tensor in (target_probs, draft_probs, draft_token_ids)
+                    ),
+                    torch.tensor([ks[slot] for slot in sampled], device=self.device),
+                    host_to_device(verify_uniforms[sampled], self.device),
+                )
+                outcomes.append(torch.cat([accepted[:, None].to(emitted.dtype), emitted], dim=1).flatten())
             coupled = None
             if uniforms.coupled:
                 index = torch.tensor(uniforms.coupled, device=self.device)
                 coupled = coupled_targets(target_probs[index], host_to_device(coupled_uniforms, self.device))
-                outcome = torch.cat([outcome.flatten(), coupled.flatten()])
+                outcomes.append(coupled.flatten())
             # The step's one synchronisation point, one read of it all.
-            read = outcome.flatten().tolist()
+            read = torch.cat(outcomes).tolist() if outcomes else []
             width = k + 2
-            num_accepted = read[0 : batch_size * width : width]
-            output_token_ids = [read[row * width + 1 : (row + 1) * width] for row in range(batch_size)]
+            num_accepted, output_token_ids = [0] * batch_size, [[-1] * (k + 1) for _ in range(batch_size)]
+            for position, slot in enumerate(sampled):
+                num_accepted[slot] = read[position * width]
+                output_token_ids[slot] = read[position * width + 1 : (position + 1) * width]
             if coupled is not None:
                 # A coupled row's verdict: its drafts against the target's own samples.
-                targets = read[batch_size * width :]
+                targets = read[len(sampled) * width :]
                 verdicts = match_drafts(
                     [targets[index * (k + 1) : (index + 1) * (k + 1)] for index in range(len(uniforms.coupled))],
                     [draft_lists[slot] for slot in uniforms.coupled],
