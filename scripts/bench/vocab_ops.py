@@ -7,7 +7,9 @@ loops, many times slower than `amax` over the same logits; the engine's `handler
 put below the rest, instead of a top two) replace them. A sampled row with top-p sorts each
 position's probabilities, and a CPU's sort over a vocabulary is slower still: the engine's top-p
 (`handler.sampler._apply_top_p`) reads the likeliest 256 first and sorts only the positions whose
-nucleus reaches past them (a flat distribution's). This program times both on random logits of
+nucleus reaches past them (a flat distribution's). A draw from a distribution (`sample_from_probs`)
+finds the last token with mass by a search of its cumulative sum, where a scan of the vocabulary
+cost more than the sum. This program times both on random logits of
 the shapes a step reduces (rows x positions x vocabulary, in the models' dtypes), checks that they
 agree index for index, and prints a table with the ratio of each.
 
@@ -60,9 +62,16 @@ def sorted_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
+def scanned_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling whose fallback scans each row's vocabulary for its last token with mass."""
+    cdf = probs.double().cumsum(dim=-1)
+    token_ids = torch.searchsorted(cdf, uniforms.to(cdf)[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+    return torch.minimum(token_ids, probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1))
+
+
 def measure(vocab: int, rows_list: list[int], positions_list: list[int], dtypes, repeats: int, device) -> list[dict]:
     from handler.drafters.model import confidence_tensors
-    from handler.sampler import _apply_top_p, argmax_vocab
+    from handler.sampler import _apply_top_p, argmax_vocab, sample_from_probs
 
     generator = torch.Generator().manual_seed(0)
     results = []
@@ -86,6 +95,11 @@ def measure(vocab: int, rows_list: list[int], positions_list: list[int], dtypes,
                     scaled = logits.float() * (PEAKED_SCALE if spread == "peaked" else 1.0)
                     assert torch.equal(_apply_top_p(scaled, top_p), sorted_top_p(scaled, top_p))
                     compare(f"top-p, {spread}", sorted_top_p, _apply_top_p, scaled, top_p, **shape)
+                if dtype == torch.float32:  # a draw from each position's distribution (the warp's are float32)
+                    probs = logits.softmax(dim=-1).flatten(0, 1)  # [rows x positions, vocab]
+                    uniforms = torch.rand(rows * positions, generator=generator, dtype=torch.float64).to(device)
+                    assert torch.equal(sample_from_probs(probs, uniforms), scanned_sample(probs, uniforms))
+                    compare("sample", scanned_sample, sample_from_probs, probs, uniforms, **shape)
                 if positions != 1:
                     continue  # the confidence is a draft pass's: one position
                 sampled = argmax_vocab(logits)
