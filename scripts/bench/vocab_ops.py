@@ -8,8 +8,9 @@ put below the rest, instead of a top two) replace them. A sampled row with top-p
 position's probabilities, and a CPU's sort over a vocabulary is slower still: the engine's top-p
 (`handler.sampler._apply_top_p`) reads the likeliest 256 first and sorts only the positions whose
 nucleus reaches past them (a flat distribution's). A draw from a distribution (`sample_from_probs`)
-finds the last token with mass by a search of its cumulative sum, where a scan of the vocabulary
-cost more than the sum. This program times both on random logits of
+sums the vocabulary in blocks and takes the cumulative sum of one block, where one float64
+cumulative sum of the whole row and a scan for its last token with mass read every token
+several times. This program times both on random logits of
 the shapes a step reduces (rows x positions x vocabulary, in the models' dtypes), checks that they
 agree index for index, and prints a table with the ratio of each.
 
@@ -63,7 +64,8 @@ def sorted_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def scanned_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling whose fallback scans each row's vocabulary for its last token with mass."""
+    """Inverse-CDF sampling by one float64 cumulative sum of each whole row, and a scan of its vocabulary
+    for the last token with mass."""
     cdf = probs.double().cumsum(dim=-1)
     token_ids = torch.searchsorted(cdf, uniforms.to(cdf)[:, None] * cdf[:, -1:], right=True).squeeze(-1)
     return torch.minimum(token_ids, probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from handler.sampler import (
+    SAMPLE_BLOCK,
     draw_step_uniforms,
     greedy_verify,
     rejection_sample,
@@ -206,22 +207,32 @@ def test_a_threshold_at_the_total_mass_takes_the_last_token_with_mass():
     assert sample_from_probs(probs, torch.ones(3, dtype=torch.float64)).tolist() == [3, 3, 0]
 
 
-def test_sampling_from_probs_matches_a_scan_for_the_last_token_with_mass():
-    """The same tokens as the sampler that scanned the vocabulary for its last token with mass."""
+def scanned_sample(probs, uniforms):
+    """The sampler before blocks: one float64 cumulative sum of the whole row, and a scan of the
+    vocabulary for its last token with mass."""
+    cdf = probs.double().cumsum(dim=-1)
+    token_ids = torch.searchsorted(cdf, uniforms.to(cdf)[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+    return torch.minimum(token_ids, probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1))
 
-    def scanned(probs, uniforms):
-        cdf = probs.double().cumsum(dim=-1)
-        token_ids = torch.searchsorted(cdf, uniforms.to(cdf)[:, None] * cdf[:, -1:], right=True).squeeze(-1)
-        return torch.minimum(token_ids, probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1))
 
-    generator = torch.Generator().manual_seed(0)
-    probs = torch.rand(256, 50, generator=generator) ** 4
-    probs[torch.rand(256, 50, generator=generator) < 0.5] = 0.0  # zeros inside and at the ends of rows
+@pytest.mark.parametrize("vocab", [50, SAMPLE_BLOCK, SAMPLE_BLOCK + 1, 384, 5 * SAMPLE_BLOCK, 151_936])
+def test_sampling_from_probs_matches_one_cumulative_sum_of_the_whole_row(vocab):
+    """The same tokens as one float64 cumulative sum of the whole row, in blocks or not, with zeros
+    inside rows, at their ends, over whole blocks, and mass only in a short last block."""
+    generator = torch.Generator().manual_seed(vocab)
+    rows = 256 if vocab < 10_000 else 24
+    probs = torch.rand(rows, vocab, generator=generator) ** 4
+    probs[torch.rand(rows, vocab, generator=generator) < 0.5] = 0.0
     probs[:, 0] += 1e-3  # every row has some mass
+    probs[1, : vocab // 2] = 0.0  # whole blocks without mass
+    probs[2, :-1] = 0.0  # all of it in the last token (a short last block where the vocabulary is not whole blocks)
+    probs[2, -1] = 1.0
     probs /= probs.sum(-1, keepdim=True)
-    uniforms = torch.rand(256, generator=generator, dtype=torch.float64)
+    uniforms = torch.rand(rows, generator=generator, dtype=torch.float64)
     uniforms[:8] = torch.tensor([0.0, 1.0 - 2**-53, 1.0, 1.0, 0.5, 1e-12, 0.999999, 1.0], dtype=torch.float64)
-    assert torch.equal(sample_from_probs(probs, uniforms), scanned(probs, uniforms))
+    sampled = sample_from_probs(probs, uniforms)
+    assert torch.equal(sampled, scanned_sample(probs, uniforms))
+    assert (probs.gather(1, sampled[:, None]) > 0).all()
 
 
 def test_uniforms_depend_only_on_each_requests_own_generator_and_k():
