@@ -363,7 +363,7 @@ def sample_from_probs(
         threshold = uniforms.to(cdf)[:, None] * cdf[:, -1:]  # [rows, 1]
         return _first_past(cdf, threshold).squeeze(-1)
     num_full = vocab // SAMPLE_BLOCK
-    masses = probs[:, : num_full * SAMPLE_BLOCK].view(rows, num_full, SAMPLE_BLOCK).sum(dim=-1)  # [rows, full]
+    masses = probs[:, : num_full * SAMPLE_BLOCK].reshape(rows, num_full, SAMPLE_BLOCK).sum(dim=-1)  # [rows, full]
     if num_full * SAMPLE_BLOCK < vocab:
         masses = torch.cat([masses, probs[:, num_full * SAMPLE_BLOCK :].sum(dim=-1, keepdim=True)], dim=-1)
     block_cdf = masses.double().cumsum(dim=-1)  # [rows, blocks]
