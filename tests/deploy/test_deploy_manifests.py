@@ -700,6 +700,7 @@ def test_entrypoint_stops_torchserve_on_sigterm(entrypoint_env):
         env={**entrypoint_env, "STUB_WAIT": "1"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a group of its own: `kill_entrypoint` takes the stub with it
     )
     try:
         deadline = time.monotonic() + 10
@@ -709,21 +710,32 @@ def test_entrypoint_stops_torchserve_on_sigterm(entrypoint_env):
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=10) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
+        kill_entrypoint(process)
     assert [call[0] for call in stub_calls(entrypoint_env)] == ["--start", "--stop"]
 
 
 def start_entrypoint_and_wait_for_start(env: dict) -> subprocess.Popen:
     Path(env["MODEL_STORE"], f"{DEFAULT_MODEL}.mar").write_bytes(b"")
     process = subprocess.Popen(
-        [str(ENTRYPOINT)], env={**env, "STUB_WAIT": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [str(ENTRYPOINT)],
+        env={**env, "STUB_WAIT": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a group of its own: `kill_entrypoint` takes the stub with it
     )
     deadline = time.monotonic() + 10
     while not stub_calls(env) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert stub_calls(env), "torchserve --start never ran"
     return process
+
+
+def kill_entrypoint(process: subprocess.Popen) -> None:
+    """After a failed check: the entrypoint and its stub `torchserve`, which would otherwise wait forever."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
 
 
 @pytest.fixture
@@ -759,8 +771,7 @@ def test_entrypoint_drains_until_the_inference_connections_close(entrypoint_env,
         stdout, _ = process.communicate(timeout=10)
         assert process.returncode == 0
     finally:
-        if process.poll() is None:
-            process.kill()
+        kill_entrypoint(process)
     assert [call[0] for call in stub_calls(entrypoint_env)] == ["--start", "--stop"]
     assert "drained" in stdout
 
@@ -773,8 +784,7 @@ def test_entrypoint_stops_anyway_past_the_drain_timeout(entrypoint_env, open_con
         _, stderr = process.communicate(timeout=10)
         assert process.returncode == 0
     finally:
-        if process.poll() is None:
-            process.kill()
+        kill_entrypoint(process)
     assert [call[0] for call in stub_calls(entrypoint_env)] == ["--start", "--stop"]
     assert "DRAIN_TIMEOUT_S" in stderr and "1 connection(s)" in stderr
 
