@@ -545,16 +545,16 @@ def run(out_dir: pathlib.Path, pairs: list[str], args: argparse.Namespace) -> tu
     in the log.
     """
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="serve-pair-"))
+    failed = True
     try:
         data, lines = _run_pairs(out_dir, pairs, args, scratch)
-    except BaseException:
-        logger.error("kept %s: the servers' logs are under */server/logs", scratch)
-        raise
-    if any(pair["errors"] for pair in data.values()):
-        logger.error("kept %s: the servers' logs are under */server/logs", scratch)
-    else:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return data, lines
+        failed = any(pair["errors"] for pair in data.values())
+        return data, lines
+    finally:
+        if failed:
+            logger.error("kept %s: the servers' logs are under */server/logs", scratch)
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _run_pairs(
