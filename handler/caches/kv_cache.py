@@ -129,8 +129,9 @@ class _FullLayer(DynamicLayer):
     `DynamicLayer` also concatenates every later chunk, a copy of the layer's whole KV per pass:
     at 16 rows of 500 tokens, 14 ms of a 1.5B-shaped pass on a 2-core CPU. Here a chunk is written
     into room past the layer's columns (`_room`, `_with_room`: grown by an eighth when full, so a
-    pass copies a few columns' worth on average), and the keys and values are views of it. Whatever replaces the
-    states (a rollback's gather, a row selection, a merge) leaves no room: the next chunk makes new.
+    pass copies a few columns' worth on average), and the keys and values are views of it. Whatever
+    replaces the states (a rollback's gather, a row selection, a merge) leaves no room: the next
+    chunk makes new.
     A crop keeps the room; the columns it dropped are written over by the next chunks.
     """
 
