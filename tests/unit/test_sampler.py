@@ -13,6 +13,7 @@ from handler.sampler import (
     sample_from_probs,
     warp_logits_to_probs,
 )
+from scripts.bench.vocab_ops import scanned_sample  # the sampler before blocks, kept as the benchmark's reference
 
 VOCAB = 4
 
@@ -205,14 +206,6 @@ def test_a_threshold_at_the_total_mass_takes_the_last_token_with_mass():
     # u * total can round up to the total: no cdf passes it, and the last token with mass is sampled.
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
     assert sample_from_probs(probs, torch.ones(3, dtype=torch.float64)).tolist() == [3, 3, 0]
-
-
-def scanned_sample(probs, uniforms):
-    """The sampler before blocks: one float64 cumulative sum of the whole row, and a scan of the
-    vocabulary for its last token with mass."""
-    cdf = probs.double().cumsum(dim=-1)
-    token_ids = torch.searchsorted(cdf, uniforms.to(cdf)[:, None] * cdf[:, -1:], right=True).squeeze(-1)
-    return torch.minimum(token_ids, probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1))
 
 
 @pytest.mark.parametrize("vocab", [50, SAMPLE_BLOCK, SAMPLE_BLOCK + 1, 384, 5 * SAMPLE_BLOCK, 151_936])
