@@ -18,6 +18,13 @@ arrives):
   rates are 30, 60 and 90 % of the saturation rate, the `plain` row's
   closed-loop request rate at the largest C.
 
+Side by side: every row of a measure runs the same load at once, the rows'
+engines stepped in turn, one step each, and each row's times counted on a
+clock of its own (its own admissions and steps; an idle wait for the next
+arrival moves it without sleeping). On a shared machine whose speed drifts by
+a third within a minute, rows measured one after the other compared minutes
+that ran at different speeds; stepped in turn, every row meets the same drift.
+
 Warm server: before its first measure, each row's engine serves a closed
 loop of 2C requests (4 at least) of --warm-tokens tokens at each C (the same
 prompts, taken from the end of the list), so that its calibrations, its
@@ -81,7 +88,7 @@ from handler.runtime.loading import load_models
 from scripts.bench import common as bench_common
 from scripts.bench import runner as bench_runner
 from scripts.bench.common import fmt, machine_info, percentile, start_up_cost_table
-from scripts.bench.runner import Traffic, drive, poisson_arrivals
+from scripts.bench.runner import Driver, Traffic, drive, drive_interleaved, poisson_arrivals
 
 logger = logging.getLogger("bench_load")
 
@@ -221,10 +228,15 @@ class Bench:
             drafter=row.drafter,
         )
 
-    def measure(self, row: Row, prompts: list, arrivals: list[float] | None, concurrency: int) -> dict:
-        engine = self.engine(row, self.warm_prompts)
-        engine.forget_suffix_history()
-        return figures(drive(engine, [self.request(row, p) for p in prompts], arrivals, concurrency))
+    def measure(self, rows: list[Row], prompts: list, arrivals: list[float] | None, concurrency: int) -> list[dict]:
+        """One measure of every row under the same load, their engines stepped in turn (see
+        `drive_interleaved`): each row's figures, in the order of `rows`."""
+        drivers = []
+        for row in rows:
+            engine = self.engine(row, self.warm_prompts)
+            engine.forget_suffix_history()
+            drivers.append(Driver(engine, [self.request(row, p) for p in prompts], arrivals, concurrency))
+        return [figures(traffic) for traffic in drive_interleaved(drivers)]
 
 
 def step_costs(steps: list[dict], table: CostTable | None) -> dict | None:
@@ -275,19 +287,19 @@ def median_summary(runs: list[dict]) -> dict:
 
 
 def run_all(bench_: Bench, rows: list[Row], loads: list[tuple[str, float]], prompts: list, args) -> dict:
-    """Every (load, row) measure, repeated; rows rotate within each load so that drift spreads over them."""
+    """Every load's measure of all rows side by side, repeated; the row that steps first rotates."""
     results: dict[str, dict[str, list[dict]]] = {name: {row.key: [] for row in rows} for name, _ in loads}
     for repeat in range(args.repeats):
         for name, value in loads:
             order = rows[repeat % len(rows) :] + rows[: repeat % len(rows)]
-            for row in order:
-                if name.startswith("C="):
-                    concurrency = int(value)
-                    num = max(args.min_requests, concurrency * args.requests_per_client)
-                    measure = bench_.measure(row, prompts[:num], None, concurrency)
-                else:
-                    arrivals = poisson_arrivals(args.open_requests, value, seed=repeat)
-                    measure = bench_.measure(row, prompts[: args.open_requests], arrivals, args.max_in_flight)
+            if name.startswith("C="):
+                concurrency = int(value)
+                num = max(args.min_requests, concurrency * args.requests_per_client)
+                measures = bench_.measure(order, prompts[:num], None, concurrency)
+            else:
+                arrivals = poisson_arrivals(args.open_requests, value, seed=repeat)
+                measures = bench_.measure(order, prompts[: args.open_requests], arrivals, args.max_in_flight)
+            for row, measure in zip(order, measures):
                 results[name][row.key].append(measure)
                 logger.info(
                     "%s %-8s %.2f tok/s  k %.2f  width %.2f  drafting %.2f",
@@ -339,6 +351,7 @@ def markdown(report: dict) -> str:
         "closed loop: "
         f"{settings['requests_per_client']} requests per client (at least {settings['min_requests']}); "
         f"open loop: {settings['open_requests']} Poisson arrivals, at most {settings['max_in_flight']} in flight; "
+        "rows stepped in turn, each on its own clock; "
         f"medians of {settings['repeats']} repeat(s); each engine first served 2C requests of "
         f"{settings['warm_tokens']} tokens at each C. "
         f"Load average {report['load_average']['start']:.2f} at start, "

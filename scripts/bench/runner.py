@@ -318,37 +318,79 @@ class Traffic:
         ]
 
 
+class Driver:
+    """One engine's traffic, advanced one step at a time on a clock of its own.
+
+    The clock counts the seconds this driver spent admitting and stepping (measured, wall clock) and
+    jumps over idle waits for the next arrival (nothing runs then; no sleep). Driven alone it reads
+    what a wall clock would; several drivers advanced in turn (`drive_interleaved`) each count only
+    their own steps, so that machine drift between measures falls on every engine alike.
+    """
+
+    def __init__(
+        self, engine: SpeculativeEngine, requests: list, arrivals: list[float] | None, max_in_flight: int
+    ) -> None:
+        num = len(requests)
+        self.engine, self.requests, self.arrivals, self.max_in_flight = engine, requests, arrivals, max_in_flight
+        self.sent, self.first_at, self.first_tokens, self.done_at = [0.0] * num, [0.0] * num, [0] * num, [0.0] * num
+        self.results: list = [None] * num
+        self.steps: list[StepRecord] = []
+        self.next_index, self.clock = 0, 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.next_index == len(self.requests) and not self.engine.has_unfinished_requests()
+
+    def advance(self) -> None:
+        """Admits what has arrived (each request joins at the first step boundary after it arrives;
+        in a closed loop, as soon as fewer than max_in_flight are in flight) and runs one step."""
+        engine, num, arrivals = self.engine, len(self.requests), self.arrivals
+        started = time.perf_counter() - self.clock
+        now = self.clock
+        while self.next_index < num and engine.num_active_requests < self.max_in_flight:
+            index = self.next_index
+            if arrivals is not None and arrivals[index] > now:
+                break
+            self.sent[index] = now if arrivals is None else arrivals[index]
+            engine.add_request(index, self.requests[index])
+            self.next_index += 1
+        if not engine.has_unfinished_requests():
+            # Idle until the next arrival: the clock moves there.
+            self.clock = max(time.perf_counter() - started, arrivals[self.next_index])
+            return
+        num_steps = engine.steps.num_steps
+        outputs = engine.step()
+        now = self.clock = time.perf_counter() - started
+        if engine.steps.num_steps > num_steps:  # a step that only admitted requests keeps no record
+            self.steps.append(engine.steps.recent_steps[-1])
+        for output in outputs:
+            index = output.request_id
+            if not self.first_tokens[index] and output.new_token_ids:
+                self.first_at[index], self.first_tokens[index] = now, len(output.new_token_ids)
+            if output.result is not None:
+                self.done_at[index], self.results[index] = now, output.result
+
+    def traffic(self) -> Traffic:
+        return Traffic(self.sent, self.first_at, self.first_tokens, self.done_at, self.results, self.steps)
+
+
 def drive(engine: SpeculativeEngine, requests: list, arrivals: list[float] | None, max_in_flight: int) -> Traffic:
     """Runs `requests` through the engine's step API, as the handler's continuous batching does.
 
     With `arrivals` (seconds from the start), each request joins at the first step boundary after
-    it arrives (wall clock); without, a closed loop: each joins as soon as fewer than
-    `max_in_flight` are in flight. At most `max_in_flight` run at once either way.
+    it arrives; without, a closed loop: each joins as soon as fewer than `max_in_flight` are in
+    flight. At most `max_in_flight` run at once either way. Times are the `Driver`'s clock.
     """
-    num = len(requests)
-    sent, first_at, first_tokens, done_at = [0.0] * num, [0.0] * num, [0] * num, [0.0] * num
-    results, steps = [None] * num, []
-    next_index, started = 0, time.perf_counter()
-    while next_index < num or engine.has_unfinished_requests():
-        now = time.perf_counter() - started
-        while next_index < num and engine.num_active_requests < max_in_flight:
-            if arrivals is not None and arrivals[next_index] > now:
-                break
-            sent[next_index] = now if arrivals is None else arrivals[next_index]
-            engine.add_request(next_index, requests[next_index])
-            next_index += 1
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, arrivals[next_index] - now))
-            continue
-        num_steps = engine.steps.num_steps
-        outputs = engine.step()
-        now = time.perf_counter() - started
-        if engine.steps.num_steps > num_steps:  # a step that only admitted requests keeps no record
-            steps.append(engine.steps.recent_steps[-1])
-        for output in outputs:
-            index = output.request_id
-            if not first_tokens[index] and output.new_token_ids:
-                first_at[index], first_tokens[index] = now, len(output.new_token_ids)
-            if output.result is not None:
-                done_at[index], results[index] = now, output.result
-    return Traffic(sent, first_at, first_tokens, done_at, results, steps)
+    [traffic] = drive_interleaved([Driver(engine, requests, arrivals, max_in_flight)])
+    return traffic
+
+
+def drive_interleaved(drivers: list[Driver]) -> list[Traffic]:
+    """Advances the drivers in turn, one step each, until all are done: engines measured side by side
+    on one machine meet the same drift (a neighbour's load, a slow spell), step by step, instead
+    of one engine's measure catching a slow minute that another's missed."""
+    while not all(driver.done for driver in drivers):
+        for driver in drivers:
+            if not driver.done:
+                driver.advance()
+    return [driver.traffic() for driver in drivers]
