@@ -41,13 +41,17 @@ Prompts are distinct coding requests (chat template applied), greedy, up to
 its prompt, so that every row still emits plain decoding's tokens. Each row has its own engine, warmed up (above);
 its suffix trees start empty in every measure, so that no row drafts
 from an earlier row's answers to the same prompts, and the prefix cache is
-off. Per measure: tokens/s (completion tokens over the makespan), TPOT
-(seconds per output token after the first, per request) and TTFT (arrival to
-first token) at p50 and p99, and what the planner chose per step: the mean k
-over rows, the mean verify width, the share of rows drafting. Medians over
---repeats repeats. Every step's record also goes to load.json, with the cost
-table's figure for each step's verify pass and draft passes beside the time
-measured (where the time goes).
+off. Per measure: tokens/s (completion tokens over the makespan), held
+tokens/s (closed loop: until the last request is sent, while C are in flight;
+the makespan also counts the drain, whose steps with fewer rows cost nearly
+as much as full ones on a CPU, and whose length depends on how evenly the
+clients' requests finished), TPOT (seconds per output token after the first,
+per request) and TTFT (arrival to first token) at p50 and p99, and what the
+planner chose per step: the mean k over rows, the mean verify width, the
+share of rows drafting. Medians over --repeats repeats; a ratio to plain is
+the median of each repeat's ratio. Every step's record also goes to
+load.json, with the cost table's figure for each step's verify pass and
+draft passes beside the time measured (where the time goes).
 
 Outputs in --out-dir: load.json, load.md and load.png (tokens/s against C,
 one line per row).
@@ -170,6 +174,7 @@ def figures(traffic: Traffic) -> dict:
     row_steps = sum(step.batch_size for step in steps)
     return {
         "tokens_per_s": sum(tokens) / (max(done) - sent[0]),
+        "steady_tokens_per_s": traffic.steady_tokens_per_s(),
         "requests_per_s": num / (max(done) - sent[0]),
         "tpot_p50_s": percentile(tpot, 50),
         "tpot_p99_s": percentile(tpot, 99),
@@ -270,6 +275,7 @@ def step_costs(steps: list[dict], table: CostTable | None) -> dict | None:
 
 SUMMARY_KEYS = (
     "tokens_per_s",
+    "steady_tokens_per_s",
     "requests_per_s",
     "tpot_p50_s",
     "tpot_p99_s",
@@ -283,7 +289,20 @@ SUMMARY_KEYS = (
 
 
 def median_summary(runs: list[dict]) -> dict:
-    return {key: statistics.median(run[key] for run in runs) for key in SUMMARY_KEYS}
+    return {key: _median(run[key] for run in runs) for key in SUMMARY_KEYS}
+
+
+def _median(values) -> float | None:
+    values = [value for value in values if value is not None]
+    return statistics.median(values) if values else None
+
+
+def paired_ratio(runs: list[dict], baseline: list[dict], key: str) -> float | None:
+    """The median over repeats of each repeat's ratio to the baseline's measure beside it (the rows
+    of a repeat ran side by side: the ratio cancels what the machine's drift did to both)."""
+    return _median(
+        run[key] / base[key] if run[key] is not None and base[key] else None for run, base in zip(runs, baseline)
+    )
 
 
 def run_all(bench_: Bench, rows: list[Row], loads: list[tuple[str, float]], prompts: list, args) -> dict:
@@ -302,10 +321,11 @@ def run_all(bench_: Bench, rows: list[Row], loads: list[tuple[str, float]], prom
             for row, measure in zip(order, measures):
                 results[name][row.key].append(measure)
                 logger.info(
-                    "%s %-8s %.2f tok/s  k %.2f  width %.2f  drafting %.2f",
+                    "%s %-8s %.2f tok/s (held %s)  k %.2f  width %.2f  drafting %.2f",
                     name,
                     row.key,
                     measure["tokens_per_s"],
+                    fmt(measure["steady_tokens_per_s"]),
                     measure["mean_k"],
                     measure["mean_width"],
                     measure["drafting_share"],
@@ -322,7 +342,8 @@ def summarize(rows: list[Row], results: dict, table: CostTable | None) -> dict:
         for row in rows:
             cell = median_summary(by_row[row.key])
             if plain:
-                cell["vs_plain"] = cell["tokens_per_s"] / median_summary(plain)["tokens_per_s"]
+                cell["vs_plain"] = paired_ratio(by_row[row.key], plain, "tokens_per_s")
+                cell["steady_vs_plain"] = paired_ratio(by_row[row.key], plain, "steady_tokens_per_s")
                 outputs = by_row[row.key][0]["token_ids"]
                 cell["outputs_differ"] = sum(a != b for a, b in zip(outputs, plain_outputs))
             cell["by_batch"] = step_costs(by_row[row.key][0]["steps"], table)
@@ -357,15 +378,16 @@ def markdown(report: dict) -> str:
         f"Load average {report['load_average']['start']:.2f} at start, "
         f"{report['load_average']['end']:.2f} at the end.",
         "",
-        "| load | row | tok/s | × plain | TPOT p50 / p99 (ms) | TTFT p50 / p99 (s) | mean k | mean width "
-        "| drafting | tok/pass | outputs ≠ plain |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| load | row | tok/s | × plain | held tok/s | × plain | TPOT p50 / p99 (ms) | TTFT p50 / p99 (s) "
+        "| mean k | mean width | drafting | tok/pass | outputs ≠ plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     labels = {row["key"]: row["label"] for row in report["rows"]}
     for name, cells in report["loads"].items():
         for key, cell in cells.items():
             lines.append(
                 f"| {name} | {labels[key]} | {cell['tokens_per_s']:.2f} | {fmt(cell.get('vs_plain'))}x "
+                f"| {fmt(cell['steady_tokens_per_s'])} | {fmt(cell.get('steady_vs_plain'))}x "
                 f"| {cell['tpot_p50_s'] * 1e3:.0f} / {cell['tpot_p99_s'] * 1e3:.0f} "
                 f"| {cell['ttft_p50_s']:.2f} / {cell['ttft_p99_s']:.2f} | {cell['mean_k']:.2f} "
                 f"| {cell['mean_width']:.2f} | {cell['drafting_share']:.2f} | {cell['tokens_per_pass']:.2f} "

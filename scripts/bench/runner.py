@@ -294,7 +294,7 @@ def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
 class Traffic:
     """What `drive` saw: per request, in seconds from the start, when it was sent, when the first
     step that emitted a token for it ended (and how many that step emitted), when it finished and
-    its result; and the engine's record of every step."""
+    its result; the engine's record of every step, and when each step ended with the tokens it emitted."""
 
     sent: list[float]
     first_at: list[float]
@@ -302,6 +302,18 @@ class Traffic:
     done_at: list[float]
     results: list[GenerationResult]
     steps: list[StepRecord]
+    emitted: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (step's end, tokens)
+
+    def steady_tokens_per_s(self) -> float | None:
+        """Tokens/s while every request had been sent and none was left to send: from the start until
+        the last request was sent, the tokens of the steps that ended by then. In a closed loop this is
+        the load held at C; after it, the batch drains as the clients finish, and a drain's steps,
+        with fewer rows, cost nearly as much as full ones on a CPU. None where every request was
+        sent at the start."""
+        end = max(self.sent)
+        if end <= 0.0:
+            return None
+        return sum(tokens for at, tokens in self.emitted if at <= end) / end
 
     def ttft(self) -> list[float]:
         """Each request's time to its first token, from when it was sent."""
@@ -335,6 +347,7 @@ class Driver:
         self.sent, self.first_at, self.first_tokens, self.done_at = [0.0] * num, [0.0] * num, [0] * num, [0.0] * num
         self.results: list = [None] * num
         self.steps: list[StepRecord] = []
+        self.emitted: list[tuple[float, int]] = []
         self.next_index, self.clock = 0, 0.0
 
     @property
@@ -363,6 +376,7 @@ class Driver:
         now = self.clock = time.perf_counter() - started
         if engine.steps.num_steps > num_steps:  # a step that only admitted requests keeps no record
             self.steps.append(engine.steps.recent_steps[-1])
+        self.emitted.append((now, sum(len(output.new_token_ids) for output in outputs)))
         for output in outputs:
             index = output.request_id
             if not self.first_tokens[index] and output.new_token_ids:
@@ -371,7 +385,9 @@ class Driver:
                 self.done_at[index], self.results[index] = now, output.result
 
     def traffic(self) -> Traffic:
-        return Traffic(self.sent, self.first_at, self.first_tokens, self.done_at, self.results, self.steps)
+        return Traffic(
+            self.sent, self.first_at, self.first_tokens, self.done_at, self.results, self.steps, self.emitted
+        )
 
 
 def drive(engine: SpeculativeEngine, requests: list, arrivals: list[float] | None, max_in_flight: int) -> Traffic:

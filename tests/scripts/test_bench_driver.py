@@ -66,6 +66,11 @@ def test_interleaved_engines_each_count_only_their_own_steps(clock):
     assert fast_traffic.sent == [0.0, 0.0, 2.0, 2.0] and fast_traffic.first_at == [1.0, 1.0, 3.0, 3.0]
     assert [len(result.token_ids) for result in slow_traffic.results] == [4] * 4
     assert len(slow_traffic.steps) == 8 and len(fast_traffic.steps) == 4
+    # Held load: until the last request was sent (at 12 s for the slow engine, 2 s for the fast one),
+    # the tokens of the steps that ended by then (2 rows of 1 token a step; 2 rows of 2).
+    assert slow_traffic.emitted[:3] == [(3.0, 2), (6.0, 2), (9.0, 2)]
+    assert slow_traffic.steady_tokens_per_s() == 8 / 12.0
+    assert fast_traffic.steady_tokens_per_s() == 8 / 2.0
 
 
 def test_an_idle_wait_moves_the_clock_to_the_next_arrival_without_sleeping(clock):

@@ -30,12 +30,15 @@ def test_bench_load_measures_every_load_and_row_with_the_plain_rows_outputs(tiny
     )
     report = json.loads((tmp_path / "load.json").read_text())
     assert list(report["loads"]) == ["C=1", "C=3", "40 req/s"]
-    for cells in report["loads"].values():
+    for name, cells in report["loads"].items():
         assert list(cells) == ["shipped", "plain", "k2", "ngram"]
         assert cells["plain"]["vs_plain"] == 1.0 and cells["plain"]["mean_k"] == 0.0
         assert all(cell["outputs_differ"] == 0 for cell in cells.values()), "float32: every output is plain's"
         assert cells["k2"]["mean_width"] > 1.0
         assert all(0.0 <= cell["drafting_share"] <= 1.0 for cell in cells.values())
+        if name.startswith("C="):  # a closed loop holds C in flight until its last request is sent
+            assert all(cell["steady_tokens_per_s"] > 0 for cell in cells.values())
+            assert cells["plain"]["steady_vs_plain"] == 1.0
     steps = report["raw"]["C=3"]["shipped"][0]
     assert max(step["batch_size"] for step in steps) == 3
     assert all(len(step["ks"]) == step["batch_size"] for step in steps)
