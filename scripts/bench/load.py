@@ -42,16 +42,17 @@ its prompt, so that every row still emits plain decoding's tokens. Each row has 
 its suffix trees start empty in every measure, so that no row drafts
 from an earlier row's answers to the same prompts, and the prefix cache is
 off. Per measure: tokens/s (completion tokens over the makespan), held
-tokens/s (closed loop: until the last request is sent, while C are in flight;
-the makespan also counts the drain, whose steps with fewer rows cost nearly
-as much as full ones on a CPU, and whose length depends on how evenly the
-clients' requests finished), TPOT (seconds per output token after the first,
-per request) and TTFT (arrival to first token) at p50 and p99, and what the
-planner chose per step: the mean k over rows, the mean verify width, the
-share of rows drafting. Medians over --repeats repeats; a ratio to plain is
-the median of each repeat's ratio. Every step's record also goes to
-load.json, with the cost table's figure for each step's verify pass and
-draft passes beside the time measured (where the time goes).
+tokens/s (closed loop: until the first client is left without a request, so
+that C were in flight throughout; the makespan also counts the drain, whose
+steps with fewer rows cost nearly as much as full ones on a CPU, and whose
+length depends on how evenly the clients' requests finished), TPOT (seconds
+per output token after the first, per request) and TTFT (arrival to first
+token) at p50 and p99, and what the planner chose per step: the mean k over
+rows, the mean verify width, the share of rows drafting. Medians over
+--repeats repeats; a ratio to plain is the median of each repeat's ratio.
+Every step's record also goes to load.json, with the cost table's figure for
+each step's verify pass and draft passes beside the time measured (where the
+time goes).
 
 Outputs in --out-dir: load.json, load.md and load.png (tokens/s against C,
 one line per row).
@@ -185,7 +186,8 @@ def figures(traffic: Traffic) -> dict:
         "drafting_share": rows_drafting / row_steps,
         "tokens_per_pass": sum(tokens) / max(1, len(steps)),
         "completion_tokens": sum(tokens),
-        "steps": [dataclasses.asdict(step) for step in steps],
+        # Each step's record and the tokens it emitted (those of rows admitted at its start included).
+        "steps": [{**dataclasses.asdict(step), "tokens": n} for step, n in zip(steps, traffic.step_tokens)],
         "token_ids": [result.token_ids for result in results],
     }
 
@@ -244,13 +246,16 @@ class Bench:
         return [figures(traffic) for traffic in drive_interleaved(drivers)]
 
 
+STEP_FIELDS = tuple(field.name for field in dataclasses.fields(StepRecord))
+
+
 def step_costs(steps: list[dict], table: CostTable | None) -> dict | None:
     """The measured step time against the cost table's, by batch size: where the time goes."""
     if table is None or not steps:
         return None
     by_batch: dict[int, list[StepRecord]] = collections.defaultdict(list)
     for step in steps:
-        by_batch[step["batch_size"]].append(StepRecord(**step))
+        by_batch[step["batch_size"]].append(StepRecord(**{key: step[key] for key in STEP_FIELDS}))
     summary = {}
     for batch, group in sorted(by_batch.items()):
         drafting = [s for s in group if s.draft_passes]

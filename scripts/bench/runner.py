@@ -303,16 +303,18 @@ class Traffic:
     results: list[GenerationResult]
     steps: list[StepRecord]
     emitted: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (step's end, tokens)
+    step_tokens: list[int] = dataclasses.field(default_factory=list)  # the tokens of each of `steps`
 
     def steady_tokens_per_s(self) -> float | None:
-        """Tokens/s while every request had been sent and none was left to send: from the start until
-        the last request was sent, the tokens of the steps that ended by then. In a closed loop this is
-        the load held at C; after it, the batch drains as the clients finish, and a drain's steps,
-        with fewer rows, cost nearly as much as full ones on a CPU. None where every request was
-        sent at the start."""
-        end = max(self.sent)
-        if end <= 0.0:
+        """Tokens/s while the load held: from the start until the first request that finished after the
+        last one was sent (in a closed loop, the first client left without a next request), the tokens
+        of the steps that ended by then. After it the batch drains as the clients finish: a drain's
+        steps, with fewer rows, cost nearly as much as full ones on a CPU, and its length depends on
+        how evenly the clients' requests finished. None where every request was sent at the start."""
+        last_sent = max(self.sent)
+        if last_sent <= 0.0:
             return None
+        end = min(done for done in self.done_at if done > last_sent)
         return sum(tokens for at, tokens in self.emitted if at <= end) / end
 
     def ttft(self) -> list[float]:
@@ -348,6 +350,7 @@ class Driver:
         self.results: list = [None] * num
         self.steps: list[StepRecord] = []
         self.emitted: list[tuple[float, int]] = []
+        self.step_tokens: list[int] = []  # the tokens each recorded step emitted, beside `steps`
         self.next_index, self.clock = 0, 0.0
 
     @property
@@ -374,9 +377,11 @@ class Driver:
         num_steps = engine.steps.num_steps
         outputs = engine.step()
         now = self.clock = time.perf_counter() - started
+        num_tokens = sum(len(output.new_token_ids) for output in outputs)
+        self.emitted.append((now, num_tokens))
         if engine.steps.num_steps > num_steps:  # a step that only admitted requests keeps no record
             self.steps.append(engine.steps.recent_steps[-1])
-        self.emitted.append((now, sum(len(output.new_token_ids) for output in outputs)))
+            self.step_tokens.append(num_tokens)
         for output in outputs:
             index = output.request_id
             if not self.first_tokens[index] and output.new_token_ids:
@@ -386,7 +391,14 @@ class Driver:
 
     def traffic(self) -> Traffic:
         return Traffic(
-            self.sent, self.first_at, self.first_tokens, self.done_at, self.results, self.steps, self.emitted
+            self.sent,
+            self.first_at,
+            self.first_tokens,
+            self.done_at,
+            self.results,
+            self.steps,
+            self.emitted,
+            self.step_tokens,
         )
 
 

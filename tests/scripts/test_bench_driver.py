@@ -66,11 +66,21 @@ def test_interleaved_engines_each_count_only_their_own_steps(clock):
     assert fast_traffic.sent == [0.0, 0.0, 2.0, 2.0] and fast_traffic.first_at == [1.0, 1.0, 3.0, 3.0]
     assert [len(result.token_ids) for result in slow_traffic.results] == [4] * 4
     assert len(slow_traffic.steps) == 8 and len(fast_traffic.steps) == 4
-    # Held load: until the last request was sent (at 12 s for the slow engine, 2 s for the fast one),
-    # the tokens of the steps that ended by then (2 rows of 1 token a step; 2 rows of 2).
     assert slow_traffic.emitted[:3] == [(3.0, 2), (6.0, 2), (9.0, 2)]
-    assert slow_traffic.steady_tokens_per_s() == 8 / 12.0
-    assert fast_traffic.steady_tokens_per_s() == 8 / 2.0
+    assert fast_traffic.step_tokens == [4, 4, 4, 4]
+    # Both clients' last requests end in the same step: the load held to the end.
+    assert slow_traffic.steady_tokens_per_s() == 16 / 24.0
+    assert fast_traffic.steady_tokens_per_s() == 16 / 4.0
+
+
+def test_held_load_ends_where_the_first_client_is_left_without_a_request(clock):
+    engine = CostlyEngine(clock, step_seconds=1.0, tokens_per_step=1)
+    requests = [GenerationRequest((1,), 2), GenerationRequest((2,), 6), GenerationRequest((3,), 2)]
+    traffic = bench_runner.drive(engine, requests, None, 2)
+    # Request 2 is sent at 2 s, when request 0 ends, and ends at 4 s; request 1 then drains alone.
+    assert traffic.sent == [0.0, 0.0, 2.0] and traffic.done_at == [2.0, 6.0, 4.0]
+    assert engine.rows_per_step == [2, 2, 2, 2, 1, 1]
+    assert traffic.steady_tokens_per_s() == 8 / 4.0  # against 10 / 6.0 over the makespan
 
 
 def test_an_idle_wait_moves_the_clock_to_the_next_arrival_without_sleeping(clock):

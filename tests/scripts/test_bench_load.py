@@ -42,6 +42,7 @@ def test_bench_load_measures_every_load_and_row_with_the_plain_rows_outputs(tiny
     steps = report["raw"]["C=3"]["shipped"][0]
     assert max(step["batch_size"] for step in steps) == 3
     assert all(len(step["ks"]) == step["batch_size"] for step in steps)
+    assert all(step["tokens"] >= step["batch_size"] for step in steps), "every row emits a token a step"
     assert (tmp_path / "load.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "| C=3 | plain decoding (k=0) |" in printed and "Where the time goes" in printed
