@@ -4,8 +4,9 @@ Vocabulary (draft, target, accepted, recovered, bonus) is defined in `handler.sa
 engine's own (row, drafter, proposal, plan, drafts, runner) in docs/architecture.md. The
 engine serves a changing batch of requests:
 
-- `add_request` queues a request; at the next `step` its prompt, all but the last token, is
-  prefilled in a cache of its own and its row joins the running batch (`admission`).
+- `add_request` queues a request; at the next `step` its prompt is prefilled in a cache of its
+  own, the logits after it give its first token, as plain decoding takes it, and its row joins
+  the running batch (`admission`), drafting from its second token on.
   `abort_request` frees a row at the next step.
 - `step` runs one speculative step over every row in flight (`engine`), with the rows' sampling
   settings as one batch of tensors (`handler.sampler.SamplingBatch`) for the draft and the target:

@@ -37,8 +37,15 @@ class Batch:
     """The rows in flight, in the target cache's row order, with the requests waiting to join."""
 
     def __init__(
-        self, target, runner, prefix_cache: PrefixCache | None, pad_token_id: int, drafters: Mapping[str, Drafter]
+        self,
+        target,
+        runner,
+        prefix_cache: PrefixCache | None,
+        pad_token_id: int,
+        drafters: Mapping[str, Drafter],
+        first_token_from_prefill: bool = True,
     ) -> None:
+        self.first_token_from_prefill = first_token_from_prefill
         self.target = target
         self.runner = runner
         self.prefix_cache = prefix_cache
@@ -77,32 +84,33 @@ class Batch:
         self.aborted.clear()
 
     def admit(self) -> tuple[list[Row], torch.Tensor | None]:
-        """Prefills the waiting rows and appends them to the batch.
+        """Prefills the waiting rows over their whole prompts, together, and appends them to the batch.
 
-        A row whose k is 0 (plain) is prefilled over its whole prompt: the logits after its last
-        prompt token give its first token. A drafting row is prefilled up to the prompt's last
-        token, which its first step verifies with the drafts that follow it. The two kinds are
-        prefilled apart where both join at once.
+        The logits after each prompt give the row its first token (`SpeculativeEngine._admit`), as
+        plain decoding takes it: a drafting row then drafts from its second token on, its first step
+        verifying drafts after that token, and pays no target pass more than plain decoding does.
+        Without `first_token_from_prefill` (a test's knob) a drafting row is prefilled up to its
+        prompt's last token, which its first step verifies with the drafts that follow it.
 
         Returns:
-            the plain rows admitted, and the logits after their prompts [rows, 1, vocab] (or None).
+            the rows that take their first token now, and the logits after their prompts [rows, 1, vocab]
+            (None for none).
         """
         new_rows, self.waiting = self.waiting, []
-        plain = [row for row in new_rows if row.request.num_speculative_tokens == 0]
         drafting = [row for row in new_rows if row.request.num_speculative_tokens > 0]
-        first_logits = None
-        for group, whole in ((plain, True), (drafting, False)):
-            if group:
-                logits = self._prefill(group, whole)
-                first_logits = first_logits if logits is None else logits
-                self.rows.extend(group)
-
+        first = new_rows if self.first_token_from_prefill else [r for r in new_rows if r not in drafting]
+        rest = [row for row in new_rows if row not in first]
+        # The cache's rows in the order of `rows`: those that take their first token now first.
+        first_logits = self._prefill(first, whole=True) if first else None
+        if rest:
+            self._prefill(rest, whole=False)
+        self.rows.extend([*first, *rest])
         # A row whose k is 0 never drafts: no drafter needs to read its prompt.
         private = [r.request_id for r in drafting if r.request.suffix_share_across_requests is False]
         for name, drafter in self.drafters.items():
             prompts = {r.request_id: r.request.prompt_ids for r in drafting if name in drafters_of(r.drafter)}
             drafter.add(prompts, private=private)
-        return plain, first_logits
+        return first, first_logits
 
     def rollback(self, ks: list[int], num_accepted: list[int], paths: list[list[int]]) -> None:
         """Keeps each row's pending token and accepted drafts in the target cache (a tree's accepted

@@ -46,6 +46,11 @@ class EngineOptions:
     # On a CPU, rescale the cost table by the passes the engine times
     # (`handler.planning.cost_table.RunningCostTable`); False: the table stands as given.
     running_costs: bool = True
+    # A drafting row takes its first token from the logits after its prompt, as plain decoding does
+    # (`handler.engine.admission.Batch.admit`); False: its first step verifies drafts after the
+    # prompt's last token, so that the first output positions come out of a speculative step (the
+    # distribution tests sample those, where a request's first drafts are all its drafts).
+    first_token_from_prefill: bool = True
 
     def __post_init__(self) -> None:
         assert self.suffix_estimate in SUFFIX_ESTIMATES, self.suffix_estimate
@@ -95,7 +100,14 @@ class SpeculativeEngine:
         # decoding as the steps ran (`handler.planning.trackers.OutcomeCheck`).
         self.outcome_check = parts.planner.outcome_check
         self.drafter_map = parts.drafters
-        self.batch = Batch(self.target, self.target_runner, parts.prefix_cache, self.pad_token_id, self.drafter_map)
+        self.batch = Batch(
+            self.target,
+            self.target_runner,
+            parts.prefix_cache,
+            self.pad_token_id,
+            self.drafter_map,
+            first_token_from_prefill=parts.options.first_token_from_prefill,
+        )
         self.trees = parts.trees
         self.proposer = Proposer(
             self.drafter_map,
@@ -272,30 +284,35 @@ class SpeculativeEngine:
     # ---------------------------------------------------------------- internals
 
     def _admit(self) -> list[StepOutput]:
-        """Admits the waiting requests (`Batch.admit`), and emits the first token of those that never
-        draft: a row whose k is 0 takes it from the logits after its prompt (a step with k = 0), so
-        plain decoding makes one target pass per token, as `generate` does. A row that finishes on
-        its first token leaves.
+        """Admits the waiting requests (`Batch.admit`) and emits each one's first token from the logits
+        after its prompt (a step with k = 0), as plain decoding does: one target pass per token for
+        a row that never drafts, as `generate` makes, and a drafting row's first step then verifies
+        drafts after its first token. A row that finishes on its first token leaves.
 
         Returns:
-            one StepOutput per plain row admitted, its first token.
+            one StepOutput per request admitted, its first token.
         """
         if not self.batch.waiting:
             return []
-        plain, first_logits = self.batch.admit()
-        if not plain:
+        admitted, first_logits = self.batch.admit()
+        if not admitted:
             return []
-        plan = StepPlan.plain(len(plain))
-        drafts = [NO_DRAFTS_TO_VERIFY] * len(plain)
-        sampling = SamplingBatch.from_params([row.request.sampling for row in plain], self.device)
-        uniforms = StepUniforms.draw(plain, plan.ks)
-        verified = self.verifier(plain, drafts, uniforms, sampling, logits=first_logits)
-        outputs = []
-        for slot, row in enumerate(plain):
+        plan = StepPlan.plain(len(admitted))
+        drafts = [NO_DRAFTS_TO_VERIFY] * len(admitted)
+        sampling = SamplingBatch.from_params([row.request.sampling for row in admitted], self.device)
+        uniforms = StepUniforms.draw(admitted, plan.ks)
+        verified = self.verifier(admitted, drafts, uniforms, sampling, logits=first_logits)
+        outputs, committed = [], {}
+        for slot, row in enumerate(admitted):
             row.stats.record(row.drafter, 0, 0)  # the prefill was its first target pass
-            outputs.append(row.emit(verified.emitted[slot][:1], verified.row_logits(row, slot), verified.paths[slot]))
-        # No drafter follows a plain row: nothing to observe.
-        self.batch.drop([row for row in plain if row.finish_reason is not None])
+            output = row.emit(verified.emitted[slot][:1], verified.row_logits(row, slot), verified.paths[slot])
+            outputs.append(output)
+            if row.request.num_speculative_tokens > 0:
+                committed[row.request_id] = output.new_token_ids
+        if committed:
+            for drafter in self.drafter_map.values():
+                drafter.observe(committed)
+        self.batch.drop([row for row in admitted if row.finish_reason is not None])
         return outputs
 
 

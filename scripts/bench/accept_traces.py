@@ -21,10 +21,11 @@ first --num-prompts requests of `scripts.bench.agentic`'s seeded trace, whose
 later turns carry the earlier answers (this run's own, which greedy float32
 decoding makes the target's).
 
-Each request's trace: `accepted` and `drafted`, one entry per target pass;
-`num_tokens`, its completion tokens; `finish_reason`. Every pass emits its
-accepted drafts and one token of the target's, so the sum of (accepted + 1)
-is `num_tokens`, except where the request stopped inside its last pass (an
+Each request's trace: `accepted` and `drafted`, one entry per verify pass;
+`num_tokens`, its completion tokens; `finish_reason`. The first token comes
+from the prompt's prefill, then every pass emits its accepted drafts and one
+token of the target's, so 1 + the sum of (accepted + 1) is `num_tokens`,
+except where the request stopped inside its last pass (an
 EOS or a stop string among its tokens): that pass's tokens after the stop are
 dropped. Where max_new_tokens ends a request, its last pass drafted only as
 many as fit, and dropped none.
@@ -86,8 +87,9 @@ class TracingEngine:
         return [self._generate_one(request) for request in requests]
 
     def _generate_one(self, request: GenerationRequest) -> GenerationResult:
-        # A plain row's first token comes from its prefill and shares a step output with its first
-        # verify pass (`SpeculativeEngine.step`): only drafting rows map step outputs to passes.
+        # A row's first token comes from its prefill and shares a step output with its first verify
+        # pass (`SpeculativeEngine.step`); each step output is then one pass's drafts and accepted
+        # ones, the first token aside. A plain row's passes draft nothing: a trace is of drafting ones.
         assert request.num_speculative_tokens > 0, "a trace is of drafting requests"
         engine = self.engine
         assert not engine.has_unfinished_requests(), "one request at a time"
@@ -177,7 +179,8 @@ def summarize(traces: list[RequestTrace]) -> dict[str, dict]:
             "drafted": drafted,
             "accepted": accepted,
             "mean_accepted_per_pass": accepted / passes if passes else None,
-            "tokens_per_pass": tokens / passes if passes else None,
+            # Per target pass, each request's prefill included: it gave the request's first token.
+            "tokens_per_pass": tokens / (passes + len(chosen)) if chosen else None,
             "acceptance_rate": accepted / drafted if drafted else None,
         }
     return summary

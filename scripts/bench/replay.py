@@ -12,7 +12,8 @@ pass of each request (scripts/bench/traces/). This benchmark replays those outco
   token where it was wrong. The engine's verify pass, unchanged, then accepts what the real pair
   accepted, and the output is the target's (verification is the target's: exactness holds for any
   proposal). Benchmark-only: it lives here, never in handler/, and no config can name it.
-- The trace is read per position (`matches_of`). A greedy draft at completion position p, in a pass
+- The trace is read per position (`matches_of`); position 0, a request's first token, comes from its
+  prefill's logits and is never drafted. A greedy draft at completion position p, in a pass
   whose earlier drafts were all accepted, was drawn after exactly the target's tokens before p, so
   whether it was right is a property of p. A recorded pass at t that accepted n < k says positions
   t..t+n-1 right and t+n wrong; one that accepted all k says nothing of t+k, where the target's own
@@ -102,8 +103,9 @@ ROW_REQUESTS = {PLAIN: (0, MODEL), FIXED: (None, MODEL), PLANNED: (None, MODEL),
 def matches_of(drafted: Sequence[int], accepted: Sequence[int]) -> list[bool | None]:
     """A request's trace read per completion position: whether the real draft's greedy token there
     was the target's (None: unknown, the target's own token after a pass that accepted every draft,
-    or a pass without drafts). Each pass covers its accepted drafts and the target's token after them."""
-    matches: list[bool | None] = []
+    or a pass without drafts; and the first token, from the prefill). Each pass covers its accepted
+    drafts and the target's token after them."""
+    matches: list[bool | None] = [None]
     for num_drafts, num_accepted in zip(drafted, accepted):
         matches += [True] * num_accepted
         matches.append(False if num_accepted < num_drafts else None)
@@ -371,8 +373,9 @@ def summarize(runs: list[dict], instances: list[Instance]) -> dict:
     return {
         "tokens_per_s": statistics.median(run["tokens_per_s"] for run in runs),
         "tokens_per_pass": tokens / runs[0]["row_passes"],
+        # Each request's passes and its prefill's, which gave its first token (as the stats count them).
         "trace_tokens_per_pass": sum(x.trace["num_tokens"] for x in instances)
-        / sum(len(x.trace["accepted"]) for x in instances),
+        / sum(len(x.trace["accepted"]) + 1 for x in instances),
         "mean_k": runs[0]["mean_k"],
         "counts": dataclasses.asdict(sum((run["counts"] for run in runs), ReplayCounts())),
     }

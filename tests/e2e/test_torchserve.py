@@ -69,7 +69,7 @@ def test_plain_text_body_is_the_prompt(server, content_type):
     assert as_text["token_ids"] == as_json["token_ids"]
     for key in ("prompt_tokens", "completion_tokens"):
         assert as_text["usage"][key] == as_json["usage"][key]
-    # The same prompt again, after the first finished: all it prefills (all but its last token) was cached.
+    # The same prompt again, after the first finished: all of it was cached but its last token (recomputed).
     assert as_json["usage"]["cached_tokens"] == as_json["usage"]["prompt_tokens"] - 1
 
 

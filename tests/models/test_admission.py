@@ -109,8 +109,9 @@ def test_drafting_rows_joining_together_take_one_prefill_of_each_model(tiny_pair
     finally:
         for hook in hooks:
             hook.remove()
-    # Both models prefill all but each prompt's last token, which the first step verifies.
-    prefill_width = max(len(prompt_ids) for prompt_ids in prompts) - 1
+    # The target prefills each whole prompt, whose last logits give the first token; the draft then
+    # prefills the prompt, the first token pending, and the step verifies drafts after that token.
+    prefill_width = max(len(prompt_ids) for prompt_ids in prompts)
     assert shapes["target"] == [(4, prefill_width), (4, 3)]
     assert shapes["draft"] == [(4, prefill_width), (4, 1), (4, 1)]
 
@@ -213,9 +214,10 @@ def test_look_ups_propose_up_to_their_own_cap_and_stay_exact(tiny_pair, drafter,
     result = engine.generate([GenerationRequest(prompt_ids, 24, GREEDY, 2, drafter=drafter)])[0]
     assert result.token_ids == expected
     # 6 drafts per pass although the request's k is 2; the cap shrinks as max_new_tokens nears.
-    # Every draft is accepted: 3 passes of 6 drafts + the bonus (21 tokens), then 2 drafts + the bonus.
-    assert caps == [6, 6, 6, 2]
-    assert result.stats.accepted_per_position == [4, 4, 3, 3, 3, 3]
+    # The first token comes from the prefill; every draft is accepted: 3 passes of 6 drafts + the bonus
+    # (22 tokens), then 1 draft + the bonus.
+    assert caps == [6, 6, 6, 1]
+    assert result.stats.accepted_per_position == [4, 3, 3, 3, 3, 3]
     assert model_ks == []  # the look-up always matched, so hybrid never ran the draft model
     assert bool(fed_rows) == (drafter == "hybrid")  # but hybrid kept it ready
     # k = 0 turns every drafter off, the look-up included, and no drafter reads the prompt.

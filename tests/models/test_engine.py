@@ -73,9 +73,9 @@ def test_draft_equal_to_target_accepts_everything(tiny_pair, sampling):
     for result in results:
         assert result.stats.acceptance_rate == 1.0
         assert result.stats.draft_tokens > 0
-        # 33 tokens in passes of k + 1 = 5 tokens: ceil(33 / 5) = 7 target passes.
-        assert result.stats.target_forward_passes == 7
-        assert result.stats.mean_accepted_length == pytest.approx(33 / 7)
+        # The first token from the prefill's pass, then 32 in passes of k + 1 = 5: 1 + ceil(32 / 5) = 8.
+        assert result.stats.target_forward_passes == 8
+        assert result.stats.mean_accepted_length == pytest.approx(33 / 8)
 
 
 def test_k_zero_is_plain_decoding_with_one_pass_per_token(tiny_pair, engine):

@@ -151,7 +151,7 @@ def test_streamed_events_join_to_the_plain_answer(handler, tiny_models_dir, monk
     assert events[-1] == "[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]
     assert chunks[-1]["choices"] == [] and token_counts(chunks[-1]["usage"]) == token_counts(plain["usage"])
-    # The plain request finished first: the prefix cache held all the prompt it prefills (all but its last token).
+    # The plain request finished first: the prefix cache held all its prompt but the last token (recomputed).
     assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == plain["usage"]["prompt_tokens"] - 1
     for choice in plain["choices"]:
         own = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == choice["index"]]

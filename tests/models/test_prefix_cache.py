@@ -122,8 +122,9 @@ def test_a_new_prefix_shared_by_joining_rows_is_computed_once(tiny_pair, monkeyp
     for index, request in enumerate(requests):
         engine.add_request(index, request)
     engine.step()
-    suffixes = sum(len(r.prompt_ids) - 1 - 60 for r in requests)
-    # Per model (target, then draft): the 60 shared tokens once, then each row's own suffix.
+    suffixes = sum(len(r.prompt_ids) - 60 for r in requests)
+    # Per model (target, then draft): the 60 shared tokens once, then each row's own suffix (the draft's
+    # with the first token pending, as the target's whole prompt gave it).
     assert counts == [60, suffixes, 60, suffixes]
     assert all(row.cached_tokens == 0 for row in engine.rows)  # computed in this step: not a hit
 
@@ -160,7 +161,7 @@ def test_n_choices_of_one_prompt_share_one_prefill(tiny_pair, monkeypatch):
     engine = make(tiny_pair, 64 * MIB)
     counts = count_prefilled_tokens(monkeypatch)
     results = engine.generate([GenerationRequest(prompt, 8, SAMPLED, 3, seed=seed) for seed in range(3)])
-    assert counts[:2] == [39, 39]  # target, draft: the prompt but its last token, once each
+    assert counts[:2] == [40, 40]  # target, draft: the whole prompt, once each (the first tokens pending)
     off = make(tiny_pair, None).generate([GenerationRequest(prompt, 8, SAMPLED, 3, seed=seed) for seed in range(3)])
     assert token_ids(results) == token_ids(off)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from handler.config import SamplingParams
-from handler.drafters import DraftRow
+from handler.drafters import DraftRow, Proposal
 from handler.drafters.model import ModelDrafter
 from handler.engine import GenerationRequest
 from handler.sampler import SamplingBatch
@@ -225,6 +225,11 @@ def test_hybrid_rows_with_guesses_give_the_targets_greedy_output(tiny_pair, gues
         # Alone, a request's draft_passes are the passes of the proposals made for it.
         assert result.stats.draft_passes == sum(num for num, _ in passes[seen_before:])
         alone.append(result.stats)
+    # Batched, the look-ups would now find every answer themselves (each row's first token, from its
+    # prefill, leads into an answer the trees hold): they propose nothing, so that the draft model
+    # drafts and the trees guess its drafts.
+    for lookup in (guessing.suffix_drafter, guessing.drafter_map["ngram"]):
+        monkeypatch.setattr(lookup, "lookup", lambda request_id, max_tokens, tree=False: Proposal([]))
     batched = guessing.generate(requests)
     assert [r.token_ids for r in batched] == [reference_greedy(target, p, 40) for p in prompts]
     # The guesses were taken: some proposals drew more drafts than they ran passes, and the

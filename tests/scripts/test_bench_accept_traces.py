@@ -37,7 +37,8 @@ def check_passes(trace: dict, k: int, max_new_tokens: int) -> int:
     """Asserts the trace's pass invariants; returns how many of its last pass's tokens were dropped."""
     drafted, accepted, num_tokens = trace["drafted"], trace["accepted"], trace["num_tokens"]
     assert len(drafted) == len(accepted) >= 1
-    emitted_before = 0  # tokens emitted before each pass: every earlier pass emitted accepted + 1
+    # Tokens emitted before each pass: the first token, from the prefill, then accepted + 1 a pass.
+    emitted_before = 1
     for index, (num_drafts, num_accepted) in enumerate(zip(drafted, accepted)):
         assert 0 <= num_accepted <= num_drafts <= k, trace
         # A fixed k: every pass drafts k, fewer only where its tokens would pass max_new_tokens.
@@ -92,7 +93,7 @@ def test_traces_of_every_set_add_up_to_their_tokens(tiny_models_dir, tmp_path, c
         chosen = [trace for trace in requests if trace["set"] == name]
         assert row["passes"] == sum(len(trace["accepted"]) for trace in chosen)
         assert row["tokens"] == sum(trace["num_tokens"] for trace in chosen)
-        assert row["tokens_per_pass"] == pytest.approx(row["tokens"] / row["passes"])
+        assert row["tokens_per_pass"] == pytest.approx(row["tokens"] / (row["passes"] + row["requests"]))
     table = capsys.readouterr().out
     assert all(f"| {name} | " in table for name in accept_traces.SETS)
 
@@ -109,7 +110,8 @@ def _engine(tiny_models_dir, eos_token_ids):
 def test_a_stop_inside_the_last_pass_drops_its_later_tokens_and_the_counts_match_the_stats(tiny_models_dir):
     engine, tokenizer = _engine(tiny_models_dir, ())
     prompt_ids = tuple(tokenizer("def add(a, b):")["input_ids"])
-    max_new_tokens = 4 * (K + 1) - 1  # the fourth pass has room for K - 1 drafts and its own token
+    # The first token from the prefill, then passes of K + 1: the fourth has room for K - 1 drafts and its own.
+    max_new_tokens = 1 + 4 * (K + 1) - 1
     request = GenerationRequest(prompt_ids, max_new_tokens, GREEDY, K, drafter=MODEL)
     [result] = engine.generate([request])
     [trace] = engine.traces
@@ -120,18 +122,19 @@ def test_a_stop_inside_the_last_pass_drops_its_later_tokens_and_the_counts_match
     # A token first emitted as a draft inside a pass (not the pass's own last token) becomes the EOS.
     position = next(
         index
-        for index, token in enumerate(tokens[: 3 * (K + 1)])
-        if index % (K + 1) < K and token not in tokens[:index]
+        for index, token in enumerate(tokens[: 1 + 3 * (K + 1)])
+        if index and (index - 1) % (K + 1) < K and token not in tokens[:index]
     )
     eos_engine, _ = _engine(tiny_models_dir, (tokens[position],))
     [stopped] = eos_engine.generate([request])
     [stopped_trace] = eos_engine.traces
     assert stopped.token_ids == tokens[: position + 1] and stopped.finish_reason == FINISH_EOS
     dropped = check_passes(dataclasses.asdict(stopped_trace), K, max_new_tokens)
-    assert dropped == K - position % (K + 1)  # the rest of that pass: its later drafts and the target's token
+    # The rest of that pass: its later drafts and the target's token.
+    assert dropped == K - (position - 1) % (K + 1)
 
     for run, run_trace in ((result, trace), (stopped, stopped_trace)):
         stats = run.stats
-        assert len(run_trace.accepted) == stats.target_forward_passes
+        assert len(run_trace.accepted) + 1 == stats.target_forward_passes  # and the prefill's
         assert sum(run_trace.drafted) == stats.draft_tokens
         assert sum(run_trace.accepted) == stats.accepted_tokens

@@ -18,8 +18,9 @@ def test_the_table_counts_each_runners_admissions(capsys):
     passes = {(row[0], row[1]): row[2] for row in rows}
     for kind in ("dynamic", "static"):
         assert passes[kind, "0"] == "target 2x8, target 2x1"
-        # Drafting rows: both models prefill all but the last prompt token, once for both rows.
-        assert passes[kind, "2"] == "target 2x7, draft 2x7, draft 2x1, draft 2x1, target 2x3"
+        # Drafting rows: the target prefills the whole prompts (the first tokens), the draft the same
+        # width (the first tokens pending), once for both rows.
+        assert passes[kind, "2"] == "target 2x8, draft 2x8, draft 2x1, draft 2x1, target 2x3"
     num_layers = admission_work.LAYOUTS["target"][0]
     static_plain = next(row for row in rows if row[:2] == ["static", "0"])
     # Into the slots: one copy per layer for the keys and one for the values, and a few of the step's own.

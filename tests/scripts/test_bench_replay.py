@@ -23,9 +23,10 @@ K = 4
 
 
 def synthetic_trace(set_name: str, index: int, wanted: list[int], num_tokens: int, prompt_tokens: int) -> dict:
-    """A request's trace as a run at k = K records it: each pass drafts K, fewer only where max_new_tokens
-    is near, and accepts what `wanted` says (at most its drafts); passes without a wish accept none."""
-    drafted, accepted, emitted = [], [], 0
+    """A request's trace as a run at k = K records it: the first token from the prefill, then each pass
+    drafts K, fewer only where max_new_tokens is near, and accepts what `wanted` says (at most its
+    drafts); passes without a wish accept none."""
+    drafted, accepted, emitted = [], [], 1
     wishes = iter(wanted)
     while emitted < num_tokens:
         num_drafts = min(K, num_tokens - emitted - 1)
@@ -45,9 +46,10 @@ TRACES = [
 
 
 def replay_fixed_k(trace: dict, k: int) -> list[int]:
-    """The accept lengths a replay of `trace` at a fixed k gives: each pass drafts k (fewer near the
-    end) and accepts the run of right positions from where it starts."""
-    matches, accepted, emitted = replay.matches_of(trace["drafted"], trace["accepted"]), [], 0
+    """The accept lengths a replay of `trace` at a fixed k gives: after the first token, from the
+    prefill, each pass drafts k (fewer near the end) and accepts the run of right positions from where
+    it starts."""
+    matches, accepted, emitted = replay.matches_of(trace["drafted"], trace["accepted"]), [], 1
     script = replay.Script(matches, [])
     while emitted < trace["num_tokens"]:
         num_drafts, num_right = min(k, trace["num_tokens"] - emitted - 1), 0
@@ -59,10 +61,10 @@ def replay_fixed_k(trace: dict, k: int) -> list[int]:
 
 
 def test_positions_read_from_a_trace():
-    # A pass that accepted n < k: n right, then one wrong; all k: the position after them is unknown.
-    assert (
-        replay.matches_of([4, 4, 2, 0], [1, 4, 2, 0]) == [True, False] + [True] * 4 + [None] + [True] * 2 + [None] * 2
-    )
+    # The first token is the prefill's; then a pass that accepted n < k: n right, then one wrong; all k:
+    # the position after them is unknown.
+    matches = replay.matches_of([4, 4, 2, 0], [1, 4, 2, 0])
+    assert matches == [None] + [True, False] + [True] * 4 + [None] + [True] * 2 + [None] * 2
 
 
 def test_the_recorded_trace_replays_at_its_k_pass_for_pass():
@@ -79,9 +81,10 @@ def test_the_recorded_trace_replays_at_its_k_pass_for_pass():
 
 def test_replay_drafts_are_right_where_the_real_draft_was_and_wrong_after():
     state = replay.Replay(vocab_size=100)
-    continuation = [10, 11, 12, 13, 14, 15, 16, 99]
+    continuation = [9, 10, 11, 12, 13, 14, 15, 16, 99]
     state.begin({"r": replay.Script(replay.matches_of([4, 3], [1, 3]), continuation)})
     state.start(["r"], MODEL)
+    state.follow({"r": [9]}, MODEL)  # the first token, from the prefill: no pass
     assert state.drafts("r", 4) == [10, 12, 13, 14]  # position 1 was wrong: 11 + 1
     state.follow({"r": [10, 11]}, MODEL)  # the target's token after the accepted draft
     assert state.drafts("r", 3) == [12, 13, 14]  # the second pass: three right

@@ -38,13 +38,13 @@ SAMPLING = SamplingParams(temperature=1.0)
 def setup(tiny_models_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.models.conftest import make_engine
+    from tests.statistical.conftest import first_drafted_engine
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_models_dir / "target")
     target = AutoModelForCausalLM.from_pretrained(tiny_models_dir / "target", dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(tiny_models_dir / "draft", dtype=torch.float32).eval()
     eos_ids = collect_eos_token_ids(tokenizer, target.generation_config)
-    engine = make_engine(target, draft, tokenizer, eos_token_ids=eos_ids)
+    engine = first_drafted_engine(target, draft, tokenizer, eos_token_ids=eos_ids)
     return target, tokenizer, engine, eos_ids
 
 

@@ -13,7 +13,8 @@ import torch
 
 import handler.drafters.model as model_drafter_module
 from handler.sampler import sample_from_probs
-from tests.models.conftest import cross_vocab_pair, make_engine
+from tests.models.conftest import cross_vocab_pair
+from tests.statistical.conftest import first_drafted_engine
 
 from .test_engine import SETTINGS, p_values, sample_two_tokens
 from .test_sampler import BUG_P_VALUE, PASS_P_VALUE
@@ -23,7 +24,7 @@ from .test_sampler import BUG_P_VALUE, PASS_P_VALUE
 def pair(tmp_path_factory):
     """(target, tokenizer, engine with the cross draft), in float32."""
     target, draft, tokenizer, vocab_map = cross_vocab_pair(tmp_path_factory.mktemp("cross-vocab"))
-    return target, tokenizer, make_engine(target, draft, tokenizer, eos_token_ids=(), vocab_map=vocab_map)
+    return target, tokenizer, first_drafted_engine(target, draft, tokenizer, eos_token_ids=(), vocab_map=vocab_map)
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["rejection_sampling", "coupled"])

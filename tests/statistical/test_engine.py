@@ -29,12 +29,12 @@ PROMPT = "def fibonacci(n):"
 def pair(tiny_models_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.models.conftest import make_engine
+    from tests.statistical.conftest import first_drafted_engine
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_models_dir / "target")
     target = AutoModelForCausalLM.from_pretrained(tiny_models_dir / "target", dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(tiny_models_dir / "draft", dtype=torch.float32).eval()
-    return target, tokenizer, make_engine(target, draft, tokenizer, eos_token_ids=())
+    return target, tokenizer, first_drafted_engine(target, draft, tokenizer, eos_token_ids=())
 
 
 def sample_two_tokens(pair, sampling, seeded: bool, draft_counts: collections.Counter | None = None) -> torch.Tensor:
@@ -70,11 +70,11 @@ def confident_pair(pair, stop_by_mask: bool):
     """`pair` with an engine whose draft model stops by its confidence (read every pass, or by mask),
     and whose every step drafts, as while the pool is learning: left to the plan, the tiny pair's
     acceptance stops drafting after the first batch, and a check would see almost no drafts."""
-    from tests.models.conftest import make_engine
     from tests.models.test_engine import CONFIDENT_COSTS
+    from tests.statistical.conftest import first_drafted_engine
 
     target, tokenizer, engine = pair
-    confident = make_engine(
+    confident = first_drafted_engine(
         target,
         engine.model_drafter.model,
         tokenizer,
@@ -127,6 +127,53 @@ def test_the_check_catches_a_coupling_that_reuses_one_uniform(pair, monkeypatch)
     )
     sampling = SETTINGS[0]
     assert min(p_values(pair, sampling, sample_two_tokens(pair, sampling, seeded=True))) < BUG_P_VALUE
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection_sampling", "coupled"])
+def test_a_served_engines_first_drafted_token_follows_the_target(tiny_models_dir, seeded, reproducible_unseeded):
+    """As served, a request's first token comes from the logits after its prompt and its first step drafts
+    after it: the second token (the first drafted position) follows the target's distribution mixed
+    over the first, sum over t0 of p(t0) p(. | t0)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.models.conftest import make_engine
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models_dir / "target")
+    target, draft = (
+        AutoModelForCausalLM.from_pretrained(tiny_models_dir / name, dtype=torch.float32).eval()
+        for name in ("target", "draft")
+    )
+    engine = make_engine(target, draft, tokenizer, eos_token_ids=())
+    sampling = SETTINGS[0]
+    prompt_ids = tuple(tokenizer(PROMPT)["input_ids"])
+    second, drafted = [], 0
+    for start in range(0, NUM_SAMPLES, BATCH):
+        requests = [
+            GenerationRequest(prompt_ids, 3, sampling, 2, seed=start + i if seeded else None) for i in range(BATCH)
+        ]
+        for result in engine.generate(requests):
+            second.append(result.token_ids[1])
+            drafted += result.stats.draft_tokens
+    assert drafted >= NUM_SAMPLES, "every request drafted after its first token"
+
+    vocab = target.config.vocab_size
+    with torch.no_grad():
+        first_probs = warp(target(input_ids=torch.tensor([prompt_ids])).logits[:, -1:], sampling)[0, 0]  # [vocab]
+        # Every first token after the prompt: [vocab, prompt + 1].
+        continued = torch.cat([torch.tensor([prompt_ids]).expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
+        second_probs = warp(target(input_ids=continued).logits[:, -1:], sampling)[:, 0]  # [vocab, vocab]
+    mixed = first_probs @ second_probs  # [vocab]
+    assert chi_square_p_value(torch.bincount(torch.tensor(second), minlength=vocab), mixed) > PASS_P_VALUE
+
+
+def warp(logits: torch.Tensor, sampling) -> torch.Tensor:  # [rows, 1, vocab]
+    rows = logits.shape[0]
+    return warp_logits_to_probs(
+        logits,
+        torch.full((rows,), sampling.temperature),
+        torch.full((rows,), sampling.top_k),
+        torch.full((rows,), sampling.top_p),
+    )
 
 
 def p_values(pair, sampling, tokens: torch.Tensor, second: bool = True) -> list[float]:
