@@ -97,9 +97,9 @@ class Batch:
             (None for none).
         """
         new_rows, self.waiting = self.waiting, []
+        plain = [row for row in new_rows if row.request.num_speculative_tokens == 0]
         drafting = [row for row in new_rows if row.request.num_speculative_tokens > 0]
-        first = new_rows if self.first_token_from_prefill else [r for r in new_rows if r not in drafting]
-        rest = [row for row in new_rows if row not in first]
+        first, rest = (new_rows, []) if self.first_token_from_prefill else (plain, drafting)
         # The cache's rows in the order of `rows`: those that take their first token now first.
         first_logits = self._prefill(first, whole=True) if first else None
         if rest:

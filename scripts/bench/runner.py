@@ -346,11 +346,8 @@ class Driver:
     ) -> None:
         num = len(requests)
         self.engine, self.requests, self.arrivals, self.max_in_flight = engine, requests, arrivals, max_in_flight
-        self.sent, self.first_at, self.first_tokens, self.done_at = [0.0] * num, [0.0] * num, [0] * num, [0.0] * num
-        self.results: list = [None] * num
-        self.steps: list[StepRecord] = []
-        self.emitted: list[tuple[float, int]] = []
-        self.step_tokens: list[int] = []  # the tokens each recorded step emitted, beside `steps`
+        # What it saw so far, filled in as it advances.
+        self.traffic = Traffic([0.0] * num, [0.0] * num, [0] * num, [0.0] * num, [None] * num, [])
         self.next_index, self.clock = 0, 0.0
 
     @property
@@ -360,14 +357,14 @@ class Driver:
     def advance(self) -> None:
         """Admits what has arrived (each request joins at the first step boundary after it arrives;
         in a closed loop, as soon as fewer than max_in_flight are in flight) and runs one step."""
-        engine, num, arrivals = self.engine, len(self.requests), self.arrivals
+        engine, num, arrivals, traffic = self.engine, len(self.requests), self.arrivals, self.traffic
         started = time.perf_counter() - self.clock
         now = self.clock
         while self.next_index < num and engine.num_active_requests < self.max_in_flight:
             index = self.next_index
             if arrivals is not None and arrivals[index] > now:
                 break
-            self.sent[index] = now if arrivals is None else arrivals[index]
+            traffic.sent[index] = now if arrivals is None else arrivals[index]
             engine.add_request(index, self.requests[index])
             self.next_index += 1
         if not engine.has_unfinished_requests():
@@ -378,28 +375,16 @@ class Driver:
         outputs = engine.step()
         now = self.clock = time.perf_counter() - started
         num_tokens = sum(len(output.new_token_ids) for output in outputs)
-        self.emitted.append((now, num_tokens))
+        traffic.emitted.append((now, num_tokens))
         if engine.steps.num_steps > num_steps:  # a step that only admitted requests keeps no record
-            self.steps.append(engine.steps.recent_steps[-1])
-            self.step_tokens.append(num_tokens)
+            traffic.steps.append(engine.steps.recent_steps[-1])
+            traffic.step_tokens.append(num_tokens)
         for output in outputs:
             index = output.request_id
-            if not self.first_tokens[index] and output.new_token_ids:
-                self.first_at[index], self.first_tokens[index] = now, len(output.new_token_ids)
+            if not traffic.first_tokens[index] and output.new_token_ids:
+                traffic.first_at[index], traffic.first_tokens[index] = now, len(output.new_token_ids)
             if output.result is not None:
-                self.done_at[index], self.results[index] = now, output.result
-
-    def traffic(self) -> Traffic:
-        return Traffic(
-            self.sent,
-            self.first_at,
-            self.first_tokens,
-            self.done_at,
-            self.results,
-            self.steps,
-            self.emitted,
-            self.step_tokens,
-        )
+                traffic.done_at[index], traffic.results[index] = now, output.result
 
 
 def drive(engine: SpeculativeEngine, requests: list, arrivals: list[float] | None, max_in_flight: int) -> Traffic:
@@ -421,4 +406,4 @@ def drive_interleaved(drivers: list[Driver]) -> list[Traffic]:
         for driver in drivers:
             if not driver.done:
                 driver.advance()
-    return [driver.traffic() for driver in drivers]
+    return [driver.traffic for driver in drivers]
