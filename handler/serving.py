@@ -26,6 +26,9 @@ Every call must answer every job it holds. The frontend reads the
   after its headers. A job answered so may be sent once more, and then gets
   an empty last chunk, which the frontend discards.
 
+A stream is always chunked: one that ends in the call that admitted it sends
+its whole text as a first chunk and an empty last chunk in the next call.
+
 What a request is and how its answer is built (native or OpenAI) is
 `handler.api.entry`; the schedules only ask its `Answer` for text.
 
@@ -152,7 +155,7 @@ class StaticBatch:
             for index, outcome in self._generate(group, send_chunk, tally).items():
                 outcomes[index] = outcome
             tally.record(metrics)
-        return [self._reply(index, outcome, metrics) for index, outcome in enumerate(outcomes)]
+        return [self._reply(index, outcome, send_chunk, metrics) for index, outcome in enumerate(outcomes)]
 
     def _groups(self, indices: list[int]) -> list[list[int]]:
         """Consecutive groups whose tokens fit max_batch_tokens; one group when unbounded."""
@@ -218,7 +221,7 @@ class StaticBatch:
         tracked.started = True
         send_chunk(index, text, tracked.answer.content_type)
 
-    def _reply(self, index: int, outcome, metrics: MetricsRecorder) -> Reply:
+    def _reply(self, index: int, outcome, send_chunk, metrics: MetricsRecorder) -> Reply:
         if isinstance(outcome, Reply):  # answered without the engine
             if outcome.status >= 400:
                 metrics.record_rejected()
@@ -233,11 +236,16 @@ class StaticBatch:
             status, body = tracked.answer.error(outcome)
             return Reply(body, status=status, content_type=JSON_CONTENT_TYPE)
         finished_at = tracked.finished_at or self.clock()
-        content_type = None if tracked.started else tracked.answer.content_type
         metrics.record_time_to_first_token((tracked.first_token_at or finished_at) - tracked.arrived_at)
         for result in outcome:
             metrics.record_result(result.stats, finished_at - tracked.arrived_at)
-        return Reply(tracked.answer.final(outcome), content_type=content_type)
+        body = tracked.answer.final(outcome)
+        if tracked.started:
+            return Reply(body)
+        if tracked.answer.stream:  # it sent nothing before its end: still a chunked stream, as in continuous mode
+            send_chunk(index, body, tracked.answer.content_type)
+            return Reply("")
+        return Reply(body, content_type=tracked.answer.content_type)
 
 
 class _Tracked:
@@ -511,6 +519,11 @@ class ContinuousBatcher:
         if tracked.started:
             return Reply(body, more=False)
         self.closing.add(request_id)
+        if tracked.answer.stream:
+            # A stream stays chunked even when it ends in the call that admitted it (a short answer,
+            # or one drafted whole): its whole text is the first chunk, an empty last chunk follows.
+            tracked.started = True
+            return Reply(body, content_type=tracked.answer.content_type, more=True)
         return Reply(body, content_type=tracked.answer.content_type, more=None)
 
     def _complete(self, request_id: Hashable, reply: Reply, metrics: MetricsRecorder) -> Reply:

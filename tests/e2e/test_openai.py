@@ -117,10 +117,11 @@ def test_streamed_text_equals_the_plain_text(client, server, route):
         assert finishing[0].model_extra["speculative"]["num_speculative_tokens"] == 4
 
 
-def test_raw_stream_is_server_sent_events_ending_in_done(server, base_url):
+@pytest.mark.parametrize("max_tokens", [1, 8], ids=["ends-in-its-first-call", "several-calls"])
+def test_raw_stream_is_server_sent_events_ending_in_done(server, base_url, max_tokens):
     response = requests.post(
         f"{base_url}/completions",
-        json={"prompt": "Hello!", "max_tokens": 8, "stream": True},
+        json={"prompt": "Hello!", "max_tokens": max_tokens, "stream": True},
         stream=True,
         timeout=HTTP_TIMEOUT_S,
     )

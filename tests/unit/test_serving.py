@@ -165,6 +165,21 @@ def test_a_request_finished_in_its_first_call_gets_a_complete_response_then_an_e
     assert not harness.batcher.knows("one")
 
 
+@pytest.mark.parametrize(
+    "url_path, length_field", [("", "max_new_tokens"), ("v1/completions", "max_tokens")], ids=["native", "openai"]
+)
+def test_a_stream_that_ends_in_its_first_call_is_still_chunked(url_path, length_field):
+    harness = Harness()
+    harness.submit("short", {"prompt": "q", length_field: 1, "stream": True}, url_path=url_path)
+    [reply] = harness.call()
+    assert reply.more is True and reply.status == 200, "a first chunk: the frontend sends headers for a chunked body"
+    assert reply.content_type.startswith("text/event-stream" if url_path else NDJSON_CONTENT_TYPE)
+    assert reply.body, "the whole stream goes out at once"
+    [last] = harness.call()
+    assert (last.body, last.more) == ("", False)
+    assert not harness.batcher.knows("short") and not harness.in_flight
+
+
 def test_a_complete_response_the_frontend_does_not_send_again_is_forgotten():
     harness = Harness()
     harness.submit("one", {"prompt": "q", "max_new_tokens": 1})
@@ -320,6 +335,22 @@ def test_static_batches_split_to_fit_max_batch_tokens_and_stream_through_the_cal
     assert replies[0].body["text"] == engine.solo_text(parsed[0].generation)
     assert all(r.more is None for r in replies)
     assert [v for v, _ in recorded.values["SpecBatchOccupancy"]] == [2, 1]
+
+
+def test_a_static_stream_with_nothing_sent_before_its_end_still_goes_out_as_a_chunk():
+    class SilentEngine(FakeGenerateEngine):
+        def generate(self, requests, on_tokens=None):
+            return super().generate(requests)  # no step reaches the callback
+
+    static = StaticBatch(SilentEngine(), TOKENIZER)
+    parsed = [parse({"prompt": "s", "max_new_tokens": 3, "stream": True}), parse({"prompt": "t", "max_new_tokens": 3})]
+    sent = []
+    send = lambda index, text, content_type: sent.append((index, text, content_type))  # noqa: E731
+    replies = static.run(parsed, send, MetricsRecorder(RecordingMetrics()))
+    [(index, text, content_type)] = sent
+    assert index == 0 and content_type == NDJSON_CONTENT_TYPE and json.loads(text.splitlines()[-1])["finish_reason"]
+    assert replies[0].body == "" and replies[0].content_type is None, "the last chunk, empty"
+    assert isinstance(replies[1].body, dict), "a request that does not stream stays one JSON answer"
 
 
 class CachingEngine(FakeEngine):
