@@ -36,8 +36,8 @@ MAX_POSITIONS = 32
 POSITION_PRIOR = 2.0
 
 
-# The realized check of drafting against plain decoding (`OutcomeCheck`): step rates per arm and
-# batch size in its window, and the steps each arm needs before a verdict.
+# The realized check of drafting against plain decoding (`OutcomeCheck`): the pairs of step rates per
+# batch size in its window, and the samples each arm (and the pairs) need before a verdict.
 OUTCOME_WINDOW = 32
 OUTCOME_MIN_STEPS = 8
 # Until both arms have OUTCOME_MIN_STEPS, the arm with fewer steps runs one step in EXPLORE_UNSEEN
@@ -52,6 +52,10 @@ EXPLORE_SHARE = 0.02
 # the draft every token it missed (a wide catch-up pass), which steady drafting does not pay. It is
 # a sample all the same (drafting that comes and goes pays it every time), and counts against the budget.
 EXPLORE_BURST = 4
+# A sample is paired with the other arm's samples of this many steps before it, in its bucket: a
+# burst's with the steps the verdict ran just before it, and the verdict's first steps after a burst
+# with the burst's.
+PAIR_SPAN = 2 * EXPLORE_BURST
 # A burst runs its steps unless they have taken this many times the seconds it was granted (its
 # arm's steps turned dearer than before); a burst a little over is repaid before the next one.
 BURST_OVERRUN = 2.0
@@ -114,17 +118,26 @@ class OutcomeCheck:
     10 to 20 % that separate drafting from plain decoding under load; there the plan would draft
     at a loss it cannot see. So the engine times every step, per batch size (its nearest grid
     point) and per arm (a step that drafted, a step that did not), as its tokens per second over
-    those its plan expected, and the medians over a window give a verdict: how drafting steps held
-    up against their price, relative to plain ones. A plan runs drafting where its expected gain
-    over plain decoding, discounted by that verdict, is above 1, and the other arm runs in bursts
-    that take at most EXPLORE_SHARE of the bucket's seconds (`ExploreBudget`), enough to notice
-    when the verdict changes.
+    those its plan expected. A verdict compares the arms: how drafting steps held up against their
+    price, relative to plain ones. A plan runs drafting where its expected gain over plain
+    decoding, discounted by that verdict, is above 1, and the other arm runs in bursts that take
+    at most EXPLORE_SHARE of the bucket's seconds (`ExploreBudget`), enough to notice when the
+    verdict changes.
 
     The rates are relative to each plan's own expectation because the drafts differ from step to
     step: a verdict formed on steps whose drafts were rarely taken (a look-up's guesses on a new
     prompt) says little about a step whose drafts are near certain (the same look-up on a repeated
     answer), while how far the table and the estimates fall short carries over. Drafting or not
     never changes the output, so neither does the check.
+
+    The verdict pairs steps close in time: each sample is set against the other arm's samples of
+    the last PAIR_SPAN steps of its bucket, and the verdict is the median of those pairs. The arms
+    run at different times (the one left out only in bursts), and a shared CPU's speed, with the
+    running table's price that follows it some steps behind, moves within a minute: on 2 cores under
+    load at 16 rows, plain steps ran 0.18 to 0.36 s within one run, and their rate over a price
+    still learning it moved from 2.2 to 0.9. A median of each arm's samples compared minutes apart
+    read drafting at 0.4 to 1.5 of plain from that drift alone, and the check then drafted plans the
+    table priced at 0.84 of plain.
 
     The budget is of time, not of steps: the first drafting step after plain ones feeds the draft
     every token it missed, and under load on a CPU its draft part ran up to 4 or 5 times the
@@ -135,7 +148,12 @@ class OutcomeCheck:
     """
 
     def __init__(self) -> None:
-        self.rates: dict[tuple[int, bool], list[float]] = {}
+        # Per bucket: drafting's rate over plain decoding's, of samples close in time; the latest.
+        self.pairs: dict[int, list[float]] = {}
+        # Per (bucket, arm): its latest samples with their step number in the bucket, and how many it had.
+        self.recent: dict[tuple[int, bool], collections.deque[tuple[int, float]]] = {}
+        self.num_samples: collections.Counter[tuple[int, bool]] = collections.Counter()
+        self.num_steps: collections.Counter[int] = collections.Counter()
         # The seconds of each arm's last steps, fair samples or not: a burst's expected seconds.
         self.seconds: dict[tuple[int, bool], collections.deque[float]] = {}
         self.budgets: dict[int, ExploreBudget] = {}
@@ -145,22 +163,31 @@ class OutcomeCheck:
         tokens per second its plan expected (None: no fair sample, its seconds count all the same).
 
         Follows the bucket's `arm` for the same step, whose budget it charges."""
+        self.num_steps[bucket] += 1
+        step = self.num_steps[bucket]
         self.seconds.setdefault((bucket, drafted), collections.deque(maxlen=EXPLORE_BURST)).append(seconds)
         if rate is not None:
-            window = self.rates.setdefault((bucket, drafted), [])
-            window.append(rate)
-            del window[:-OUTCOME_WINDOW]
+            self.num_samples[bucket, drafted] += 1
+            self.recent.setdefault((bucket, drafted), collections.deque(maxlen=PAIR_SPAN)).append((step, rate))
+            near = [other for at, other in self.recent.get((bucket, not drafted), ()) if step - at <= PAIR_SPAN]
+            if near:
+                reference = statistics.median(near)
+                window = self.pairs.setdefault(bucket, [])
+                window.append(rate / reference if drafted else reference / rate)
+                del window[:-OUTCOME_WINDOW]
         budget = self.budgets.get(bucket)
         if budget is not None:
             budget.charge(seconds)
 
     def ratio(self, bucket: int) -> float | None:
-        """Drafting's median rate (as it ran over as planned) over plain decoding's at this bucket; None
-        while either has too few steps."""
-        drafted, plain = self.rates.get((bucket, True), []), self.rates.get((bucket, False), [])
-        if len(drafted) < OUTCOME_MIN_STEPS or len(plain) < OUTCOME_MIN_STEPS:
+        """Drafting's rate (as it ran over as planned) over plain decoding's at this bucket, the median of
+        steps paired in time; None while either arm or the pairs have too few."""
+        pairs = self.pairs.get(bucket, [])
+        if len(pairs) < OUTCOME_MIN_STEPS or min(self.num_samples[bucket, True], self.num_samples[bucket, False]) < (
+            OUTCOME_MIN_STEPS
+        ):
             return None
-        return statistics.median(drafted) / statistics.median(plain)
+        return statistics.median(pairs)
 
     def arm(self, bucket: int, planned: bool, step: int, gain: float = 1.0) -> bool:
         """Whether step number `step` at this bucket drafts, given whether the plan drafts.
@@ -171,9 +198,9 @@ class OutcomeCheck:
         budget = self.budgets.setdefault(bucket, ExploreBudget())
         ratio = self.ratio(bucket)
         if ratio is None:
-            # The arm with fewer steps takes a burst in every EXPLORE_UNSEEN, the plan the others.
+            # The arm with fewer samples takes a burst in every EXPLORE_UNSEEN, the plan the others.
             budget.in_flight = None
-            unseen = len(self.rates.get((bucket, True), [])) <= len(self.rates.get((bucket, False), []))
+            unseen = self.num_samples[bucket, True] <= self.num_samples[bucket, False]
             return unseen if _burst(step, EXPLORE_UNSEEN) else planned
         # The gain as drafting steps have run against their price: where it is lost, plain decoding runs.
         faster = gain * ratio > 1.0

@@ -15,6 +15,7 @@ from handler.planning.trackers import (
     EXPLORE_UNSEEN,
     OUTCOME_MIN_STEPS,
     OUTCOME_WINDOW,
+    PAIR_SPAN,
     AcceptanceTracker,
     BranchCalibration,
     OutcomeCheck,
@@ -281,9 +282,38 @@ def test_a_window_forgets_the_old_steps():
     for _ in range(OUTCOME_MIN_STEPS):
         check.observe(4, True, 1.0, 0.5)
         check.observe(4, False, 1.0, 1.0)
-    for _ in range(64):
+    for _ in range(OUTCOME_WINDOW):
         check.observe(4, True, 1.0, 2.0)
+        check.observe(4, False, 1.0, 1.0)
     assert check.ratio(4) == 2.0
+
+
+def test_the_verdict_pairs_steps_close_in_time_so_that_drift_cancels():
+    """The machine (and the price that follows it) drifts: plain steps ran at 2.0 their price while
+    drafting was tried, and at 0.5 since. Drafting ran at 0.8 of the plain steps beside it every time:
+    that is the verdict, not 1.6 / 0.5 from the arms' samples taken minutes apart."""
+    check = OutcomeCheck()
+    for _ in range(OUTCOME_MIN_STEPS):  # bursts of each arm while plain steps ran at 2.0
+        for _ in range(EXPLORE_BURST):
+            check.observe(16, False, 1.0, 2.0)
+        for _ in range(EXPLORE_BURST):
+            check.observe(16, True, 1.0, 1.6)
+    for _ in range(4 * OUTCOME_WINDOW):  # then the machine got faster than its price: plain alone
+        check.observe(16, False, 1.0, 0.5)
+    assert check.ratio(16) == pytest.approx(0.8)
+    assert not check.arm(16, False, 0, gain=1.0) and not check.arm(16, True, 1, gain=1.2)
+    assert check.arm(16, True, 2, gain=1.3)
+
+
+def test_samples_with_no_step_of_the_other_arm_near_them_make_no_pair():
+    check = OutcomeCheck()
+    for _ in range(OUTCOME_MIN_STEPS):
+        check.observe(2, True, 1.0, 1.0)
+    for _ in range(PAIR_SPAN):
+        check.observe(2, True, 1.0, None)  # steps without a sample still count as time apart
+    for _ in range(OUTCOME_MIN_STEPS):
+        check.observe(2, False, 1.0, 1.0)
+    assert check.pairs.get(2) is None and check.ratio(2) is None
 
 
 def test_steps_without_a_sample_count_their_seconds_only():
