@@ -522,7 +522,6 @@ class ContinuousBatcher:
         if tracked.answer.stream:
             # A stream stays chunked even when it ends in the call that admitted it (a short answer,
             # or one drafted whole): its whole text is the first chunk, an empty last chunk follows.
-            tracked.started = True
             return Reply(body, content_type=tracked.answer.content_type, more=True)
         return Reply(body, content_type=tracked.answer.content_type, more=None)
 

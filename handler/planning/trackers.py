@@ -183,9 +183,8 @@ class OutcomeCheck:
         """Drafting's rate (as it ran over as planned) over plain decoding's at this bucket, the median of
         steps paired in time; None while either arm or the pairs have too few."""
         pairs = self.pairs.get(bucket, [])
-        if len(pairs) < OUTCOME_MIN_STEPS or min(self.num_samples[bucket, True], self.num_samples[bucket, False]) < (
-            OUTCOME_MIN_STEPS
-        ):
+        fewest_samples = min(self.num_samples[bucket, True], self.num_samples[bucket, False])
+        if len(pairs) < OUTCOME_MIN_STEPS or fewest_samples < OUTCOME_MIN_STEPS:
             return None
         return statistics.median(pairs)
 
