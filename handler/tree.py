@@ -67,6 +67,26 @@ def order_best_first(
     """
     num_nodes = len(token_ids)
     assert len(parents) == num_nodes == len(scores), (len(token_ids), len(parents), len(scores))
+    if all(score >= next_score for score, next_score in zip(scores, scores[1:])):
+        # Already best first (a chain of equal shares, a suffix tree's path probabilities): parents come first.
+        return list(token_ids), list(parents), list(scores)
+    if all(parent == ROOT or scores[parent] >= scores[index] for index, parent in enumerate(parents)):
+        # Scores that never grow from parent to child (a look-up's shares and path probabilities, always):
+        # the stable sort by score places every parent first and is the walk's order, without the walk.
+        order = sorted(range(num_nodes), key=lambda node: -scores[node])
+    else:
+        order = _placed_best_first(parents, scores)
+    new_index = {node: position for position, node in enumerate(order)}
+    return (
+        [token_ids[node] for node in order],
+        [ROOT if parents[node] == ROOT else new_index[parents[node]] for node in order],
+        [scores[node] for node in order],
+    )
+
+
+def _placed_best_first(parents: Sequence[int], scores: Sequence[float]) -> list[int]:
+    """`order_best_first`'s order for any scores: each node once its parent is placed, the best available first."""
+    num_nodes = len(parents)
     children: list[list[int]] = [[] for _ in range(num_nodes)]
     # The nodes whose parent is placed, keyed (-score, node): the highest score first, ties to the earlier node.
     heap = []
@@ -76,19 +96,13 @@ def order_best_first(
         else:
             children[parent].append(index)
     heapq.heapify(heap)
-    new_index = {}
     order: list[int] = []
     while heap:
         _, best = heapq.heappop(heap)
-        new_index[best] = len(order)
         order.append(best)
         for child in children[best]:
             heapq.heappush(heap, (-scores[child], child))
-    return (
-        [token_ids[node] for node in order],
-        [ROOT if parents[node] == ROOT else new_index[parents[node]] for node in order],
-        [scores[node] for node in order],
-    )
+    return order
 
 
 def chunk_attention(parents: Sequence[Sequence[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:

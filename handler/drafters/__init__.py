@@ -34,6 +34,7 @@ tokens it forces.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Callable, Hashable, Mapping, Protocol, Sequence
 
 # The names live below the drafters, where the config and the requests can read them; re-exported.
@@ -83,7 +84,7 @@ class Proposal:
     confidences: list[float] | None = None
     runners_up: list[tuple[int, float]] | None = None
 
-    @property
+    @functools.cached_property
     def is_tree(self) -> bool:
         """Whether some draft does not follow the one before it."""
         return self.parents is not None and not is_chain(self.parents)

@@ -76,12 +76,19 @@ class NgramIndex:
             first = self.first_end.get(ngram)
             if first is None:
                 continue
-            starts = [first, *self.more_ends.get(ngram, ())]
+            more = self.more_ends.get(ngram)
+            if not more:
+                # One occurrence: its continuation is the chain, every node on it (share 1).
+                token_ids = self.tokens[first : min(first + max_nodes, end)]
+                return Proposal(token_ids, None, list(range(ROOT, len(token_ids) - 1)), [1.0] * len(token_ids))
+            starts = [first, *more]
             token_ids, parents, counts = [], [], []
             children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
             heads = [ROOT] * len(starts)  # each occurrence's node at the current depth
             # Depth by depth, so that nodes are numbered shallow first (the tie-break below).
             for depth in range(max_nodes):
+                if depth and not any(head is not None for head in heads):
+                    break  # every occurrence ran into the row's end
                 for occurrence, start in enumerate(starts):
                     if start + depth >= end or heads[occurrence] is None:
                         heads[occurrence] = None

@@ -80,9 +80,11 @@ def test_order_best_first_puts_parents_first_and_the_likeliest_next():
     assert (token_ids, parents) == ([1, 2], [ROOT, 0])
 
 
-def test_order_best_first_is_the_greedy_pick_among_the_nodes_whose_parent_is_placed():
-    """Over random trees with tied and rising scores: at each place, of the nodes whose parent is
-    placed, the highest score, ties to the earlier node (the definition, picked by a scan)."""
+@pytest.mark.parametrize("scored", ["any", "never-above-the-parent", "best-first-already"])
+def test_order_best_first_is_the_greedy_pick_among_the_nodes_whose_parent_is_placed(scored):
+    """Over random trees with tied scores, rising ones, ones that never rise from parent to child (a
+    look-up's, which take the sort) or already in order (kept as they are): at each place, of the nodes
+    whose parent is placed, the highest score, ties to the earlier node (the definition, picked by a scan)."""
     import random
 
     rng = random.Random(5)
@@ -90,6 +92,12 @@ def test_order_best_first_is_the_greedy_pick_among_the_nodes_whose_parent_is_pla
         num = rng.randint(1, 24)
         parents = [rng.randint(ROOT, index - 1) for index in range(num)]
         scores = [rng.choice((0.1, 0.2, 0.5, rng.random())) for _ in range(num)]
+        if scored == "never-above-the-parent":
+            for index, parent in enumerate(parents):
+                if parent != ROOT:
+                    scores[index] = min(scores[index], scores[parent])
+        elif scored == "best-first-already":
+            scores.sort(reverse=True)
         order, placed = [], set()
         while len(order) < num:
             available = [n for n in range(num) if n not in placed and (parents[n] == ROOT or parents[n] in placed)]
