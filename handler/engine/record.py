@@ -8,7 +8,7 @@ import time
 
 from handler.drafters import PROPOSER_GRAMMAR
 from handler.engine.propose import DraftTimes
-from handler.planning.planner import StepPlan
+from handler.planning.planner import StepPlan, draft_kind
 from handler.planning.trackers import OutcomeCheck, batch_bucket
 from handler.types import StepOutput
 
@@ -93,6 +93,7 @@ class StepLog:
                 rate = tokens / seconds / plan.expected_rate
             # Every step's own seconds, a catch-up's too: the other arm's time is budgeted. Like its rate,
             # they leave out the admission before it (the joining rows' prefill, the same in either arm).
-            self.outcome_check.observe(batch_bucket(len(ks)), drafted, ended - started, rate)
+            kind = draft_kind(ks, [row.uses_model for row in plan.rows]) if drafted else None
+            self.outcome_check.observe(batch_bucket(len(ks)), drafted, ended - started, rate, kind)
         self.recent_steps.append(record)
         self.num_steps += 1

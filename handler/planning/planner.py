@@ -28,7 +28,15 @@ from handler.planning.pricing import (
     choose_runners_up,
     plan_batch,
 )
-from handler.planning.trackers import OUTCOME_MIN_STEPS, GuessRate, OutcomeCheck, PlannedRow, batch_bucket
+from handler.planning.trackers import (
+    LOOKUPS_ONLY,
+    OUTCOME_MIN_STEPS,
+    WITH_MODEL,
+    GuessRate,
+    OutcomeCheck,
+    PlannedRow,
+    batch_bucket,
+)
 from handler.types import DrafterName
 
 
@@ -223,13 +231,16 @@ class Planner:
     def _fill_steps(self, batch_size: int) -> float:
         """The most steps a prefill in the draft is spread over at this batch size.
 
-        A prefill pays only while its row drafts. Where drafting at this batch size has run below its
-        price (`OutcomeCheck.ratio` < 1), the check may turn it off again within the steps its verdict
-        takes (OUTCOME_MIN_STEPS): a prefill must pay within them. Under load on a CPU, steps that
+        A prefill pays only while its row drafts. Where drafting with the model at this batch size has run
+        below its price (`OutcomeCheck.ratio` of its kind < 1), the check may turn it off again within the
+        steps its verdict takes (OUTCOME_MIN_STEPS): a prefill must pay within them. (Look-up steps that ran
+        below theirs say nothing of the model's: under load at 4 rows their verdict, 0.74 to 0.81, kept
+        the model from every row it had not prefilled.) Under load on a CPU, steps that
         prefilled 8 rows for a plan barely clearing the check ran 2.6 to 3.7 s, and drafting stopped
         at the next step: 9 % of a C = 8 run lost to plain decoding.
         """
-        ratio = None if self.outcome_check is None else self.outcome_check.ratio(batch_bucket(batch_size))
+        check = self.outcome_check
+        ratio = None if check is None else check.ratio(batch_bucket(batch_size), WITH_MODEL)
         return OUTCOME_MIN_STEPS if ratio is not None and ratio < 1.0 else math.inf
 
     def plan(self, rows: list[PlannedRow], options: list[RowOptions], num_steps: int) -> StepPlan:
@@ -348,10 +359,11 @@ class Planner:
             if drafting is None and ratio is not None and ratio > 1.0:
                 # Drafting ran better than priced: a drafting plan the table turned down may win.
                 drafting = plan_batch(filled_only, seconds_with(0.0), explore=True)
-            gain = 1.0
+            gain, kind = 1.0, None
             if drafting is not None and drafting.width:
                 gain = drafting.tokens / drafting.seconds * pass_seconds(0, 0.0, False) / batch_size
-            drafts = self.outcome_check.arm(bucket, plan.width > 0, num_steps, gain=gain)
+                kind = draft_kind(drafting.ks, drafting.uses_model)
+            drafts = self.outcome_check.arm(bucket, plan.width > 0, num_steps, gain=gain, kind=kind)
             if drafts and not plan.width:
                 plan = drafting or plan_batch(filled_only, seconds_with(0.0), explore=True)
             elif plan.width and not drafts:
@@ -496,6 +508,11 @@ def choose(candidates: Sequence[Candidate], step_seconds: Callable[[int, bool], 
         return max(candidate.curve[k] / step_seconds(k, model) for k in range(1, candidate.max_k + 1))
 
     return max(live, key=rate) if live[0].max_k > 0 else live[0]
+
+
+def draft_kind(ks: Sequence[int], uses_model: Sequence[bool]) -> str:
+    """A drafting step's kind for the outcome check: WITH_MODEL where the draft model drafts for a row."""
+    return WITH_MODEL if any(k and model for k, model in zip(ks, uses_model)) else LOOKUPS_ONLY
 
 
 def planned_tokens(plans: Sequence[RowPlan]) -> float:

@@ -56,6 +56,13 @@ EXPLORE_BURST = 4
 # burst's with the steps the verdict ran just before it, and the verdict's first steps after a burst
 # with the burst's.
 PAIR_SPAN = 2 * EXPLORE_BURST
+# The kinds of drafting step `OutcomeCheck` also judges apart: those in which the draft model drafted
+# for some row, and those that verified look-ups only. Each kind's verdict pairs its own samples with
+# the plain steps near them; every drafting step also counts toward the verdict of all kinds (kind None).
+WITH_MODEL = "model"
+LOOKUPS_ONLY = "lookups"
+DRAFT_KINDS = (WITH_MODEL, LOOKUPS_ONLY)
+PLAIN = "plain"  # `OutcomeCheck`'s arm of the steps that did not draft
 # A burst runs its steps unless they have taken this many times the seconds it was granted (its
 # arm's steps turned dearer than before); a burst a little over is repaid before the next one.
 BURST_OVERRUN = 2.0
@@ -130,6 +137,13 @@ class OutcomeCheck:
     answer), while how far the table and the estimates fall short carries over. Drafting or not
     never changes the output, so neither does the check.
 
+    Each kind of drafting step (the draft model's for some row, or look-ups only: `DRAFT_KINDS`) also
+    has a verdict of its own, and a plan of that kind is judged by it, the verdict of every kind
+    standing in for a plan of no known kind (a plain plan with no drafting one priced). They fall
+    short of their price for different reasons (a look-up's guesses on a new prompt, the draft's passes
+    and catch-ups), and under load at 4 rows on a CPU look-up steps at 0.74 to 0.81 of theirs had kept
+    the draft model out of every step, in runs whose repeats with the model drafting ran 1.04 to 1.67x plain.
+
     The verdict pairs steps close in time: each sample is set against the other arm's samples of
     the last PAIR_SPAN steps of its bucket, and the verdict is the median of those pairs. The arms
     run at different times (the one left out only in bursts), and a shared CPU's speed, with the
@@ -148,58 +162,71 @@ class OutcomeCheck:
     """
 
     def __init__(self) -> None:
-        # Per bucket: drafting's rate over plain decoding's, of samples close in time; the latest.
-        self.pairs: dict[int, list[float]] = {}
+        # Per (bucket, kind): drafting's rate over plain decoding's, of samples close in time; the latest.
+        # Kind None: every drafting step's, whatever drafted.
+        self.pairs: dict[tuple[int, str | None], list[float]] = {}
         # Per (bucket, arm): its latest samples with their step number in the bucket, and how many it had.
-        self.recent: dict[tuple[int, bool], collections.deque[tuple[int, float]]] = {}
-        self.num_samples: collections.Counter[tuple[int, bool]] = collections.Counter()
+        # The arm: PLAIN, None (drafting of any kind), or one of DRAFT_KINDS.
+        self.recent: dict[tuple[int, str | None], collections.deque[tuple[int, float]]] = {}
+        self.num_samples: collections.Counter[tuple[int, str | None]] = collections.Counter()
         self.num_steps: collections.Counter[int] = collections.Counter()
         # The seconds of each arm's last steps, fair samples or not: a burst's expected seconds.
         self.seconds: dict[tuple[int, bool], collections.deque[float]] = {}
         self.budgets: dict[int, ExploreBudget] = {}
 
-    def observe(self, bucket: int, drafted: bool, seconds: float, rate: float | None) -> None:
-        """A step of this batch-size bucket, that drafted or not, took `seconds` and gave `rate` times the
-        tokens per second its plan expected (None: no fair sample, its seconds count all the same).
+    def observe(self, bucket: int, drafted: bool, seconds: float, rate: float | None, kind: str | None = None) -> None:
+        """A step of this batch-size bucket, that drafted (`kind`: which kind of drafting, where known) or
+        not, took `seconds` and gave `rate` times the tokens per second its plan expected (None: no fair
+        sample, its seconds count all the same).
 
         Follows the bucket's `arm` for the same step, whose budget it charges."""
         self.num_steps[bucket] += 1
         step = self.num_steps[bucket]
         self.seconds.setdefault((bucket, drafted), collections.deque(maxlen=EXPLORE_BURST)).append(seconds)
         if rate is not None:
-            self.num_samples[bucket, drafted] += 1
-            self.recent.setdefault((bucket, drafted), collections.deque(maxlen=PAIR_SPAN)).append((step, rate))
-            near = [other for at, other in self.recent.get((bucket, not drafted), ()) if step - at <= PAIR_SPAN]
-            if near:
-                reference = statistics.median(near)
-                window = self.pairs.setdefault(bucket, [])
-                window.append(rate / reference if drafted else reference / rate)
-                del window[:-OUTCOME_WINDOW]
+            arms = ((None, kind) if kind is not None else (None,)) if drafted else (PLAIN,)
+            for arm in arms:
+                self.num_samples[bucket, arm] += 1
+                self.recent.setdefault((bucket, arm), collections.deque(maxlen=PAIR_SPAN)).append((step, rate))
+            # A drafting sample pairs with the plain steps near it; a plain one with each kind's near it.
+            for judged in arms if drafted else (None, *DRAFT_KINDS):
+                other = PLAIN if drafted else judged
+                near = [sample for at, sample in self.recent.get((bucket, other), ()) if step - at <= PAIR_SPAN]
+                if near:
+                    reference = statistics.median(near)
+                    window = self.pairs.setdefault((bucket, judged), [])
+                    window.append(rate / reference if drafted else reference / rate)
+                    del window[:-OUTCOME_WINDOW]
         budget = self.budgets.get(bucket)
         if budget is not None:
             budget.charge(seconds)
 
-    def ratio(self, bucket: int) -> float | None:
-        """Drafting's rate (as it ran over as planned) over plain decoding's at this bucket, the median of
-        steps paired in time; None while either arm or the pairs have too few."""
-        pairs = self.pairs.get(bucket, [])
-        fewest_samples = min(self.num_samples[bucket, True], self.num_samples[bucket, False])
+    def ratio(self, bucket: int, kind: str | None = None) -> float | None:
+        """Drafting's rate (as it ran over as planned; `kind`: of that kind only) over plain decoding's
+        at this bucket, the median of steps paired in time; None while either arm or the pairs have too few."""
+        pairs = self.pairs.get((bucket, kind), [])
+        fewest_samples = min(self.num_samples[bucket, kind], self.num_samples[bucket, PLAIN])
         if len(pairs) < OUTCOME_MIN_STEPS or fewest_samples < OUTCOME_MIN_STEPS:
             return None
         return statistics.median(pairs)
 
-    def arm(self, bucket: int, planned: bool, step: int, gain: float = 1.0) -> bool:
+    def arm(self, bucket: int, planned: bool, step: int, gain: float = 1.0, kind: str | None = None) -> bool:
         """Whether step number `step` at this bucket drafts, given whether the plan drafts.
 
         `gain`: the priced tokens per second of the drafting plan in question over plain decoding's
-        (the plan's own where it drafts; the best drafting plan's where it does not, at most 1).
+        (the plan's own where it drafts; the best drafting plan's where it does not, at most 1), and
+        `kind` its kind, where known: the verdict of that kind judges it. So look-up steps that ran
+        below their price do not refuse the draft model, nor the draft model's the look-ups.
         """
         budget = self.budgets.setdefault(bucket, ExploreBudget())
-        ratio = self.ratio(bucket)
+        ratio = self.ratio(bucket, kind)
         if ratio is None:
-            # The arm with fewer samples takes a burst in every EXPLORE_UNSEEN, the plan the others.
+            # The arm with fewer samples takes a burst in every EXPLORE_UNSEEN, the plan the others. Where
+            # both have enough but the pairs lack (a kind that first drafts after a long plain run, whose
+            # plain samples are too old to pair), the arm the plan does not run takes the bursts.
             budget.in_flight = None
-            unseen = self.num_samples[bucket, True] <= self.num_samples[bucket, False]
+            drafted, plain = self.num_samples[bucket, kind], self.num_samples[bucket, PLAIN]
+            unseen = drafted <= plain if min(drafted, plain) < OUTCOME_MIN_STEPS else not planned
             return unseen if _burst(step, EXPLORE_UNSEEN) else planned
         # The gain as drafting steps have run against their price: where it is lost, plain decoding runs.
         faster = gain * ratio > 1.0

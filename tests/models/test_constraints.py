@@ -147,12 +147,12 @@ def test_where_the_outcome_check_stops_speculation_the_grammars_forced_tokens_st
     costs = CostTable(widths=widths, batch_sizes=(1, 2), target=(row, row), draft=(0.0004, 0.0004))
     engine = build_engine(LoadedModels.of(target, draft, tokenizer, eos_token_ids=eos_ids), cost_table=costs)
     assert engine.outcome_check is not None
-    monkeypatch.setattr(OutcomeCheck, "arm", lambda self, bucket, planned, step, gain=1.0: False)
+    monkeypatch.setattr(OutcomeCheck, "arm", lambda self, bucket, planned, step, gain=1.0, kind=None: False)
     observed = []
     monkeypatch.setattr(
         OutcomeCheck,
         "observe",
-        lambda self, bucket, drafted, seconds, rate: observed.append(drafted and rate is not None),
+        lambda self, bucket, drafted, seconds, rate, kind=None: observed.append(drafted and rate is not None),
     )
     constraint = CONSTRAINTS["tool_call"]
     [result] = engine.generate([request(tokenizer, PROMPTS[0], constraint, drafter="model")])

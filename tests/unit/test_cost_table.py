@@ -267,11 +267,12 @@ def test_a_wide_draft_pass_costs_its_tokens_at_the_seconds_the_prefills_took():
 
 
 def test_where_drafting_ran_below_its_price_a_prefill_must_pay_within_the_checks_steps():
-    """A prefill serves its row only while it drafts; where the outcome check found drafting below its
-    price at this batch size, it may stop it within OUTCOME_MIN_STEPS, so the prefill is spread over
-    those at most. Elsewhere (no verdict, or drafting at or above its price) over the row's steps."""
+    """A prefill serves its row only while it drafts; where the outcome check found drafting with the
+    model below its price at this batch size, it may stop it within OUTCOME_MIN_STEPS, so the prefill is
+    spread over those at most. Elsewhere (no verdict of the model's steps, or them at or above their
+    price, whatever the look-ups' verdict) over the row's steps."""
     from handler.planning.planner import Planner
-    from handler.planning.trackers import OUTCOME_MIN_STEPS, OutcomeCheck
+    from handler.planning.trackers import LOOKUPS_ONLY, OUTCOME_MIN_STEPS, WITH_MODEL, OutcomeCheck
 
     running = RunningCostTable(FLAT)
     running.observe_fill(300, 1.2)
@@ -285,15 +286,20 @@ def test_where_drafting_ran_below_its_price_a_prefill_must_pay_within_the_checks
     assert planner._fill_steps(8) == float("inf"), "no verdict yet"
     assert planner._fill_share(Row(), curve, planner._fill_steps(8)) == pytest.approx(1.2 / 100)
     for _ in range(OUTCOME_MIN_STEPS):
-        check.observe(8, True, 1.0, 0.55)
+        check.observe(8, True, 1.0, 0.55, LOOKUPS_ONLY)
         check.observe(8, False, 1.0, 1.0)
     assert check.ratio(8) == pytest.approx(0.55)
+    assert planner._fill_steps(8) == float("inf"), "look-ups below their price say nothing of the model's"
+    for _ in range(OUTCOME_MIN_STEPS):
+        check.observe(8, True, 1.0, 0.55, WITH_MODEL)
+        check.observe(8, False, 1.0, 1.0)
+    assert check.ratio(8, WITH_MODEL) == pytest.approx(0.55)
     assert planner._fill_steps(8) == OUTCOME_MIN_STEPS
     assert planner._fill_steps(7) == OUTCOME_MIN_STEPS, "7 rows share 8's verdict"
     assert planner._fill_share(Row(), curve, planner._fill_steps(8)) == pytest.approx(1.2 / OUTCOME_MIN_STEPS)
     assert planner._fill_steps(1) == float("inf"), "another batch size has its own verdict"
     for _ in range(OUTCOME_MIN_STEPS):
-        check.observe(1, True, 1.0, 1.1)
+        check.observe(1, True, 1.0, 1.1, WITH_MODEL)
         check.observe(1, False, 1.0, 1.0)
     assert planner._fill_steps(1) == float("inf"), "drafting above its price: the row's steps"
 

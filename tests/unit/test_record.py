@@ -6,13 +6,15 @@ import time
 
 import pytest
 
-from handler.drafters import MODEL, NO_DRAFTS
+from handler.drafters import MODEL, NGRAM, NO_DRAFTS, Proposal
 from handler.engine.propose import DraftTimes
 from handler.engine.record import StepLog
 from handler.planning.planner import NO_PLAN, RowPlan, StepPlan
+from handler.planning.trackers import LOOKUPS_ONLY, WITH_MODEL
 from handler.types import StepOutput
 
 DRAFTING = RowPlan(drafter=MODEL, proposal=NO_DRAFTS, k=2, uses_model=True, curve=(1.0, 1.5, 1.8))
+LOOKING_UP = RowPlan(drafter=NGRAM, proposal=Proposal([5, 6]), k=2, uses_model=False, curve=(1.0, 1.5, 1.8))
 
 
 class Check:
@@ -20,9 +22,11 @@ class Check:
 
     def __init__(self) -> None:
         self.observed: list[tuple[int, bool, float, float | None]] = []
+        self.kinds: list[str | None] = []
 
-    def observe(self, bucket: int, drafted: bool, seconds: float, rate: float | None) -> None:
+    def observe(self, bucket: int, drafted: bool, seconds: float, rate: float | None, kind: str | None) -> None:
         self.observed.append((bucket, drafted, seconds, rate))
+        self.kinds.append(kind)
 
 
 def record(steps: StepLog, plan: StepPlan, ks: list[int], num_tokens: int, seconds: float) -> None:
@@ -61,3 +65,16 @@ def test_a_steps_prefill_in_the_draft_is_not_in_its_rate():
     ((_, drafted, seconds, rate),) = check.observed
     assert drafted and seconds >= 0.5
     assert rate == pytest.approx(6 / (seconds - 0.3) / 20.0)
+
+
+def test_a_drafting_step_says_which_kind_of_drafting_it_was():
+    """The outcome check judges the draft model's steps apart from the look-ups' (`OutcomeCheck`): a step
+    in which the model drafted for some row is WITH_MODEL, one that verified look-ups only LOOKUPS_ONLY."""
+    check = Check()
+    steps = StepLog(check)
+    record(steps, StepPlan((NO_PLAN,) * 2, expected_rate=10.0), [0, 0], 1, 0.1)
+    record(steps, StepPlan((LOOKING_UP, NO_PLAN), expected_rate=10.0), [2, 0], 2, 0.1)
+    record(steps, StepPlan((LOOKING_UP, DRAFTING), expected_rate=10.0), [2, 2], 2, 0.1)
+    # The model's row drew no draft (its confidence stopped it at once): look-ups only, as verified.
+    record(steps, StepPlan((LOOKING_UP, DRAFTING), expected_rate=10.0), [2, 0], 2, 0.1)
+    assert check.kinds == [None, LOOKUPS_ONLY, WITH_MODEL, LOOKUPS_ONLY]

@@ -13,9 +13,11 @@ from handler.planning.trackers import (
     EXPLORE_BURST,
     EXPLORE_SHARE,
     EXPLORE_UNSEEN,
+    LOOKUPS_ONLY,
     OUTCOME_MIN_STEPS,
     OUTCOME_WINDOW,
     PAIR_SPAN,
+    WITH_MODEL,
     AcceptanceTracker,
     BranchCalibration,
     OutcomeCheck,
@@ -313,7 +315,7 @@ def test_samples_with_no_step_of_the_other_arm_near_them_make_no_pair():
         check.observe(2, True, 1.0, None)  # steps without a sample still count as time apart
     for _ in range(OUTCOME_MIN_STEPS):
         check.observe(2, False, 1.0, 1.0)
-    assert check.pairs.get(2) is None and check.ratio(2) is None
+    assert check.pairs.get((2, None)) is None and check.ratio(2) is None
 
 
 def test_steps_without_a_sample_count_their_seconds_only():
@@ -338,3 +340,51 @@ def test_the_verdict_discounts_the_plans_gain_instead_of_refusing_every_draft():
     assert not any(check.arm(1, True, step, gain=1.5) for step in range(64))
     assert all(check.arm(1, True, step, gain=4.0) for step in range(64))
     assert not check.arm(1, False, EXPLORE_BURST, gain=0.9)
+
+
+def test_each_kind_of_drafting_has_its_own_verdict_beside_the_verdict_of_all():
+    """Look-up steps ran at half their price, the draft model's at 1.2x theirs, both beside the same
+    plain steps: each kind is judged by its own steps, and a plan of one kind by its kind's verdict.
+    Under load at 4 rows, look-up steps at 0.74 to 0.81 of their price had refused the draft model."""
+    check = OutcomeCheck()
+    for _ in range(OUTCOME_MIN_STEPS):
+        check.observe(4, True, 1.0, 0.5, LOOKUPS_ONLY)
+        check.observe(4, False, 1.0, 1.0)
+        check.observe(4, True, 1.0, 1.2, WITH_MODEL)
+        check.observe(4, False, 1.0, 1.0)
+    assert check.ratio(4, LOOKUPS_ONLY) == pytest.approx(0.5)
+    assert check.ratio(4, WITH_MODEL) == pytest.approx(1.2)
+    assert 0.5 < check.ratio(4) < 1.2  # every drafting step's
+    assert all(check.arm(4, True, step, gain=1.1, kind=WITH_MODEL) for step in range(64))
+    assert not any(check.arm(4, True, step, gain=1.5, kind=LOOKUPS_ONLY) for step in range(64))
+
+
+def test_a_kind_that_never_ran_is_not_judged_by_the_others_steps():
+    """The look-ups' verdict says drafting loses; the draft model has not drafted at this batch size: a
+    plan with it runs (and so gives its kind samples) instead of taking the look-ups' verdict."""
+    check = OutcomeCheck()
+    for _ in range(OUTCOME_MIN_STEPS):
+        check.observe(8, True, 1.0, 0.5, LOOKUPS_ONLY)
+        check.observe(8, False, 1.0, 1.0)
+    assert check.ratio(8, WITH_MODEL) is None and check.ratio(8) == pytest.approx(0.5)
+    assert not check.arm(8, True, 0, gain=1.3)  # the verdict of all kinds refuses it
+    assert all(check.arm(8, True, step, gain=1.3, kind=WITH_MODEL) for step in range(64))
+
+
+def test_a_kind_that_first_drafts_after_a_long_plain_run_still_gets_its_verdict():
+    """Plain steps ran long before the draft model first drafted, look-up steps between: their samples
+    are too old to pair with its steps. Once it has its samples, plain steps run beside it in bursts, and
+    the pairs come (where the arm with fewer samples took the bursts, the model drafted every step
+    until it had more samples than plain decoding, 160 here)."""
+    check = OutcomeCheck()
+    for _ in range(20 * OUTCOME_MIN_STEPS):
+        check.observe(8, False, 1.0, 1.0)
+    for _ in range(2 * PAIR_SPAN):
+        check.observe(8, True, 1.0, 0.9, LOOKUPS_ONLY)
+    for step in range(256):
+        drafts = check.arm(8, True, step, gain=1.5, kind=WITH_MODEL)
+        check.observe(8, drafts, 1.0, 0.5 if drafts else 1.0, WITH_MODEL if drafts else None)
+        if check.ratio(8, WITH_MODEL) is not None:
+            break
+    assert check.ratio(8, WITH_MODEL) == pytest.approx(0.5)
+    assert step < 8 * EXPLORE_UNSEEN * EXPLORE_BURST
