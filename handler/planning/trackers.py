@@ -184,7 +184,10 @@ class OutcomeCheck:
         step = self.num_steps[bucket]
         self.seconds.setdefault((bucket, drafted), collections.deque(maxlen=EXPLORE_BURST)).append(seconds)
         if rate is not None:
-            arms = ((None, kind) if kind is not None else (None,)) if drafted else (PLAIN,)
+            if drafted:
+                arms = (None,) if kind is None else (None, kind)  # every kind's, and its own where known
+            else:
+                arms = (PLAIN,)
             for arm in arms:
                 self.num_samples[bucket, arm] += 1
                 self.recent.setdefault((bucket, arm), collections.deque(maxlen=PAIR_SPAN)).append((step, rate))
