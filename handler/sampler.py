@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -524,6 +524,7 @@ def greedy_verify(
     target_logits: torch.Tensor,  # [batch, k + 1, vocab], after each row's rules
     draft_token_ids: Sequence[Sequence[int]],  # per row, its k drafts (or more: padding, never read)
     num_draft_tokens: Sequence[int],  # per row, its drafts, each <= k
+    read: Callable[[torch.Tensor], list] | None = None,
 ) -> tuple[list[int], list[list[int]]]:
     """`rejection_sample` for a batch whose every row is greedy, from the logits: the same results, read
     to the host (as `match_drafts` gives them).
@@ -533,8 +534,13 @@ def greedy_verify(
     and the recovered or bonus token is the target's argmax. So neither side's distribution over the
     vocabulary is built: one argmax per position, instead of the one-hot tensors, the residual and a
     cumulative sum over the vocabulary; and one read of those argmaxes, the comparisons on the host.
+
+    `read`: argmaxes [batch, k + 1] -> their lists; the step's one read, which may bring more with it
+    (drafts still on the device, filled into `draft_token_ids` before they are compared). None: `tolist`.
     """
-    return match_drafts(argmax_vocab(target_logits).tolist(), draft_token_ids, num_draft_tokens)
+    targets = argmax_vocab(target_logits)  # [batch, k + 1]
+    targets = targets.tolist() if read is None else read(targets)
+    return match_drafts(targets, draft_token_ids, num_draft_tokens)
 
 
 def match_drafts(

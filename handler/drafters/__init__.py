@@ -33,6 +33,7 @@ tokens it forces.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
 from typing import TYPE_CHECKING, Callable, Hashable, Mapping, Protocol, Sequence
@@ -103,6 +104,71 @@ class Proposal:
 
 
 NO_DRAFTS = Proposal([])  # no drafts: plain decoding for the row
+
+
+class DeviceDrafts:
+    """A draft loop's drafts left where they were drawn [rows, k] until the step reads them with its
+    verdict (`resolve`), so that a drafting step waits for the device once: the verify pass takes
+    them as they are (`handler.engine.verify`), and the host's bookkeeping of them (the draft's
+    feeds, the verdict's comparisons) follows that one read. Each row's drafts are a `DeviceChain`."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor  # [rows, k] long, on the draft model's device
+        self._host: list[list[int]] | None = None
+
+    @property
+    def resolved(self) -> bool:
+        return self._host is not None
+
+    def resolve(self, host_rows: list[list[int]]) -> None:
+        """Takes the drafts as the step's read brought them ([rows][k])."""
+        self._host = host_rows
+
+    def rows(self) -> list[list[int]]:
+        if self._host is None:
+            # Nothing read them with a verdict (a drafter driven without the engine's verify): a read of
+            # their own, so that the tokens are right whoever asks.
+            self._host = self.tensor.tolist()
+        return self._host
+
+    def chain(self, row: int, num: int) -> DeviceChain:
+        return DeviceChain(self, row, num)
+
+
+class DeviceChain(collections.abc.Sequence):
+    """Row `row`'s first `num` drafts of a `DeviceDrafts`: its length is known at once, its tokens once
+    the step has read them (asked before, they are read then). A slice from the start stays one."""
+
+    __slots__ = ("drafts", "row", "num")
+
+    def __init__(self, drafts: DeviceDrafts, row: int, num: int) -> None:
+        assert 0 <= num <= drafts.tensor.shape[1], (num, drafts.tensor.shape)
+        self.drafts, self.row, self.num = drafts, row, num
+
+    def __len__(self) -> int:
+        return self.num
+
+    def __getitem__(self, index):
+        if isinstance(index, int):
+            position = range(self.num)[index]  # IndexError past the chain
+            return self.drafts.rows()[self.row][position]
+        if index.start in (None, 0) and index.step in (None, 1):
+            return DeviceChain(self.drafts, self.row, len(range(self.num)[index]))
+        return self.drafts.rows()[self.row][: self.num][index]
+
+    def __iter__(self):
+        return iter(self.drafts.rows()[self.row][: self.num])
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, collections.abc.Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        state = list(self) if self.drafts.resolved else f"{self.num} on the device"
+        return f"DeviceChain({state})"
+
+    @property
+    def device_tokens(self) -> torch.Tensor:  # [num]
+        return self.drafts.tensor[self.row, : self.num]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 from handler.caches.kv_cache import chunk_of
 from handler.caches.prefix_cache import PrefixCache, prefill_with_cache
 from handler.caches.rollback import draft_rollback
-from handler.drafters import MODEL, DraftRow, Proposal
+from handler.drafters import MODEL, DeviceDrafts, DraftRow, Proposal
 from handler.runners import BatchCache, DynamicRunner
 from handler.sampler import SamplingBatch, argmax_vocab, host_to_device, sample_from_probs
 
@@ -380,9 +380,12 @@ class ModelDrafter:
         keep_drafting: Callable[[int, dict[Hashable, float]], bool] | None = None,
     ) -> list[Proposal]:
         """`propose` where every row drafts one token a pass and feeds it to the next: no guesses, no
-        shaping, a draft the draft model reads. The drafts stay on the device across the k passes and
-        the host reads them once, after the last: the same drafts as the general loop's (row i's draft j
-        drawn with uniform j), without a wait for the device per pass.
+        shaping, a draft the draft model reads. The drafts stay on the device across the k passes: the
+        same drafts as the general loop's (row i's draft j drawn with uniform j), without a wait for the
+        device per pass. Without confidences they stay there into the verify pass, and the host has
+        them from the step's one read, with the verdict (`DeviceDrafts`: each proposal's tokens, and the
+        feeds `observe` compares, are read then); with confidences the host reads them once, after the
+        last pass, for the stop rule and the runners-up.
 
         With confidences (where `stop_by_mask`), each pass also measures them where they are
         (`confidence_tensors`), read with the drafts. The stop rule is then asked on the host, pass by
@@ -411,16 +414,19 @@ class ModelDrafter:
                 measured_per_pass.append(confidence_tensors(logits, sampled[:, None]))  # 3 x [rows, 1]
             input_ids = sampled[:, None]  # [rows, 1]: the next pass reads the draft where it is
             chunk_mask = None  # one draft a row: no padding
-        # The proposal's one wait for the device: the drafts are the host's bookkeeping from here on.
         drafted = torch.stack(sampled_per_pass, dim=1)  # [rows, k]
         if with_confidence:
+            # The stop rule and the runners-up are the host's, before the verify pass: the proposal's one
+            # wait for the device. float64 holds the ids (below 2**53) and the float32 probabilities exactly.
             measured = [torch.cat(parts, dim=1) for parts in zip(*measured_per_pass)]  # 3 x [rows, k]
-            # One read of the four: float64 holds the ids (below 2**53) and the float32 probabilities exactly.
             read = torch.stack([values.double() for values in (drafted, *measured)]).tolist()  # [4][rows][k]
             drafts = [[int(token) for token in row] for row in read[0]]
             confidences, other_ids, other_probs = read[1:]
         else:
-            drafts = drafted.tolist()  # [rows][k]
+            # No wait at all: the drafts stay on the device into the verify pass, and the host has them
+            # from the step's one read, with the verdict (`DeviceDrafts`).
+            on_device = DeviceDrafts(drafted)
+            drafts = [on_device.chain(slot, k) for slot in range(len(self.order))]
         draft_probs = None if greedy else torch.stack(probs_per_pass, dim=1)  # [rows, k, vocab]
         num_drafts = num_passes = k
         counts = {slot: list(range(1, k + 1)) for slot in asking}

@@ -11,10 +11,12 @@ Nothing here drafts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import torch
 
+from handler.drafters import DeviceChain, DeviceDrafts
 from handler.engine.row import Row
 from handler.logits_processors import process_row_logits
 from handler.planning.cost_table import RunningCostTable
@@ -119,11 +121,16 @@ class Verifier:
         # Every row greedy and none a tree: the verdicts are argmaxes (`greedy_verify`), and neither
         # side's distributions are built. A coupled row samples, so none is here.
         greedy = sampling.all_greedy and not tree_slots
+        # Drafts a draft loop left on the device are read with the verdict below (`DeviceDrafts`): until
+        # then their rows' lists are empty, and nothing before the read looks at them (a row whose rules
+        # shape the logits drafts through the loop that reads its drafts as it goes).
+        on_device = _DeviceRows.of(drafts)
         draft_token_ids, draft_probs = _draft_batch(
-            drafts, k, self.pad_token_id, self.vocab_size, self.device, with_probs=not greedy
+            drafts, on_device, k, self.pad_token_id, self.vocab_size, self.device, with_probs=not greedy
         )
-        draft_lists = draft_token_ids.tolist()
-        draft_token_ids = draft_token_ids.to(self.device)
+        draft_lists = [
+            [] if slot in on_device.chains else list(row.proposal.token_ids) for slot, row in enumerate(drafts)
+        ]
 
         if logits is None:
             pending = torch.tensor([[(row.token_ids or row.request.prompt_ids)[-1]] for row in rows])
@@ -141,9 +148,10 @@ class Verifier:
         logits = logits[..., : self.vocab_size]
         shaped = _shape_target_logits(rows, logits, draft_lists, ks, self.device)
         if greedy:
-            # The step's one synchronisation point: a read of the target's argmaxes; the verdicts and
-            # the bookkeeping after them are plain Python.
-            num_accepted, output_token_ids = greedy_verify(shaped, draft_lists, ks)
+            # The step's one synchronisation point: a read of the target's argmaxes (and of the drafts
+            # still on the device); the verdicts and the bookkeeping after them are plain Python.
+            read = functools.partial(on_device.read_with, draft_lists=draft_lists)
+            num_accepted, output_token_ids = greedy_verify(shaped, draft_lists, ks, read=read)
         else:
             target_probs = sampling.warp(shaped)  # [batch, k + 1, vocab]
             verify_uniforms, coupled_uniforms = uniforms.for_verify(k)
@@ -168,8 +176,9 @@ class Verifier:
                 index = torch.tensor(uniforms.coupled, device=self.device)
                 coupled = coupled_targets(target_probs[index], host_to_device(coupled_uniforms, self.device))
                 outcomes.append(coupled.flatten())
-            # The step's one synchronisation point, one read of it all.
-            read = torch.cat(outcomes).tolist() if outcomes else []
+            # The step's one synchronisation point, one read of it all (the drafts still on the device too).
+            # A chain left on the device is never a tree: its row is sampled or coupled, so outcomes has it.
+            read = on_device.read_with(torch.cat(outcomes), draft_lists) if outcomes else []
             width = k + 2
             num_accepted, output_token_ids = [0] * batch_size, [[-1] * (k + 1) for _ in range(batch_size)]
             for position, slot in enumerate(sampled):
@@ -206,14 +215,76 @@ class Verifier:
         return logits
 
 
+@dataclasses.dataclass(frozen=True)
+class _DeviceRows:
+    """The step's rows whose drafts a draft loop left on the device (`DeviceChain`, by slot), and their
+    loops' `DeviceDrafts`: read once, with the verdict, then handed to the host (`read_with`)."""
+
+    chains: dict[int, DeviceChain]
+    holders: tuple[DeviceDrafts, ...]
+
+    @classmethod
+    def of(cls, drafts: list[Drafts]) -> _DeviceRows:
+        chains = {
+            slot: row.proposal.token_ids
+            for slot, row in enumerate(drafts)
+            if isinstance(row.proposal.token_ids, DeviceChain)
+        }
+        return cls(chains, tuple({id(chain.drafts): chain.drafts for chain in chains.values()}.values()))
+
+    def read_with(self, verdict: torch.Tensor, draft_lists: list[list[int]]) -> list:
+        """One read of `verdict` (long, one or two dimensions) and of the drafts still on the device; the
+        holders and `draft_lists` (each device row's entry) get their drafts. Returns `verdict` as lists."""
+        if not self.holders:
+            return verdict.tolist()
+        read = torch.cat([verdict.flatten(), *(holder.tensor.flatten() for holder in self.holders)]).tolist()
+        start = verdict.numel()
+        for holder in self.holders:
+            num_rows, width = holder.tensor.shape
+            holder.resolve([read[start + row * width : start + (row + 1) * width] for row in range(num_rows)])
+            start += num_rows * width
+        for slot, chain in self.chains.items():
+            draft_lists[slot] = list(chain)
+        return _unflatten(read[: verdict.numel()], verdict.shape)
+
+
+def _unflatten(values: list, shape: torch.Size) -> list:
+    """A flat list back into nested lists of `shape` (one or two dimensions)."""
+    if len(shape) == 1:
+        return values
+    assert len(shape) == 2, shape
+    width = shape[1]
+    return [values[row * width : (row + 1) * width] for row in range(shape[0])]
+
+
 def _draft_batch(
-    drafts: list[Drafts], k: int, pad_token_id: int, vocab_size: int, device: torch.device, *, with_probs: bool = True
+    drafts: list[Drafts],
+    on_device: _DeviceRows,
+    k: int,
+    pad_token_id: int,
+    vocab_size: int,
+    device: torch.device,
+    *,
+    with_probs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rows' drafts [batch, k] (on the CPU, padded) and their draft distributions [batch, k, vocab]
-    (None without `with_probs`)."""
+    """The rows' drafts [batch, k] (on the device, padded) and their draft distributions [batch, k, vocab]
+    (None without `with_probs`). Host drafts are copied over; those a draft loop left on the device
+    (`on_device`) are written in there, without a read: one copy per loop and width, not per row."""
     batch_size = len(drafts)
-    padded = [list(row.proposal.token_ids) + [pad_token_id] * (k - row.k) for row in drafts]
+    padded = [
+        [pad_token_id] * k if slot in on_device.chains else [*row.proposal.token_ids, *[pad_token_id] * (k - row.k)]
+        for slot, row in enumerate(drafts)
+    ]
     draft_token_ids = torch.tensor(padded, dtype=torch.long).reshape(batch_size, k)  # [batch, k]
+    draft_token_ids = host_to_device(draft_token_ids, device)
+    groups: dict[tuple[int, int], tuple[DeviceDrafts, list[int], list[int]]] = {}
+    for slot, chain in on_device.chains.items():
+        _, slots, loop_rows = groups.setdefault((id(chain.drafts), chain.num), (chain.drafts, [], []))
+        slots.append(slot)
+        loop_rows.append(chain.row)
+    for (_, num), (holder, slots, loop_rows) in groups.items():
+        index = host_to_device(torch.tensor(loop_rows), holder.tensor.device)
+        draft_token_ids[host_to_device(torch.tensor(slots), device), :num] = holder.tensor[index, :num]
     if not with_probs:
         return draft_token_ids, None
     draft_probs = torch.zeros((batch_size, k, vocab_size), device=device)  # [batch, k, vocab]
@@ -226,7 +297,7 @@ def _draft_batch(
             draft_probs[slot, : len(row_drafts.probs)] = row_drafts.probs
         else:
             # A look-up is deterministic: its draft distribution is one-hot.
-            draft_probs[slot, torch.arange(len(token_ids)), token_ids.to(device)] = 1.0
+            draft_probs[slot, torch.arange(len(token_ids), device=device), token_ids] = 1.0
     return draft_token_ids, draft_probs
 
 

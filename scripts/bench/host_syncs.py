@@ -108,8 +108,16 @@ class HostReads(TorchFunctionMode):
                 if output is args[0]:  # a copy on a GPU: the host's tensor is not the device's
                     output = output.clone()
             elif name not in READS:
+                if name == "to" and output is args[0] and self._follow_to(args, kwargs):
+                    # On a GPU a move to the device is a new tensor: the host's stays a host tensor.
+                    output = output.clone()
                 self._follow(name, args, kwargs, output)
         return output
+
+    def _follow_to(self, args, kwargs) -> bool:
+        """Whether a `to` moves its tensor to the device."""
+        inputs, _ = tree_flatten((args[1:], kwargs))
+        return any(isinstance(value, (str, torch.device)) for value in inputs)
 
     def _follow(self, name: str, args, kwargs, output) -> None:
         """Marks what a torch function made on the device (CPU runs)."""

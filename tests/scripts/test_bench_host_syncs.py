@@ -41,6 +41,17 @@ def test_the_table_gives_a_count_for_every_row(tiny_models_dir, capsys):
     assert len(drafting) == 6 and all(isinstance(num, int) for num in drafting)
 
 
+@pytest.mark.parametrize("runner", ["dynamic", "static"])
+def test_a_drafting_step_of_fixed_k_reads_the_device_once(tiny_models_dir, runner):
+    """The draft loop's chains stay on the device into the verify pass and are read with the verdict:
+    one read a step, drafting or not, greedy, sampled and seeded, as plain decoding's."""
+    argv = ["--models", str(tiny_models_dir), "--batch-sizes", "1,3", "--steps", "3", "--runner", runner]
+    counts, _ = host_syncs.report_lines(host_syncs.parse_args(argv))
+    assert {(count.k, count.mode) for count in counts} == {(k, mode) for k in (0, 4) for mode in host_syncs.MODES}
+    for count in counts:
+        assert count.reads == count.steps, (count.batch, count.k, count.mode, count.by_line)
+
+
 def test_the_confidence_stop_by_mask_reads_the_drafts_once_a_proposal(tiny_models_dir):
     """Planned steps whose chains the draft's confidence stops: the drafter reads at most once a step by
     mask, four times a pass (drafts, confidences, runners-up and their probabilities) by the loop."""
