@@ -177,6 +177,12 @@ class Proposer:
         if filling and isinstance(cost_table, RunningCostTable):
             cost_table.observe_fill(filling, times.fill_seconds)
         started = time.perf_counter()
+        # Confidences serve the stop rule and the runners-up, both planned from a cost table, and only
+        # those: measured, they are read before the verify pass (the stop and the tree are the host's), a
+        # second wait for the device in the step; without them the drafts stay there into the verify.
+        measure_confidence = cost_table is not None and (
+            plan.keep_drafting is not None or any(self._takes_runners_up(rows[slot]) for slot in model_slots)
+        )
         asking = [
             DraftRow(
                 rows[slot].request_id,
@@ -184,8 +190,7 @@ class Proposer:
                 slot,
                 shape=rows[slot].shape_draft_logits if rows[slot].shapes_logits else None,
                 guess=self.planner.guesses_for(rows[slot]) is not None,
-                # Confidences serve the stop rule and the runners-up, both planned from a cost table.
-                measure_confidence=cost_table is not None,
+                measure_confidence=measure_confidence,
             )
             for slot in model_slots
         ]

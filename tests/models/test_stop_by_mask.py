@@ -264,3 +264,50 @@ def test_a_masked_proposal_reads_the_device_once(tiny_pair, monkeypatch):
             assert all(num_reads == 4 * num_passes for num_reads, num_passes in reads), reads
             assert any(num_passes > 1 for _, num_passes in reads), reads
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("draft_confidence", [False, True])
+def test_a_planned_step_measures_confidences_only_where_the_stop_or_the_runners_up_use_them(
+    tiny_pair, draft_confidence
+):
+    """A cost table plans the steps; without the confidence stop and with no row that may take runners-up
+    (trees off), the draft measures no confidences, its drafts stay on the device into the verify, and
+    a drafting step reads the device once, as a plain one does. With the stop they are measured and
+    read before the verify pass: two reads. Greedy output is the target's either way. The static runner,
+    as on a GPU: the dynamic one's attention masks are read by transformers' own code."""
+    from scripts.bench.host_syncs import HostReads
+
+    target, draft, tokenizer = tiny_pair
+    prompts = [encode(tokenizer, prompt) for prompt in PROMPTS[:3]]
+    engine = make_engine(
+        target,
+        target,
+        tokenizer,
+        cost_table=CONFIDENT_COSTS,
+        draft_confidence=draft_confidence,
+        speculative_tree="off",
+        runner="static",
+    )
+    engine.model_drafter.stop_by_mask = True
+    counter = HostReads("cpu", [target])
+    reads, measured = [], []
+    real_step, real_propose = engine.step, engine.model_drafter.propose
+
+    def step():
+        counter.reset()
+        outputs = real_step()
+        reads.append((counter.reads, sum(output.num_draft_tokens for output in outputs)))
+        return outputs
+
+    def propose(rows, *args, **kwargs):
+        measured.append(any(row.measure_confidence for row in rows))
+        return real_propose(rows, *args, **kwargs)
+
+    engine.step, engine.model_drafter.propose = step, propose
+    with counter:
+        results = engine.generate([GenerationRequest(p, 30, GREEDY, 6) for p in prompts])
+    assert [r.token_ids for r in results] == [reference_greedy(target, p, 30) for p in prompts]
+    drafting = [num_reads for num_reads, num_drafts in reads[1:] if num_drafts]  # the first step admits too
+    assert drafting and measured
+    assert all(measured) if draft_confidence else not any(measured)
+    assert all(num_reads == (2 if draft_confidence else 1) for num_reads in drafting), reads
