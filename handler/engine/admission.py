@@ -58,6 +58,8 @@ class Batch:
         # Prompt tokens admitted, and those of them whose target KV came from the prefix cache.
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        # Moves on whenever rows join or leave: the same number, the same rows (request ids may be reused).
+        self.version = 0
 
     def holds(self, request_id: Hashable) -> bool:
         """Whether the request is in flight or waiting to join."""
@@ -105,6 +107,7 @@ class Batch:
         if rest:
             self._prefill(rest, whole=False)
         self.rows.extend([*first, *rest])
+        self.version += 1
         # A row whose k is 0 never drafts: no drafter needs to read its prompt.
         private = [r.request_id for r in drafting if r.request.suffix_share_across_requests is False]
         for name, drafter in self.drafters.items():
@@ -133,6 +136,7 @@ class Batch:
         self._release(rows, sequences)
         keep = [slot for slot, row in enumerate(self.rows) if row.request_id not in gone]
         self.rows = [self.rows[slot] for slot in keep]
+        self.version += 1
         if not self.rows:
             self.cache = None  # an empty batch restarts from a fresh cache
         elif len(keep) < self.cache.lengths.shape[0]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Callable, Hashable, Sequence
 
@@ -219,7 +220,7 @@ class SpeculativeEngine:
         started = time.perf_counter()
         mask_seconds_before = sum(row.stats.mask_seconds for row in rows)
         sampling = SamplingBatch.from_params([row.request.sampling for row in rows], self.device)
-        plan = self.planner.plan(rows, self.proposer.options(rows, sampling), self.steps.num_steps)
+        plan = self._plan(rows, sampling)
         uniforms = StepUniforms.draw(rows, plan.ks)
         drafts, times = self.proposer.draft(rows, plan, sampling.with_uniforms(uniforms.draft))
         verified = self.verifier(rows, drafts, uniforms, sampling)
@@ -282,6 +283,21 @@ class SpeculativeEngine:
         self.batch.clear()
 
     # ---------------------------------------------------------------- internals
+
+    def _plan(self, rows: list[Row], sampling: SamplingBatch) -> StepPlan:
+        """The step's plan: from the drafters' options, or plain without asking them where the plans
+        before it priced drafting well below plain decoding (`PlainStreak`): such a step is a plain step."""
+        streak = self.planner.plain_streak
+        if streak is not None and streak.skips(self.batch.version):
+            return StepPlan.plain(len(rows))
+        started = time.perf_counter()
+        plan = self.planner.plan(rows, self.proposer.options(rows, sampling), self.steps.num_steps)
+        if streak is not None:
+            share = (time.perf_counter() - started) / self.planner.pass_seconds(len(rows), 0, 0.0)
+            # A grammar's forced tokens are certain drafts: a constrained row plans every step.
+            gain = plan.drafting_gain if all(row.grammar is None for row in rows) else math.inf
+            streak.planned(self.batch.version, gain, share)
+        return plan
 
     def _admit(self) -> list[StepOutput]:
         """Admits the waiting requests (`Batch.admit`) and emits each one's first token from the logits

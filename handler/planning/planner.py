@@ -34,6 +34,7 @@ from handler.planning.trackers import (
     WITH_MODEL,
     GuessRate,
     OutcomeCheck,
+    PlainStreak,
     PlannedRow,
     batch_bucket,
 )
@@ -122,6 +123,10 @@ class StepPlan:
     rows: tuple[RowPlan, ...]
     keep_drafting: Callable[[int, dict], bool] | None = None
     expected_rate: float = 0.0  # the batch's tokens per second as priced (0: no cost table)
+    # Where no row drafts: the best drafting plan's priced rate over plain decoding's (`BatchPlan.drafting_gain`),
+    # as the outcome check's verdict judges it; infinite where the plan drafts or nothing says. Well
+    # below 1, the next steps may decode plainly without planning (`handler.planning.trackers.PlainStreak`).
+    drafting_gain: float = math.inf
 
     @property
     def ks(self) -> list[int]:
@@ -157,6 +162,9 @@ class Planner:
         self.draft_confidence = draft_confidence
         self.draft_guesses = draft_guesses
         self.outcome_check = outcome_check
+        # Steps after plans that no drafting could beat decode plainly without planning; with a cost
+        # table only (without one every row drafts its cap, and a look-up's next match is taken).
+        self.plain_streak = PlainStreak() if cost_table is not None else None
 
     def guesses_for(self, row: PlannedRow) -> GuessRate | None:
         """The row's guess rate where its model drafts are guessed (a hybrid row), else None."""
@@ -280,7 +288,13 @@ class Planner:
                 )
             )
         expected_rate = batch.tokens / batch.seconds if batch.seconds > 0 else 0.0
-        return StepPlan(tuple(plans), self._confidence_stop(rows, plans, masked), expected_rate)
+        gain = math.inf if batch.width else batch.drafting_gain
+        if self.outcome_check is not None:
+            # Drafting as it ran against its price. Without a verdict the check explores by step number
+            # (`OutcomeCheck.arm`): every step plans.
+            ratio = self.outcome_check.ratio(batch_bucket(len(rows)))
+            gain = math.inf if ratio is None else gain * ratio
+        return StepPlan(tuple(plans), self._confidence_stop(rows, plans, masked), expected_rate, gain)
 
     def _stops_by_mask(self, rows: list[PlannedRow], uses_model: Sequence[bool]) -> bool:
         """Whether the draft model's proposal this step runs all its passes and applies the stop after
@@ -372,7 +386,8 @@ class Planner:
                     offer if choice.lookup_drafter == PROPOSER_GRAMMAR else Offer()
                     for choice, offer in zip(choices, offers)
                 ]
-                return plan_batch(forced, seconds_with(0.0))
+                # Plain by the check's verdict, not by the bounds: the next plan may draft.
+                return dataclasses.replace(plan_batch(forced, seconds_with(0.0)), drafting_gain=math.inf)
         return plan
 
     def _confidence_stop(

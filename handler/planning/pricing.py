@@ -18,6 +18,7 @@ stop and its runners-up the same way. `handler.planning.planner` calls them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Sequence
 
 import numpy
@@ -63,6 +64,10 @@ class BatchPlan:
     draft_passes: float  # draft-model passes the step needs
     tokens: float  # expected tokens, bonus tokens included
     seconds: float  # the cost table's seconds for the step
+    # The best plan that drafts, its priced tokens per second over plain decoding's: 0 where nothing can
+    # draft, at most the bound's where `_plain_if_bound` decided (an upper bound then). How the plan was
+    # decided, not what it is: plans compare without it.
+    drafting_gain: float = dataclasses.field(default=math.inf, compare=False)
 
     @property
     def width(self) -> int:
@@ -95,7 +100,10 @@ def plan_batch(
     max_model = max(len(offer.model) - 1 for offer in offers)
     max_lookup = max(max(len(offer.lookup), len(offer.tree or ())) - 1 for offer in offers)
     with_trees = (False, True) if any(offer.tree is not None for offer in offers) else (False,)
-    if not explore and max(max_model, max_lookup):
+    if not max(max_model, max_lookup):
+        num_rows, plain_seconds = len(offers), step_seconds(0, 0.0, False)
+        return BatchPlan((0,) * num_rows, (False,) * num_rows, False, 0.0, float(num_rows), plain_seconds, 0.0)
+    if not explore:
         plain = _plain_if_bound(offers, max_lookup, max_model, with_trees, step_seconds)
         if plain is not None:
             return plain
@@ -122,7 +130,8 @@ def plan_batch(
     best_plans, best_drafts, best_width, _ = best
     if explore and best_plans.widths[best_drafts][best_width] == 0 and explored is not None:
         best = explored
-    return best[0].plan(*best[1:])
+    plain_rate = len(offers) / step_seconds(0, 0.0, False)
+    return best[0].plan(*best[1:], drafting_gain=explored_rate / plain_rate if explored is not None else 0.0)
 
 
 class _ModelSide:
@@ -163,7 +172,7 @@ class _Plans:
         self.passes = passes.max(axis=-1).tolist()
         self.trees = any_tree.any(axis=-1).tolist()
 
-    def plan(self, drafts: int, width: int, seconds: float) -> BatchPlan:
+    def plan(self, drafts: int, width: int, seconds: float, drafting_gain: float = math.inf) -> BatchPlan:
         return BatchPlan(
             ks=tuple(self.ks[drafts, width].tolist()),
             uses_model=tuple(self.uses_model[drafts, width].tolist()),
@@ -171,6 +180,7 @@ class _Plans:
             draft_passes=self.passes[drafts][width],
             tokens=self.tokens[drafts][width],
             seconds=seconds,
+            drafting_gain=drafting_gain,
         )
 
 
@@ -202,10 +212,12 @@ def _plain_if_bound(
     num_rows = len(offers)
     plain_seconds = step_seconds(0, 0.0, False)
     plain_rate = num_rows / plain_seconds * (1.0 + 1e-9)
+    best_rate = 0.0  # the bounds' best rate of a plan that drafts
     if max_lookup:
         most_tokens = sum(max(offer.lookup[-1], offer.tree[-1] if offer.tree else 1.0) for offer in offers)
         least_seconds = min(step_seconds(w, 0.0, trees) for trees in with_trees for w in range(1, max_lookup + 1))
-        if most_tokens / least_seconds > plain_rate:
+        best_rate = most_tokens / least_seconds
+        if best_rate > plain_rate:
             return None
     if max_model:
         most_tokens = sum(
@@ -213,9 +225,11 @@ def _plain_if_bound(
         )
         widths = range(1, max(max_lookup, max_model) + 1)
         least_seconds = min(step_seconds(w, 1.0, trees) for trees in with_trees for w in widths)
-        if most_tokens / least_seconds > plain_rate:
+        best_rate = max(best_rate, most_tokens / least_seconds)
+        if best_rate > plain_rate:
             return None
-    return BatchPlan((0,) * num_rows, (False,) * num_rows, False, 0.0, float(num_rows), plain_seconds)
+    gain = best_rate * plain_seconds / num_rows
+    return BatchPlan((0,) * num_rows, (False,) * num_rows, False, 0.0, float(num_rows), plain_seconds, gain)
 
 
 class ConfidenceStop:

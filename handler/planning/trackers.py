@@ -66,6 +66,15 @@ PLAIN = "plain"  # `OutcomeCheck`'s arm of the steps that did not draft
 # A burst runs its steps unless they have taken this many times the seconds it was granted (its
 # arm's steps turned dearer than before); a burst a little over is repaid before the next one.
 BURST_OVERRUN = 2.0
+# After a plain plan whose best drafting alternative was priced at PLAIN_SKIP_GAIN of plain decoding
+# or less, the steps that decode plainly without asking the drafters or planning (`PlainStreak`): 1,
+# 2, 4, ... after each such plan in a row, at most PLAIN_SKIP_MAX, so that the planner still looks at
+# least once in PLAIN_SKIP_MAX + 1 steps; and only where the look-ups and the plan cost
+# PLAIN_SKIP_SHARE of a plain step or more (a GPU's steps, a CPU's full batches): below it the drafts
+# a skipped step might have found are worth more than the time it saves.
+PLAIN_SKIP_GAIN = 0.9
+PLAIN_SKIP_MAX = 4
+PLAIN_SKIP_SHARE = 0.005
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -241,6 +250,48 @@ class OutcomeCheck:
         steps'. Where that arm runs only in bursts, they are the last burst's, its catch-up included."""
         window = self.seconds.get((bucket, drafted))
         return EXPLORE_BURST * statistics.fmean(window) if window else 0.0
+
+
+class PlainStreak:
+    """Which steps decode plainly without planning: those after plain plans whose best drafting
+    alternative was priced well below plain decoding (`handler.planning.planner.StepPlan.drafting_gain`
+    <= `max_gain`), while the batch holds the same rows.
+
+    Such a step skips the drafters' look-ups and the plan, as plain decoding does; its tokens are the
+    same (a plain step is exact). The skips after each such plan in a row double, 1, 2, 4, up to
+    `max_skip`; a plan that drafts or prices drafting near plain, a row that joins or leaves, or
+    planning that costs less than `min_share` of a plain step, ends the streak: the next step plans.
+    """
+
+    def __init__(
+        self, max_skip: int = PLAIN_SKIP_MAX, min_share: float = PLAIN_SKIP_SHARE, max_gain: float = PLAIN_SKIP_GAIN
+    ) -> None:
+        self.max_skip, self.min_share, self.max_gain = max_skip, min_share, max_gain
+        self.num_skipped = 0  # steps that skipped planning
+        self._batch: int | None = None  # the batch's rows when it last planned (`Batch.version`)
+        self._length = 0  # the skips granted after the last plan
+        self._left = 0
+
+    def skips(self, batch: int) -> bool:
+        """Whether this step skips planning; `batch` names the batch's rows (the same number, the same rows)."""
+        if self._left and batch == self._batch:
+            self._left -= 1
+            self.num_skipped += 1
+            return True
+        self._left = 0
+        if batch != self._batch:
+            self._length = 0
+        return False
+
+    def planned(self, batch: int, drafting_gain: float, share: float) -> None:
+        """Takes a step that planned over the rows `batch` names: its best drafting plan's priced rate
+        over plain decoding's where it planned plain (infinite where it drafted), and what its look-ups
+        and plan cost over a plain step's seconds."""
+        if drafting_gain <= self.max_gain and share >= self.min_share and self.max_skip:
+            self._length = min(self.max_skip, max(1, 2 * self._length))
+        else:
+            self._length = 0
+        self._batch, self._left = batch, self._length
 
 
 def _burst(step: int, every: int) -> bool:

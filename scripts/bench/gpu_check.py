@@ -667,7 +667,7 @@ def serve_rows(report: Report, out_dir: str, device: torch.device, max_new_token
 
 def own_time_rows(setup: Setup) -> None:
     """The engine's own time a step (`scripts.bench.own_time`): each target shape drafting for itself
-    with the static runner, batch 1 and 16, plain against k = 4."""
+    with the static runner, batch 1 and 16: plain, the planner pricing every draft out, and k = 4."""
     from scripts.bench import own_time
 
     args = own_time.parse_args(["--device", setup.device.type, "--runner", runners.STATIC, "--steps", "16"])

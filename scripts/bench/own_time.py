@@ -2,8 +2,11 @@
 
 The tiny pair in float32 (`scripts.model_tools.make_tiny_models`), the draft being the target itself so that
 every draft is accepted, a fixed k (no cost table: every row drafts its cap), greedy rows of one
-prompt. For each batch size, plain decoding (k = 0) and drafting (k = 4) run in the same process,
-alternating over the repeats, and the table gives, per step (medians over the repeats):
+prompt. For each batch size, plain decoding (k = 0), the shipped planner where a cost table in this
+machine's seconds prices every draft out (`0, planned`: a step that drafts nothing, its look-ups and
+plan included, or skipped after plans no drafting could beat, `handler.planning.trackers.PlainStreak`)
+and drafting (k = 4) run in the same process, alternating over the repeats, and the table gives, per
+step (medians over the repeats):
 
 - ms a step, and the forwards' ms within it;
 - own ms, unsynchronised (each forward timed as its call returns) and synchronised (the device
@@ -185,28 +188,68 @@ def load_target(args, shape: str | None):
     return load_tiny_target(args.models, args.device) if shape is None else load_shaped_target(shape, args.device)
 
 
+def priced_out_engine(target, tokenizer, runner: str, plain_seconds: float):
+    """The target drafting for itself through the shipped planner (hybrid drafter, the confidence stop),
+    where a cost table in this machine's seconds (a plain pass of `plain_seconds`) prices every draft
+    out: a draft pass at 5 target passes, a verified column at 2. Its steps draft nothing (but while the
+    pool first explores, in the warm-up): a step that does not draft, against plain decoding's."""
+    from handler.engine import EngineOptions, build_engine
+    from handler.planning.cost_table import CostModel
+    from handler.runtime.loading import LoadedModels
+
+    costs = CostModel(
+        draft_step=5.0 * plain_seconds, target_step=plain_seconds, target_per_extra_token=2.0 * plain_seconds
+    )
+    return build_engine(
+        LoadedModels.of(target, target, tokenizer, eos_token_ids=()),
+        runner=runner,
+        options=EngineOptions(running_costs=False),
+        cost_table=costs,
+        drafter="hybrid",
+        draft_confidence=True,
+    )
+
+
+# The rows of the table at each batch size: plain decoding, the planner pricing every draft out (its steps
+# draft nothing), and drafting at a fixed k.
+PLAIN, PRICED_OUT, DRAFTING = "0", "0, planned", str(DRAFTING_K)
+MODES = (PLAIN, PRICED_OUT, DRAFTING)
+
+
 def measure(args, target, tokenizer) -> list[dict]:
     # The draft is the target itself: every draft is accepted, and the step is all the machinery.
     engine = self_drafting_engine(target, tokenizer, args.runner, args.confidence_stop)
+    priced_out: dict[int, object] = {}  # by batch size, built after its first plain run
     timer = ForwardTimer(target)
     prompt_ids = tuple(tokenizer(PROMPT)["input_ids"])
-    samples: dict[tuple[int, int, bool], list[dict]] = {}
+    samples: dict[tuple[int, str, bool], list[dict]] = {}
     try:
         for _ in range(args.repeats):
             for batch_size in args.batch_sizes:
-                for k in (0, DRAFTING_K):  # alternating, so that a burst of load falls on both
+                for mode in MODES:  # alternating, so that a burst of load falls on all
+                    if mode == PRICED_OUT and batch_size not in priced_out:
+                        plain_seconds = samples[batch_size, PLAIN, False][0]["forward_ms"] / 1e3
+                        priced_out[batch_size] = priced_out_engine(target, tokenizer, args.runner, plain_seconds)
                     for synchronised in (False, True):
                         timer.synchronised = synchronised
-                        sample = run_steps(engine, timer, prompt_ids, batch_size, k, args.warmup, args.steps)
-                        samples.setdefault((batch_size, k, synchronised), []).append(sample)
+                        sample = run_steps(
+                            priced_out[batch_size] if mode == PRICED_OUT else engine,
+                            timer,
+                            prompt_ids,
+                            batch_size,
+                            DRAFTING_K if mode == DRAFTING else (0 if mode == PLAIN else 2 * DRAFTING_K),
+                            args.warmup,
+                            args.steps,
+                        )
+                        samples.setdefault((batch_size, mode, synchronised), []).append(sample)
     finally:
         timer.remove()
     rows = []
     for batch_size in args.batch_sizes:
-        for k in (0, DRAFTING_K):
-            row = {"batch": batch_size, "k": k}
+        for mode in MODES:
+            row = {"batch": batch_size, "k": mode}
             for synchronised, tag in ((False, "unsync"), (True, "sync")):
-                runs = samples[batch_size, k, synchronised]
+                runs = samples[batch_size, mode, synchronised]
                 step_ms = statistics.median(run["step_ms"] for run in runs)
                 own_ms = statistics.median(run["step_ms"] - run["forward_ms"] for run in runs)
                 tokens = statistics.median(run["tokens_per_step"] for run in runs)
@@ -217,7 +260,7 @@ def measure(args, target, tokenizer) -> list[dict]:
                 row["tokens_per_row_step"] = tokens / batch_size
             rows.append(row)
     for row in rows:
-        plain = next(other for other in rows if other["batch"] == row["batch"] and other["k"] == 0)
+        plain = next(other for other in rows if other["batch"] == row["batch"] and other["k"] == PLAIN)
         row["own_ratio"] = row["own_ms_unsync"] / plain["own_ms_unsync"]
         row["own_per_token_ratio"] = row["own_ms_per_token_unsync"] / plain["own_ms_per_token_unsync"]
     return rows

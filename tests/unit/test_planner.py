@@ -195,7 +195,26 @@ def test_the_bound_that_skips_planning_never_changes_the_plan(monkeypatch):
     priced = [plan_batch(offers, seconds) for offers, seconds in cases]
     assert [(p.ks, p.uses_model, p.trees) for p in bounded] == [(p.ks, p.uses_model, p.trees) for p in priced]
     assert 20 <= sum(fired) <= len(fired) - 20, sum(fired)  # both kinds of batch occurred
+    # The bound's gain bounds the priced one's from above, and says plain where it decided.
+    for with_bound, without in zip(bounded, priced):
+        assert with_bound.drafting_gain >= without.drafting_gain * (1.0 - 1e-9)
+        assert without.width or without.drafting_gain <= 1.0 + 1e-9
     assert any(p.width for p in priced)
+
+
+def test_a_plain_plan_says_how_far_below_plain_decoding_the_best_drafting_plan_was_priced():
+    """`BatchPlan.drafting_gain`: 0 where nothing can draft, the bound's where the bounds decided, the
+    best drafting plan's rate over plain decoding's where the pricing did; the next steps may skip
+    planning where it is well below 1."""
+    assert plan([Offer(), Offer()], LINEAR).drafting_gain == 0.0  # nothing to draft
+    rejected = plan([lookup(0.0, 4), model(0.0, 4)], LINEAR)
+    assert not rejected.width and rejected.drafting_gain <= 0.6
+    good = plan([lookup(0.9, 4), model(0.9, 4)], FLAT)
+    assert good.width and good.drafting_gain > 1.0
+    costs = step_seconds(LINEAR, 1)
+    priced = plan_batch([lookup(0.6, 4)], costs)
+    best = max(geometric_tokens(0.6, n) / costs(n, 0.0, False) for n in range(1, 5)) * costs(0, 0.0, False)
+    assert not priced.width and priced.drafting_gain == pytest.approx(best)
 
 
 def priced_row_by_row(offers, step_seconds, explore=False):

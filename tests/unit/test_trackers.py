@@ -3,6 +3,7 @@ against plain decoding as the steps ran, per batch size)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -21,6 +22,7 @@ from handler.planning.trackers import (
     AcceptanceTracker,
     BranchCalibration,
     OutcomeCheck,
+    PlainStreak,
     batch_bucket,
 )
 
@@ -388,3 +390,43 @@ def test_a_kind_that_first_drafts_after_a_long_plain_run_still_gets_its_verdict(
             break
     assert check.ratio(8, WITH_MODEL) == pytest.approx(0.5)
     assert step < 8 * EXPLORE_UNSEEN * EXPLORE_BURST
+
+
+def test_a_plain_streak_skips_planning_for_1_2_4_then_4_steps_after_each_plain_plan_with_a_margin():
+    streak = PlainStreak(max_skip=4, min_share=0.01)
+    rows = 7  # the batch's rows (`Batch.version`)
+    skipped_runs, run = [], 0
+    for _ in range(30):
+        if streak.skips(rows):
+            run += 1
+            continue
+        if run:
+            skipped_runs.append(run)
+        run = 0
+        streak.planned(rows, drafting_gain=0.5, share=0.05)
+    assert skipped_runs[:5] == [1, 2, 4, 4, 4]
+    assert streak.num_skipped == sum(skipped_runs) + run
+
+
+def test_a_plain_streak_ends_at_a_plan_that_drafts_a_change_of_rows_or_cheap_planning():
+    streak = PlainStreak(max_skip=4, min_share=0.01)
+    for _ in range(3):
+        streak.planned(1, drafting_gain=0.5, share=0.05)
+        while streak.skips(1):
+            pass
+    streak.planned(1, drafting_gain=math.inf, share=0.05)  # it drafted
+    assert not streak.skips(1)
+    streak.planned(1, drafting_gain=0.95, share=0.05)  # plain, but drafting priced near it
+    assert not streak.skips(1)
+    streak.planned(1, drafting_gain=0.5, share=0.05)
+    assert streak.skips(1)  # one skip again: the streak started afresh
+    assert not streak.skips(1)
+    streak.planned(1, drafting_gain=0.5, share=0.05)
+    assert not streak.skips(2)  # a row joined: plan now
+    streak.planned(2, drafting_gain=0.5, share=0.05)
+    assert streak.skips(2) and not streak.skips(2)  # and from one skip
+    streak.planned(2, drafting_gain=0.5, share=0.005)  # planning costs little: never skip
+    assert not streak.skips(2)
+    never = PlainStreak(max_skip=0)
+    never.planned(1, drafting_gain=0.5, share=1.0)
+    assert not never.skips(1)
