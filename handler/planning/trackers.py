@@ -259,8 +259,8 @@ class PlainStreak:
 
     Such a step skips the drafters' look-ups and the plan, as plain decoding does; its tokens are the
     same (a plain step is exact). The skips after each such plan in a row double, 1, 2, 4, up to
-    `max_skip`; a plan that drafts or prices drafting near plain, a row that joins or leaves, or
-    planning that costs less than `min_share` of a plain step, ends the streak: the next step plans.
+    `max_skip`; a plan that drafts or prices drafting near plain, or planning that costs less than
+    `min_share` of a plain step, ends the streak. A row that joins or leaves is planned at once.
     """
 
     def __init__(
@@ -273,14 +273,14 @@ class PlainStreak:
         self._left = 0
 
     def skips(self, batch: int) -> bool:
-        """Whether this step skips planning; `batch` names the batch's rows (the same number, the same rows)."""
+        """Whether this step skips planning; `batch` names the batch's rows (the same number, the same
+        rows). Rows that joined or left are planned at once (a joining row may hold free drafts, a
+        smaller batch prices drafting anew); the streak's length stands, for the plans that follow."""
         if self._left and batch == self._batch:
             self._left -= 1
             self.num_skipped += 1
             return True
         self._left = 0
-        if batch != self._batch:
-            self._length = 0
         return False
 
     def planned(self, batch: int, drafting_gain: float, share: float) -> None:

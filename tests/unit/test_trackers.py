@@ -408,7 +408,7 @@ def test_a_plain_streak_skips_planning_for_1_2_4_then_4_steps_after_each_plain_p
     assert streak.num_skipped == sum(skipped_runs) + run
 
 
-def test_a_plain_streak_ends_at_a_plan_that_drafts_a_change_of_rows_or_cheap_planning():
+def test_a_plain_streak_ends_at_a_plan_that_drafts_or_cheap_planning_and_plans_a_change_of_rows():
     streak = PlainStreak(max_skip=4, min_share=0.01)
     for _ in range(3):
         streak.planned(1, drafting_gain=0.5, share=0.05)
@@ -422,9 +422,10 @@ def test_a_plain_streak_ends_at_a_plan_that_drafts_a_change_of_rows_or_cheap_pla
     assert streak.skips(1)  # one skip again: the streak started afresh
     assert not streak.skips(1)
     streak.planned(1, drafting_gain=0.5, share=0.05)
-    assert not streak.skips(2)  # a row joined: plan now
+    assert streak.skips(1)  # the streak grew to 2: one of them taken
+    assert not streak.skips(2)  # a row joined before the skips ran out: plan now
     streak.planned(2, drafting_gain=0.5, share=0.05)
-    assert streak.skips(2) and not streak.skips(2)  # and from one skip
+    assert [streak.skips(2) for _ in range(5)] == [True] * 4 + [False]  # and the streak goes on, at 4
     streak.planned(2, drafting_gain=0.5, share=0.005)  # planning costs little: never skip
     assert not streak.skips(2)
     never = PlainStreak(max_skip=0)
