@@ -236,6 +236,8 @@ def tiny_pair(device: str, runner: str, models: pathlib.Path | None, confidence_
 
     target, tokenizer = load_tiny_target(models, device)
     engine = self_drafting_engine(target, tokenizer, runner, confidence_stop, speculative_tree="off")
+    # As on a GPU, where a read waits for the device: the draft's chains stay there into the verify.
+    engine.model_drafter.drafts_on_device = True
     return [("tiny, draft = target", engine, [target], tuple(tokenizer(PROMPT)["input_ids"]))]
 
 

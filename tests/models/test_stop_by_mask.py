@@ -289,6 +289,7 @@ def test_a_planned_step_measures_confidences_only_where_the_stop_or_the_runners_
         runner="static",
     )
     engine.model_drafter.stop_by_mask = True
+    engine.model_drafter.drafts_on_device = True  # as on a GPU
     counter = HostReads("cpu", [target])
     reads, measured = [], []
     real_step, real_propose = engine.step, engine.model_drafter.propose
@@ -311,3 +312,34 @@ def test_a_planned_step_measures_confidences_only_where_the_stop_or_the_runners_
     assert drafting and measured
     assert all(measured) if draft_confidence else not any(measured)
     assert all(num_reads == (2 if draft_confidence else 1) for num_reads in drafting), reads
+
+
+@pytest.mark.parametrize("runner", ["dynamic", "static"])
+def test_drafts_left_on_the_device_give_the_outputs_of_drafts_read_at_once(tiny_pair, runner, monkeypatch):
+    """`drafts_on_device` (a GPU's default): the chains' drafts reach the host with the verdict. Greedy
+    output stays the target's, and a batch of greedy, seeded (coupled) and unseeded (rejection-sampled)
+    rows gives the tokens it gives where the drafts are read after the last pass; the unseeded row's
+    generator is fixed here, so that both ways draw the same uniforms."""
+    from handler.engine import row as row_module
+
+    def fixed_generator():
+        generator = torch.Generator()
+        generator.manual_seed(11)
+        return generator
+
+    monkeypatch.setattr(row_module, "unseeded_generator", fixed_generator)
+    target, draft, tokenizer = tiny_pair
+    prompts = [encode(tokenizer, prompt) for prompt in PROMPTS[:3]]
+    batch = [
+        GenerationRequest(prompts[0], 24, GREEDY, 4),
+        GenerationRequest(prompts[1], 24, SAMPLED, 6, seed=5),
+        GenerationRequest(prompts[2], 24, SAMPLED, 2),
+    ]
+    outputs = []
+    for on_device in (True, False):
+        engine = make_engine(target, draft, tokenizer, runner=runner)
+        engine.model_drafter.drafts_on_device = on_device
+        outputs.append([result.token_ids for result in engine.generate(batch)])
+        assert outputs[-1][0] == reference_greedy(target, prompts[0], 24)
+        assert engine.model_drafter.num_rows == 0
+    assert outputs[0] == outputs[1]
