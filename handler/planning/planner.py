@@ -162,7 +162,7 @@ class Planner:
         self.draft_confidence = draft_confidence
         self.draft_guesses = draft_guesses
         self.outcome_check = outcome_check
-        # Steps after plans that no drafting could beat decode plainly without planning; with a cost
+        # Steps after plans that priced drafting well below plain decoding skip planning; with a cost
         # table only (without one every row drafts its cap, and a look-up's next match is taken).
         self.plain_streak = PlainStreak() if cost_table is not None else None
 

@@ -4,7 +4,7 @@ The tiny pair in float32 (`scripts.model_tools.make_tiny_models`), the draft bei
 every draft is accepted, a fixed k (no cost table: every row drafts its cap), greedy rows of one
 prompt. For each batch size, plain decoding (k = 0), the shipped planner where a cost table in this
 machine's seconds prices every draft out (`0, planned`: a step that drafts nothing, its look-ups and
-plan included, or skipped after plans no drafting could beat, `handler.planning.trackers.PlainStreak`)
+plan included, or skipped after plans that priced drafting well below plain, `handler.planning.trackers.PlainStreak`)
 and drafting (k = 4) run in the same process, alternating over the repeats, and the table gives, per
 step (medians over the repeats):
 
@@ -193,27 +193,20 @@ def priced_out_engine(target, tokenizer, runner: str, plain_seconds: float):
     where a cost table in this machine's seconds (a plain pass of `plain_seconds`) prices every draft
     out: a draft pass at 5 target passes, a verified column at 2. Its steps draft nothing (but while the
     pool first explores, in the warm-up): a step that does not draft, against plain decoding's."""
-    from handler.engine import EngineOptions, build_engine
     from handler.planning.cost_table import CostModel
-    from handler.runtime.loading import LoadedModels
 
     costs = CostModel(
         draft_step=5.0 * plain_seconds, target_step=plain_seconds, target_per_extra_token=2.0 * plain_seconds
     )
-    return build_engine(
-        LoadedModels.of(target, target, tokenizer, eos_token_ids=()),
-        runner=runner,
-        options=EngineOptions(running_costs=False),
-        cost_table=costs,
-        drafter="hybrid",
-        draft_confidence=True,
-    )
+    return self_drafting_engine(target, tokenizer, runner, cost_table=costs, drafter="hybrid", draft_confidence=True)
 
 
 # The rows of the table at each batch size: plain decoding, the planner pricing every draft out (its steps
 # draft nothing), and drafting at a fixed k.
 PLAIN, PRICED_OUT, DRAFTING = "0", "0, planned", str(DRAFTING_K)
 MODES = (PLAIN, PRICED_OUT, DRAFTING)
+# Each row's requested k: the planner's rows ask for a cap it prices out.
+REQUESTED_K = {PLAIN: 0, PRICED_OUT: 2 * DRAFTING_K, DRAFTING: DRAFTING_K}
 
 
 def measure(args, target, tokenizer) -> list[dict]:
@@ -237,7 +230,7 @@ def measure(args, target, tokenizer) -> list[dict]:
                             timer,
                             prompt_ids,
                             batch_size,
-                            DRAFTING_K if mode == DRAFTING else (0 if mode == PLAIN else 2 * DRAFTING_K),
+                            REQUESTED_K[mode],
                             args.warmup,
                             args.steps,
                         )

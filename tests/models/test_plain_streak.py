@@ -1,4 +1,4 @@
-"""Steps after plans that no drafting could beat decode plainly without planning (`PlainStreak`), float32.
+"""Steps after plans that priced drafting well below plain decoding skip planning (`PlainStreak`), float32.
 
 Such a step skips the drafters' look-ups and the plan, as plain decoding does. Its tokens are plain
 decoding's: greedy output stays the target's. Where drafting may pay, no step skips.
