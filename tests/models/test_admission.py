@@ -11,7 +11,7 @@ import torch
 
 from handler.config import SamplingParams
 from handler.drafters import Proposal
-from handler.engine import GenerationRequest
+from handler.engine import EngineOptions, GenerationRequest
 from handler.planning.cost_table import CostModel
 from handler.planning.trackers import MIN_STEPS_BEFORE_FALLBACK, PROBE_INTERVAL
 
@@ -305,6 +305,29 @@ def test_where_drafting_never_pays_no_row_probes(tiny_pair):
     # The first steps draft (the pool knows nothing yet), one token each; then never again.
     assert result.stats.num_drafts == MIN_STEPS_BEFORE_FALLBACK
     assert result.stats.draft_tokens == result.stats.num_drafts
+
+
+def test_forgetting_the_suffix_history_forgets_the_look_ups_verdicts_and_calibrations(tiny_pair):
+    """What the look-ups ran with the history says nothing of them without it: their verdicts and the
+    suffix's calibrations go with the trees; the draft model's verdict stays."""
+    from handler.planning.trackers import LOOKUPS_ONLY, OUTCOME_MIN_STEPS, WITH_MODEL
+
+    target, draft, tokenizer = tiny_pair
+    costs = CostModel(draft_step=0.05, target_step=1.0, target_per_extra_token=0.05)
+    engine = make_engine(target, draft, tokenizer, cost_table=costs, options=EngineOptions(running_costs=True))
+    check = engine.outcome_check
+    assert check is not None
+    for _ in range(OUTCOME_MIN_STEPS):
+        check.observe(8, True, 1.0, 1.2, LOOKUPS_ONLY)
+        check.observe(8, True, 1.0, 0.9, WITH_MODEL)
+        check.observe(8, False, 1.0, 1.0)
+    assert check.ratio(8, LOOKUPS_ONLY) == pytest.approx(1.2) and check.ratio(8, WITH_MODEL) == pytest.approx(0.9)
+    engine.estimates.suffix_calibration.update(4.0, 1)
+    assert engine.estimates.suffix_calibration.factor < 1.0
+    engine.forget_suffix_history()
+    assert check.ratio(8, LOOKUPS_ONLY) is None, "the look-ups start unjudged, as at start-up"
+    assert check.ratio(8, WITH_MODEL) == pytest.approx(0.9)
+    assert engine.estimates.suffix_calibration.factor == 1.0
 
 
 def test_forgetting_the_suffix_history_starts_the_trees_afresh(tiny_pair):
