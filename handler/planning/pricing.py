@@ -74,6 +74,11 @@ class BatchPlan:
         """The most drafts any row verifies: the verify pass covers them and the pending token."""
         return max(self.ks, default=0)
 
+    @classmethod
+    def plain(cls, num_rows: int, seconds: float, drafting_gain: float) -> BatchPlan:
+        """Plain decoding for every row: one token each in a plain step's `seconds`."""
+        return cls((0,) * num_rows, (False,) * num_rows, False, 0.0, float(num_rows), seconds, drafting_gain)
+
 
 def plan_batch(
     offers: Sequence[Offer],
@@ -101,8 +106,7 @@ def plan_batch(
     max_lookup = max(max(len(offer.lookup), len(offer.tree or ())) - 1 for offer in offers)
     with_trees = (False, True) if any(offer.tree is not None for offer in offers) else (False,)
     if not max(max_model, max_lookup):
-        num_rows, plain_seconds = len(offers), step_seconds(0, 0.0, False)
-        return BatchPlan((0,) * num_rows, (False,) * num_rows, False, 0.0, float(num_rows), plain_seconds, 0.0)
+        return BatchPlan.plain(len(offers), step_seconds(0, 0.0, False), 0.0)
     if not explore:
         plain = _plain_if_bound(offers, max_lookup, max_model, with_trees, step_seconds)
         if plain is not None:
@@ -228,8 +232,7 @@ def _plain_if_bound(
         best_rate = max(best_rate, most_tokens / least_seconds)
         if best_rate > plain_rate:
             return None
-    gain = best_rate * plain_seconds / num_rows
-    return BatchPlan((0,) * num_rows, (False,) * num_rows, False, 0.0, float(num_rows), plain_seconds, gain)
+    return BatchPlan.plain(num_rows, plain_seconds, best_rate * plain_seconds / num_rows)
 
 
 class ConfidenceStop:
