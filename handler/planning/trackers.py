@@ -216,11 +216,9 @@ class OutcomeCheck:
     def forget(self, kind: str) -> None:
         """Drops every bucket's samples and pairs of one kind of drafting: what it ran before says
         nothing of it now (the suffix history it drafted from is gone, `forget_suffix_history`)."""
-        for store in (self.pairs, self.recent):
+        for store in (self.pairs, self.recent, self.num_samples):  # each keyed by (bucket, kind)
             for key in [key for key in store if key[1] == kind]:
                 del store[key]
-        for key in [key for key in self.num_samples if key[1] == kind]:
-            del self.num_samples[key]
 
     def ratio(self, bucket: int, kind: str | None = None) -> float | None:
         """Drafting's rate (as it ran over as planned; `kind`: of that kind only) over plain decoding's
