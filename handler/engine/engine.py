@@ -28,7 +28,6 @@ from handler.engine.verify import StepUniforms, Verifier
 from handler.planning.acceptance import SUFFIX_ESTIMATES
 from handler.planning.cost_table import RunningCostTable
 from handler.planning.planner import NO_DRAFTS_TO_VERIFY, Planner, StepPlan
-from handler.planning.trackers import LOOKUPS_ONLY
 from handler.runtime.loading import LoadedModels
 from handler.sampler import SamplingBatch
 from handler.types import DrafterName, GenerationRequest, GenerationResult, StepOutput
@@ -166,18 +165,17 @@ class SpeculativeEngine:
         return self.cost_table.target_scale, self.cost_table.draft_scale
 
     def forget_suffix_history(self) -> None:
-        """Starts the suffix drafter's trees afresh, as at start-up (a benchmark's rows each start cold),
-        and what the engine learnt of the look-ups from them: the suffix's calibrations and the outcome
-        check's verdicts on look-up steps. Kept, a verdict that look-ups with the history ran 22 % above
-        their price at 8 rows drafted cold look-ups priced below plain, which then ran at 0.72x."""
+        """Starts the suffix drafter's trees afresh, as at start-up (a benchmark's rows each start cold).
+
+        What the engine learnt of the look-ups stays (the outcome check's verdicts, the suffix's
+        calibrations): a benchmark that forgets the trees before its measures forgets them before its
+        warm-ups too (`scripts.bench.load`), so that what it learnt there is of look-ups as cold as those
+        it measures."""
         assert not self.has_unfinished_requests(), "only between requests"
         fresh = SuffixDrafter(self.suffix_drafter.options)
         if self.model_drafter is not None and self.model_drafter.guesser is self.suffix_drafter:
             self.model_drafter.guesser = fresh
         self.drafter_map[SUFFIX] = fresh
-        self.estimates.forget_suffix()
-        if self.outcome_check is not None:
-            self.outcome_check.forget(LOOKUPS_ONLY)
 
     # ----------------------------------------------------------------- requests
 

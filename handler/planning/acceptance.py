@@ -57,11 +57,6 @@ class Estimates:
         # a continuation followed, not how often the target takes it (`_calibrate_suffix`).
         self.suffix_calibration = BranchCalibration()
 
-    def forget_suffix(self) -> None:
-        """Starts the suffix look-up's calibrations afresh (its trees were: `forget_suffix_history`)."""
-        self.suffix_calibration = BranchCalibration()
-        self.branch_calibrations[SUFFIX] = BranchCalibration()
-
     def exploring(self, proposers: set[str]) -> bool:
         """Whether the pool has seen too few steps of one of these ways to draft to say if it pays."""
         if self.suffix_estimate == "tree":

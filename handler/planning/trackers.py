@@ -213,13 +213,6 @@ class OutcomeCheck:
         if budget is not None:
             budget.charge(seconds)
 
-    def forget(self, kind: str) -> None:
-        """Drops every bucket's samples and pairs of one kind of drafting: what it ran before says
-        nothing of it now (the suffix history it drafted from is gone, `forget_suffix_history`)."""
-        for store in (self.pairs, self.recent, self.num_samples):  # each keyed by (bucket, kind)
-            for key in [key for key in store if key[1] == kind]:
-                del store[key]
-
     def ratio(self, bucket: int, kind: str | None = None) -> float | None:
         """Drafting's rate (as it ran over as planned; `kind`: of that kind only) over plain decoding's
         at this bucket, the median of steps paired in time; None while either arm or the pairs have too few."""

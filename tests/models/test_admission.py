@@ -307,10 +307,10 @@ def test_where_drafting_never_pays_no_row_probes(tiny_pair):
     assert result.stats.draft_tokens == result.stats.num_drafts
 
 
-def test_forgetting_the_suffix_history_forgets_the_look_ups_verdicts_and_calibrations(tiny_pair):
-    """What the look-ups ran with the history says nothing of them without it: their verdicts and the
-    suffix's calibrations go with the trees; the draft model's verdict stays."""
-    from handler.planning.trackers import LOOKUPS_ONLY, OUTCOME_MIN_STEPS, WITH_MODEL
+def test_forgetting_the_suffix_history_keeps_what_the_engine_learnt_of_the_look_ups(tiny_pair):
+    """Only the trees go: the benchmarks forget them before their warm-ups too, so the verdicts and
+    calibrations learnt there are of look-ups as cold as those they measure (`scripts.bench.load`)."""
+    from handler.planning.trackers import LOOKUPS_ONLY, OUTCOME_MIN_STEPS
 
     target, draft, tokenizer = tiny_pair
     costs = CostModel(draft_step=0.05, target_step=1.0, target_per_extra_token=0.05)
@@ -318,16 +318,14 @@ def test_forgetting_the_suffix_history_forgets_the_look_ups_verdicts_and_calibra
     check = engine.outcome_check
     assert check is not None
     for _ in range(OUTCOME_MIN_STEPS):
-        check.observe(8, True, 1.0, 1.2, LOOKUPS_ONLY)
-        check.observe(8, True, 1.0, 0.9, WITH_MODEL)
+        check.observe(8, True, 1.0, 0.8, LOOKUPS_ONLY)
         check.observe(8, False, 1.0, 1.0)
-    assert check.ratio(8, LOOKUPS_ONLY) == pytest.approx(1.2) and check.ratio(8, WITH_MODEL) == pytest.approx(0.9)
     engine.estimates.suffix_calibration.update(4.0, 1)
-    assert engine.estimates.suffix_calibration.factor < 1.0
+    factor = engine.estimates.suffix_calibration.factor
+    assert factor < 1.0
     engine.forget_suffix_history()
-    assert check.ratio(8, LOOKUPS_ONLY) is None, "the look-ups start unjudged, as at start-up"
-    assert check.ratio(8, WITH_MODEL) == pytest.approx(0.9)
-    assert engine.estimates.suffix_calibration.factor == 1.0
+    assert check.ratio(8, LOOKUPS_ONLY) == pytest.approx(0.8)
+    assert engine.estimates.suffix_calibration.factor == factor
 
 
 def test_forgetting_the_suffix_history_starts_the_trees_afresh(tiny_pair):

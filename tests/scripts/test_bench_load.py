@@ -46,3 +46,24 @@ def test_bench_load_measures_every_load_and_row_with_the_plain_rows_outputs(tiny
     assert (tmp_path / "load.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "| C=3 | plain decoding (k=0) |" in printed and "Where the time goes" in printed
+
+
+def test_each_warm_up_starts_with_empty_suffix_trees_as_each_measure_does(monkeypatch):
+    """The warm-ups at each concurrency serve the same first prompts: with the trees kept, the look-ups
+    the engine judges there would have the answers, and its verdicts would be a warm server's, while
+    the measures start with empty trees."""
+    from types import SimpleNamespace
+
+    events = []
+    engine = SimpleNamespace(forget_suffix_history=lambda: events.append("forget"))
+    monkeypatch.setattr(bench_load, "build_engine", lambda *args, **kwargs: engine)
+    monkeypatch.setattr(
+        bench_load, "drive", lambda _engine, requests, _arrivals, concurrency: events.append(("serve", concurrency))
+    )
+    bench = object.__new__(bench_load.Bench)
+    bench.models, bench.settings, bench.cost_table, bench.engines = None, None, None, {}
+    bench.warm_concurrency, bench.warm_tokens, bench.max_new_tokens = [1, 4, 8], 4, 8
+    bench.sampling = bench_load.GREEDY
+    row = bench_load.Row("shipped", "as shipped", bench_load.HYBRID, 8, True)
+    assert bench.engine(row, [(1, 2, 3)] * 16) is engine
+    assert events == ["forget", ("serve", 1), "forget", ("serve", 4), "forget", ("serve", 8)]
