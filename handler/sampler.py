@@ -38,7 +38,7 @@ token.
 A step's sampling settings travel as one `SamplingBatch` of tensors, made once per step and read
 by the draft model's draws and by the verify pass alike.
 
-This module imports only torch and holds no randomness of its own: callers
+This module imports only torch (and numpy, for one CPU argmax) and holds no randomness of its own: callers
 pass uniforms drawn from per-request generators (`draw_step_uniforms`) or
 derived from a seed (`position_uniforms`).
 """
@@ -49,10 +49,12 @@ import dataclasses
 import functools
 from typing import Callable, NamedTuple, Sequence
 
+import numpy
 import torch
 
 ARGMAX_BLOCK = 512  # entries a block in `argmax_vocab` on a CPU
 ARGMAX_MIN_BLOCKS = 8  # fewer blocks than this: the plain argmax
+NUMPY_ARGMAX_MAX_VALUES = 1 << 20  # up to this many float32/float64 values: numpy's argmax on a CPU
 TOP_P_PREFIX = 256  # likeliest tokens read first for top-p on a CPU (`_apply_top_p`)
 SAMPLE_BLOCK = 256  # tokens a block in `sample_from_probs`
 
@@ -68,11 +70,18 @@ def argmax_vocab(values: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [...]
     and the argmax within that block. Earlier blocks hold only smaller values, so the index is the
     first; a NaN makes its block's maximum NaN, which the argmax over blocks takes first, as argmax
     would. On other devices, the plain argmax; for small vocabularies, `max` (below).
+
+    Fewer values than that (up to NUMPY_ARGMAX_MAX_VALUES, float32 or float64: a draft pass's or a
+    verify pass's logits over a few rows) go to numpy's argmax, the same index (the first largest, a
+    NaN first) from one vectorised scan without torch's per-call cost: 4 against 28 us for 16 rows
+    of 384, 21 against 80 us for one row of 151,936 (2 cores). Past that, torch's threads win.
     """
     vocab = values.shape[-1]
     num_blocks = vocab // ARGMAX_BLOCK
     if values.device.type != "cpu":
         return values.argmax(dim=-1)
+    if values.dtype in (torch.float32, torch.float64) and values.numel() <= NUMPY_ARGMAX_MAX_VALUES:
+        return torch.from_numpy(numpy.asarray(values.detach().numpy().argmax(axis=-1)))
     if num_blocks < ARGMAX_MIN_BLOCKS:
         # A small vocabulary: over several rows, `max`'s indices (the first of the largest, a NaN
         # first, as argmax's) take half argmax's time (38 against 85 us for 16 x 5 x 384); over one

@@ -360,6 +360,22 @@ def test_argmax_vocab_random_rows_against_argmax():
         assert torch.equal(argmax_vocab(values), values.argmax(dim=-1))
 
 
+def test_argmax_vocab_either_side_of_numpy_s_share_is_argmax(monkeypatch):
+    """Up to NUMPY_ARGMAX_MAX_VALUES float32 values numpy's argmax answers, past it torch's blocks or
+    `max` do: the same index either side, ties and NaNs included, whichever path a size takes."""
+    import handler.sampler as sampler
+
+    generator = torch.Generator().manual_seed(1)
+    for vocab in (384, 151_936):
+        values = torch.randint(0, 3, (12, vocab), generator=generator).float()
+        values[3, vocab // 2] = float("nan")
+        expected = values.argmax(dim=-1)
+        for limit in (0, values.numel() - 1, values.numel()):  # torch, torch, numpy
+            monkeypatch.setattr(sampler, "NUMPY_ARGMAX_MAX_VALUES", limit)
+            assert torch.equal(sampler.argmax_vocab(values), expected), (vocab, limit)
+            assert sampler.argmax_vocab(values).dtype == torch.long
+
+
 @pytest.mark.parametrize("vocab", [384, 151_936])
 def test_confidence_tensors_are_the_top_two_of_the_draft_probabilities(vocab):
     """The draft's probability of its draft, and its likeliest other token with that token's probability:
