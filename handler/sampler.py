@@ -115,7 +115,7 @@ class InUse:
         return cls(
             greedy=len(sampled) < len(params),
             sampled=bool(sampled),
-            max_top_k=max((p.top_k for p in params), default=0),
+            max_top_k=max([p.top_k for p in params], default=0),
             top_p=any(p.top_p < 1.0 for p in sampled),
             min_p=any(p.min_p > 0 for p in sampled),
         )
@@ -198,7 +198,7 @@ class SamplingBatch:
                 if slot is not None:
                     uniforms[row, :num] = self.uniforms[slot, :num]
         return SamplingBatch(
-            tuple(_GREEDY if slot is None else self.params[slot] for slot in slots),
+            tuple([_GREEDY if slot is None else self.params[slot] for slot in slots]),
             self.device,
             uniforms,
             # A row without a slot is greedy.

@@ -310,7 +310,7 @@ def chunk_of(token_lists: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.T
     """`left_pad`, with no mask where every row has as many tokens (no padding): `RaggedCache.forward`
     then takes the positions from the lengths alone, without a mask's sums."""
     width = len(token_lists[0])
-    if all(len(tokens) == width for tokens in token_lists):
+    if all([len(tokens) == width for tokens in token_lists]):
         return torch.tensor(token_lists, dtype=torch.long).reshape(len(token_lists), width), None
     return left_pad(token_lists, pad_id)
 

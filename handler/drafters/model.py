@@ -247,9 +247,9 @@ class ModelDrafter:
         """
         assert rows and self.cache is not None
         wanted = {row.request_id: row for row in rows}
-        with_confidence = any(row.measure_confidence for row in rows)
+        with_confidence = any([row.measure_confidence for row in rows])
         assert with_confidence or keep_drafting is None
-        k = max(row.max_tokens for row in rows)
+        k = max([row.max_tokens for row in rows])
         num_rows = len(self.order)
         asking = [slot for slot, request_id in enumerate(self.order) if request_id in wanted]
         # A row that runs ahead of the others on its guesses draws beyond k before it is cut back to
@@ -537,7 +537,7 @@ class ModelDrafter:
     def last_num_passes(self) -> int:
         """The draft passes the last proposal took: until its slowest row had its drafts, and those it
         ran past its stop (`stop_by_mask`)."""
-        needed = max((self.passes_needed(r, self.last_num_drafts) for r in self.last_draft_counts), default=0)
+        needed = max([self.passes_needed(r, self.last_num_drafts) for r in self.last_draft_counts], default=0)
         return needed + self.last_passes_past_stop
 
     def observe(self, committed: Mapping[Hashable, Sequence[int]]) -> None:

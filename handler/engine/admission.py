@@ -118,7 +118,9 @@ class Batch:
     def rollback(self, ks: list[int], num_accepted: list[int], paths: list[list[int]]) -> None:
         """Keeps each row's pending token and accepted drafts in the target cache (a tree's accepted
         path first moves to the front of the chunk)."""
-        if any(path != list(range(len(path))) for path in paths):
+        # A path is increasing from 0 (`handler.tree.verify_tree`): it is 0, 1, .. n - 1 (a chain's)
+        # where its last column is n - 1.
+        if any([path and path[-1] != len(path) - 1 for path in paths]):
             self.cache.keep_chunk_paths(max(ks) + 1, paths)
         kept_lengths = target_lengths_after_verify(self.cache.lengths.tolist(), ks, num_accepted)
         self.cache.rollback(torch.tensor(kept_lengths, dtype=torch.long))

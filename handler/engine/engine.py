@@ -223,7 +223,7 @@ class SpeculativeEngine:
             return first_outputs
         rows = self.rows
         started = time.perf_counter()
-        mask_seconds_before = sum(row.stats.mask_seconds for row in rows)
+        mask_seconds_before = sum([row.stats.mask_seconds for row in rows])
         sampling = SamplingBatch.from_params([row.request.sampling for row in rows], self.device)
         plan = self._plan(rows, sampling)
         uniforms = StepUniforms.draw(rows, plan.ks)
@@ -248,7 +248,7 @@ class SpeculativeEngine:
         for drafter in self.drafter_map.values():
             drafter.observe(committed)
         self.batch.drop(finished)
-        mask_seconds = sum(row.stats.mask_seconds for row in rows) - mask_seconds_before
+        mask_seconds = sum([row.stats.mask_seconds for row in rows]) - mask_seconds_before
         self.steps.record(plan, ks, times, self.verifier.seconds, mask_seconds, outputs, admitted, started)
         return _joined(first_outputs, outputs)
 

@@ -170,7 +170,7 @@ class Proposer:
             return drafts, times
         drafter = self.drafters[MODEL]
         cost_table = self.planner.cost_table
-        filling = sum(drafter.unfilled_tokens(rows[slot].request_id) for slot in model_slots)
+        filling = sum([drafter.unfilled_tokens(rows[slot].request_id) for slot in model_slots])
         started = time.perf_counter()
         drafter.fill([rows[slot].request_id for slot in model_slots])
         times.fill_seconds = time.perf_counter() - started

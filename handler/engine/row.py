@@ -105,14 +105,16 @@ class Row:
     def extend(self, new_token_ids: Sequence[int]) -> list[int]:
         """Appends tokens one by one until a stop condition; returns those kept."""
         kept = []
+        remaining = self.remaining
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             kept.append(token_id)
+            remaining -= 1
             if token_id in self.eos_token_ids:
                 self.finish_reason = FINISH_EOS
             elif self.request.stop and self._hit_stop_string():
                 self.finish_reason = FINISH_STOP
-            elif self.remaining == 0:
+            elif remaining == 0:
                 self.finish_reason = FINISH_LENGTH
             if self.finish_reason is not None:
                 break

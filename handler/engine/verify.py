@@ -125,16 +125,18 @@ class Verifier:
         # then their rows' lists are empty, and nothing before the read looks at them (a row whose rules
         # shape the logits drafts through the loop that reads its drafts as it goes).
         on_device = _DeviceRows.of(drafts)
-        draft_token_ids, draft_probs = _draft_batch(
-            drafts, on_device, k, self.pad_token_id, self.vocab_size, self.device, with_probs=not greedy
+        # Each row's pending token leads its drafts in the verify chunk: one tensor of both.
+        pending = None if logits is not None else [(row.token_ids or row.request.prompt_ids)[-1] for row in rows]
+        chunk_ids, draft_probs = _draft_batch(
+            drafts, on_device, k, self.pad_token_id, self.vocab_size, self.device, with_probs=not greedy, pending=pending
         )
+        draft_token_ids = chunk_ids if pending is None else chunk_ids[:, 1:]  # [batch, k]
         draft_lists = [
             [] if slot in on_device.chains else list(row.proposal.token_ids) for slot, row in enumerate(drafts)
         ]
 
         if logits is None:
-            pending = torch.tensor([[(row.token_ids or row.request.prompt_ids)[-1]] for row in rows])
-            input_ids = torch.cat([pending.to(self.device), draft_token_ids], dim=1)  # [batch, 1 + k]
+            input_ids = chunk_ids  # [batch, 1 + k]
             tree = None
             if tree_slots:
                 parents = [
@@ -266,17 +268,23 @@ def _draft_batch(
     device: torch.device,
     *,
     with_probs: bool = True,
+    pending: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rows' drafts [batch, k] (on the device, padded) and their draft distributions [batch, k, vocab]
-    (None without `with_probs`). Host drafts are copied over; those a draft loop left on the device
-    (`on_device`) are written in there, without a read: one copy per loop and width, not per row."""
+    """The rows' drafts [batch, k] (on the device, padded), each led by the row's `pending` token where
+    that is given ([batch, 1 + k], the verify chunk: one copy, not two and a concatenation), and their
+    draft distributions [batch, k, vocab] (None without `with_probs`). Host drafts are copied over;
+    those a draft loop left on the device (`on_device`) are written in there, without a read: one copy
+    per loop and width, not per row."""
     batch_size = len(drafts)
     padded = [
         [pad_token_id] * k if slot in on_device.chains else [*row.proposal.token_ids, *[pad_token_id] * (k - row.k)]
         for slot, row in enumerate(drafts)
     ]
-    draft_token_ids = torch.tensor(padded, dtype=torch.long).reshape(batch_size, k)  # [batch, k]
-    draft_token_ids = host_to_device(draft_token_ids, device)
+    lead = 0 if pending is None else 1
+    if pending is not None:
+        padded = [[token, *row] for token, row in zip(pending, padded)]
+    chunk_ids = host_to_device(torch.tensor(padded, dtype=torch.long).reshape(batch_size, lead + k), device)
+    draft_token_ids = chunk_ids[:, lead:]  # [batch, k]: a view, written in place below
     groups: dict[tuple[int, int], tuple[DeviceDrafts, list[int], list[int]]] = {}
     for slot, chain in on_device.chains.items():
         _, slots, loop_rows = groups.setdefault((id(chain.drafts), chain.num), (chain.drafts, [], []))
@@ -286,7 +294,7 @@ def _draft_batch(
         index = host_to_device(torch.tensor(loop_rows), holder.tensor.device)
         draft_token_ids[host_to_device(torch.tensor(slots), device), :num] = holder.tensor[index, :num]
     if not with_probs:
-        return draft_token_ids, None
+        return chunk_ids, None
     draft_probs = torch.zeros((batch_size, k, vocab_size), device=device)  # [batch, k, vocab]
     for slot, row_drafts in enumerate(drafts):
         if not row_drafts.k:
@@ -298,7 +306,7 @@ def _draft_batch(
         else:
             # A look-up is deterministic: its draft distribution is one-hot.
             draft_probs[slot, torch.arange(len(token_ids), device=device), token_ids] = 1.0
-    return draft_token_ids, draft_probs
+    return chunk_ids, draft_probs
 
 
 def _tree_uniforms(row: Row, k: int) -> list[float]:

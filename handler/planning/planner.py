@@ -12,6 +12,7 @@ verifying reads those.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -107,9 +108,9 @@ class Drafts:
     probs: torch.Tensor | None = None
     confidences: DraftConfidences | None = None  # the draft's confidence in its chain, where measured
 
-    @property
+    @functools.cached_property
     def k(self) -> int:
-        """Drafts verified (a tree's nodes)."""
+        """Drafts verified (a tree's nodes); a step reads it several times a row."""
         return len(self.proposal.token_ids)
 
 
