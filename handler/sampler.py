@@ -55,6 +55,7 @@ import torch
 ARGMAX_BLOCK = 512  # entries a block in `argmax_vocab` on a CPU
 ARGMAX_MIN_BLOCKS = 8  # fewer blocks than this: the plain argmax
 NUMPY_ARGMAX_MAX_VALUES = 1 << 20  # up to this many float32/float64 values: numpy's argmax on a CPU
+_NUMPY_ARGMAX_DTYPES = (torch.float32, torch.float64)
 TOP_P_PREFIX = 256  # likeliest tokens read first for top-p on a CPU (`_apply_top_p`)
 SAMPLE_BLOCK = 256  # tokens a block in `sample_from_probs`
 
@@ -76,12 +77,12 @@ def argmax_vocab(values: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [...]
     NaN first) from one vectorised scan without torch's per-call cost: 4 against 28 us for 16 rows
     of 384, 21 against 80 us for one row of 151,936 (2 cores). Past that, torch's threads win.
     """
-    vocab = values.shape[-1]
-    num_blocks = vocab // ARGMAX_BLOCK
     if values.device.type != "cpu":
         return values.argmax(dim=-1)
-    if values.dtype in (torch.float32, torch.float64) and values.numel() <= NUMPY_ARGMAX_MAX_VALUES:
+    if values.dtype in _NUMPY_ARGMAX_DTYPES and values.numel() <= NUMPY_ARGMAX_MAX_VALUES:
         return torch.from_numpy(numpy.asarray(values.detach().numpy().argmax(axis=-1)))
+    vocab = values.shape[-1]
+    num_blocks = vocab // ARGMAX_BLOCK
     if num_blocks < ARGMAX_MIN_BLOCKS:
         # A small vocabulary: over several rows, `max`'s indices (the first of the largest, a NaN
         # first, as argmax's) take half argmax's time (38 against 85 us for 16 x 5 x 384); over one

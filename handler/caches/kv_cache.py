@@ -328,21 +328,40 @@ class RaggedCache:
 
     @property
     def mask(self) -> torch.Tensor:  # [batch, columns] long, CPU: 1 where a column holds a row's token
+        if self._ones:
+            with torch.inference_mode():  # a read outside a step writes into the step's tensors
+                self._write_columns(None, self._ones)
         return self._mask
 
     @mask.setter
     def mask(self, mask: torch.Tensor) -> None:
         self._mask = mask
+        self._ones = 0  # columns of ones appended but not written yet (`_append_columns`)
         self._holes = None  # unknown until asked (`has_holes`)
         self._room = None  # no columns past the mask to append into (`_append_columns`)
 
     def _append_columns(self, chunk_mask: torch.Tensor | None, width: int) -> None:
         """Appends a chunk's `width` columns to the mask: `chunk_mask`, or ones (no padding, no new holes).
 
+        Ones are only counted, and written when the mask is next read (`mask`): a chain of passes
+        without padding (the draft loop's, the verify pass) reads no mask, and writes none until a
+        rollback or a ragged pass does, in one write.
+        """
+        if chunk_mask is None:
+            self._ones += width
+            return
+        self._write_columns(chunk_mask, width)
+
+    def _write_columns(self, chunk_mask: torch.Tensor | None, width: int) -> None:
+        """`_append_columns`, written (with the ones counted before it first).
+
         In place, into room that an earlier append left past the mask, where there is some: a pass
         then writes its own columns instead of copying the whole mask (a copy per pass grows with
         the context). Views of the mask taken before stay as they were: an append writes past them.
         """
+        ones, self._ones = self._ones, 0
+        if chunk_mask is not None and ones:
+            self._write_columns(None, ones)
         columns = self._mask.shape[1]
         room = self._room
         if room is None or room.shape[1] < columns + width:
@@ -358,12 +377,12 @@ class RaggedCache:
     def has_holes(self) -> bool:
         """Whether some row has a column without a token (padding, or a dropped draft)."""
         if self._holes is None:
-            self._holes = not bool(self._mask.all())
+            self._holes = not bool(self._mask.all())  # the ones not written yet hold none
         return self._holes
 
     @property
     def num_columns(self) -> int:
-        return self.mask.shape[1]
+        return self._mask.shape[1] + self._ones
 
     def forward(
         self,
@@ -387,7 +406,8 @@ class RaggedCache:
         """
         if tree is not None:
             return self._forward_tree(input_ids, tree, logits_to_keep)
-        old_mask = self.mask
+        sliding = self.layout[0] is not None
+        old_mask = self.mask if sliding else None  # the columns before the chunk, for their positions
         width = input_ids.shape[1]
         if chunk_mask is None:
             position_ids = self.lengths[:, None]  # [batch, width]
@@ -401,7 +421,7 @@ class RaggedCache:
             position_ids = position_ids.clamp(min=0)
             self.lengths = self.lengths + chunk_mask.sum(dim=1)
         self._append_columns(chunk_mask, width)
-        if self.layout[0] is not None:
+        if sliding:
             if chunk_mask is None:
                 chunk_mask = self.mask.new_ones(input_ids.shape)
             old_positions = old_mask.cumsum(dim=1) - 1  # [batch, old columns]: each valid column's position

@@ -410,17 +410,17 @@ class ModelDrafter:
             draft_logits = self.cache.forward(self._pass_ids(input_ids), chunk_mask, logits_to_keep=1)
             logits = self._target_logits(draft_logits)  # [rows, 1, vocab]
             if greedy:
-                sampled = argmax_vocab(logits[:, 0])  # [rows]
+                sampled = argmax_vocab(logits)  # [rows, 1]
             else:
                 probs = settings.warp(logits)  # [rows, 1, vocab]
-                sampled = sample_from_probs(probs[:, 0], uniforms[:, number])  # [rows]
+                sampled = sample_from_probs(probs[:, 0], uniforms[:, number])[:, None]  # [rows, 1]
                 probs_per_pass.append(probs[:, 0])
             sampled_per_pass.append(sampled)
             if with_confidence:
-                measured_per_pass.append(confidence_tensors(logits, sampled[:, None]))  # 3 x [rows, 1]
-            input_ids = sampled[:, None]  # [rows, 1]: the next pass reads the draft where it is
+                measured_per_pass.append(confidence_tensors(logits, sampled))  # 3 x [rows, 1]
+            input_ids = sampled  # [rows, 1]: the next pass reads the draft where it is
             chunk_mask = None  # one draft a row: no padding
-        drafted = torch.stack(sampled_per_pass, dim=1)  # [rows, k]
+        drafted = torch.cat(sampled_per_pass, dim=1)  # [rows, k]
         if with_confidence:
             # The stop rule and the runners-up are the host's, before the verify pass: the proposal's one
             # wait for the device. float64 holds the ids (below 2**53) and the float32 probabilities exactly.

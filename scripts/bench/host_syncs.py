@@ -45,6 +45,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from handler import sampler
+
 logger = logging.getLogger(__name__)
 
 PROMPT = "def fibonacci(n):\n    "
@@ -142,11 +144,18 @@ class HostReads(TorchFunctionMode):
             self._warnings = self._catcher.__enter__()
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
+        else:
+            # A CPU's argmax through numpy (`handler.sampler.argmax_vocab`) reads the values into numpy,
+            # which no device tensor can do: off while counting, the argmax is the device's.
+            self._numpy_argmax = sampler.NUMPY_ARGMAX_MAX_VALUES
+            sampler.NUMPY_ARGMAX_MAX_VALUES = 0
         return super().__enter__()
 
     def __exit__(self, *exc):
         result = super().__exit__(*exc)
-        if not self.emulated:
+        if self.emulated:
+            sampler.NUMPY_ARGMAX_MAX_VALUES = self._numpy_argmax
+        else:
             torch.cuda.set_sync_debug_mode(0)
             self.syncs = sum("synchroniz" in str(warning.message) for warning in self._warnings)
             self._catcher.__exit__(*exc)
