@@ -128,7 +128,14 @@ class Verifier:
         # Each row's pending token leads its drafts in the verify chunk: one tensor of both.
         pending = None if logits is not None else [(row.token_ids or row.request.prompt_ids)[-1] for row in rows]
         chunk_ids, draft_probs = _draft_batch(
-            drafts, on_device, k, self.pad_token_id, self.vocab_size, self.device, with_probs=not greedy, pending=pending
+            drafts,
+            on_device,
+            k,
+            self.pad_token_id,
+            self.vocab_size,
+            self.device,
+            with_probs=not greedy,
+            pending=pending,
         )
         draft_token_ids = chunk_ids if pending is None else chunk_ids[:, 1:]  # [batch, k]
         draft_lists = [

@@ -104,7 +104,9 @@ def test_the_prefill_gives_the_first_token_so_plain_decoding_calls_the_target_as
     calls.clear()
     engine.add_request("one", GenerationRequest(prompt_ids, 1, GREEDY, 0))
     outputs = engine.step()
-    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs] == [("one", result.token_ids[:1], "length")]
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs] == [
+        ("one", result.token_ids[:1], "length")
+    ]
     assert len(calls) == 1 and not engine.has_unfinished_requests()
     other = GenerationRequest(encode(tokenizer, PROMPTS[0]), 12, GREEDY, 3)
     mixed = engine.generate([other, GenerationRequest(prompt_ids, 12, GREEDY, 0)])
@@ -147,6 +149,54 @@ def test_rolled_back_cache_gives_the_logits_of_a_full_recompute(tiny_pair):
         for row in range(2):
             full = torch.tensor([committed[row] + pending[row]])
             fresh_logits = target(input_ids=full).logits[0, -1]
+            torch.testing.assert_close(cached_logits[row], fresh_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_columns_of_ones_appended_unwritten_are_the_mask_s_when_it_is_read(tiny_pair):
+    """Passes without padding over rows without holes only count their columns
+    (`RaggedCache._append_columns`); whatever reads the mask next (a read outside a step, a ragged
+    pass, a rollback) sees them written, before the columns after them, and the cache still gives each
+    row the logits of a full recompute."""
+    target, _, tokenizer = tiny_pair
+    generator = torch.Generator().manual_seed(1)
+    prompt = list(encode(tokenizer, PROMPTS[1]))
+    committed = [list(prompt), list(prompt[::-1])]  # equal lengths: no holes
+    cache = RaggedCache(target, 2)
+
+    def unpadded_passes(widths):
+        counted = cache._ones
+        with torch.inference_mode():
+            for width in widths:
+                chunk = torch.randint(0, 300, (2, width), generator=generator)
+                cache.forward(chunk, None, logits_to_keep=1)
+                for row in range(2):
+                    committed[row] += chunk[row].tolist()
+        assert cache._ones == counted + sum(widths)  # counted, not written
+        return torch.ones((2, sum(widths)), dtype=torch.long)
+
+    with torch.inference_mode():
+        cache.forward(torch.tensor(committed), None, logits_to_keep=1)
+    expected = torch.ones((2, len(prompt) + 5), dtype=torch.long)
+    unpadded_passes([1, 2])
+    with torch.inference_mode():
+        assert cache.mask.all()  # a read in a step: written into room made there, an inference tensor
+    unpadded_passes([2])
+    assert cache.num_columns == expected.shape[1]
+    assert torch.equal(cache.mask, expected)  # read outside a step: written there, into that room
+    expected = torch.cat([expected, unpadded_passes([3, 1])], dim=1)
+    with torch.inference_mode():  # a ragged pass: row 1 pads
+        cache.forward(torch.tensor([[11], [tokenizer.pad_token_id]]), torch.tensor([[1], [0]]), logits_to_keep=1)
+    committed[0].append(11)
+    expected = torch.cat([expected, torch.tensor([[1], [0]])], dim=1)
+    assert torch.equal(cache.mask, expected)  # the counted ones, then the ragged column
+    with torch.inference_mode():
+        cache.rollback(torch.tensor([len(c) - 1 for c in committed]))  # each row drops its last token
+        for row in range(2):
+            committed[row].pop()
+        pending = torch.tensor([[5], [7]])
+        cached_logits = cache.forward(pending, None, logits_to_keep=1)[:, -1]
+        for row in range(2):
+            fresh_logits = target(input_ids=torch.tensor([committed[row] + [int(pending[row])]])).logits[0, -1]
             torch.testing.assert_close(cached_logits[row], fresh_logits, atol=1e-4, rtol=1e-4)
 
 
