@@ -12,7 +12,13 @@ step (medians over the repeats):
 - own ms, unsynchronised (each forward timed as its call returns) and synchronised (the device
   waited for before and after each forward: on a CPU the same, on a GPU the host's share);
 - own ms per emitted token;
-- the ratios of own time a step and a token against plain decoding's at the same batch size.
+- the ratios of own time a step and a token against plain decoding's at the same batch size;
+- the calls a step makes outside the forwards, counted in one more run of each row (untimed): torch
+  calls (torch functions and tensor methods called from Python, attribute reads such as `.shape`
+  included: `torch.overrides.TorchFunctionMode`) and Python calls (functions outside torch entered,
+  `sys.setprofile`). Counts, not timings: they hold on a busy machine, where own time moves by a
+  third, and on a CPU own time goes mostly with them (a small tensor call right after a pass takes
+  several times its warm time).
 
 The forwards are timed by wrapping the models' `forward`, which every pass calls (the runners',
 the draft's, a joining row's prefill), and on CUDA `CUDAGraph.replay`, the static runner's passes;
@@ -40,10 +46,12 @@ import contextlib
 import logging
 import pathlib
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +70,7 @@ class ForwardTimer:
         self.synchronised = False
         self.seconds = 0.0
         self.calls = 0
+        self.depth = 0  # forwards under way (`CallCounter` counts outside them)
         self._forward = model.forward
         model.forward = self._timed  # nn.Module.__call__ reads the instance's forward
         # The static runner on CUDA replays captured graphs and never calls `forward`: time the replays.
@@ -85,7 +94,11 @@ class ForwardTimer:
     def _time(self, call, *args, **kwargs):
         self._sync()
         start = time.perf_counter()
-        output = call(*args, **kwargs)
+        self.depth += 1
+        try:
+            output = call(*args, **kwargs)
+        finally:
+            self.depth -= 1
         self._sync()
         self.seconds += time.perf_counter() - start
         self.calls += 1
@@ -95,6 +108,39 @@ class ForwardTimer:
         del self.model.forward
         if self._replay is not None:
             torch.cuda.CUDAGraph.replay = self._replay
+
+
+_TORCH_DIR = str(pathlib.Path(torch.__file__).parent)
+
+
+class CallCounter(TorchFunctionMode):
+    """While active, counts the torch calls and the Python calls made outside `timer`'s forwards
+    (the module docstring says which)."""
+
+    def __init__(self, timer: ForwardTimer) -> None:
+        super().__init__()
+        self.timer = timer
+        self.torch_calls = 0
+        self.python_calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.timer.depth:
+            self.torch_calls += 1
+        return func(*args, **(kwargs or {}))
+
+    def _profile(self, frame, event, arg) -> None:
+        if event == "call" and not self.timer.depth:
+            filename = frame.f_code.co_filename
+            if not filename.startswith(_TORCH_DIR) and filename != __file__:
+                self.python_calls += 1
+
+    def __enter__(self):
+        sys.setprofile(self._profile)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+        return super().__exit__(*exc)
 
 
 def load_tiny_target(models: pathlib.Path | None, device: str):
@@ -145,8 +191,18 @@ def add_confidence_stop_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_steps(engine, timer: ForwardTimer, prompt_ids, batch_size: int, k: int, warmup: int, steps: int) -> dict:
-    """Admits `batch_size` greedy rows of k drafts, runs `warmup` steps, then times `steps` steps."""
+def run_steps(
+    engine,
+    timer: ForwardTimer,
+    prompt_ids,
+    batch_size: int,
+    k: int,
+    warmup: int,
+    steps: int,
+    counter: CallCounter | None = None,
+) -> dict:
+    """Admits `batch_size` greedy rows of k drafts, runs `warmup` steps, then times `steps` steps
+    (with `counter`, counts their calls instead: `torch_calls` and `python_calls` a step)."""
     from handler.config import SamplingParams
     from handler.engine import GenerationRequest
 
@@ -158,10 +214,12 @@ def run_steps(engine, timer: ForwardTimer, prompt_ids, batch_size: int, k: int, 
         engine.step()
     wall = forwards = 0.0
     tokens = 0
+    counting = counter if counter is not None else contextlib.nullcontext()
     for _ in range(steps):
         timer.seconds = 0.0
         start = time.perf_counter()
-        outputs = engine.step()
+        with counting:
+            outputs = engine.step()
         if timer.device.type == "cuda":
             torch.cuda.synchronize(timer.device)  # the step's queued work ends inside its wall time
         wall += time.perf_counter() - start
@@ -172,7 +230,10 @@ def run_steps(engine, timer: ForwardTimer, prompt_ids, batch_size: int, k: int, 
     for row in range(batch_size):
         engine.abort_request(row)
     engine.step()  # frees the aborted rows
-    return {"step_ms": wall / steps * 1e3, "forward_ms": forwards / steps * 1e3, "tokens_per_step": tokens / steps}
+    sample = {"step_ms": wall / steps * 1e3, "forward_ms": forwards / steps * 1e3, "tokens_per_step": tokens / steps}
+    if counter is not None:
+        sample.update(torch_calls=counter.torch_calls / steps, python_calls=counter.python_calls / steps)
+    return sample
 
 
 def load_shaped_target(shape: str, device: str):
@@ -235,6 +296,13 @@ def measure(args, target, tokenizer) -> list[dict]:
                             args.steps,
                         )
                         samples.setdefault((batch_size, mode, synchronised), []).append(sample)
+        for batch_size in args.batch_sizes:
+            for mode in MODES:
+                engine_of_mode = priced_out[batch_size] if mode == PRICED_OUT else engine
+                counter = CallCounter(timer)
+                samples[batch_size, mode, "counted"] = run_steps(
+                    engine_of_mode, timer, prompt_ids, batch_size, REQUESTED_K[mode], args.warmup, args.steps, counter
+                )
     finally:
         timer.remove()
     rows = []
@@ -251,6 +319,8 @@ def measure(args, target, tokenizer) -> list[dict]:
                 row[f"own_ms_{tag}"] = own_ms
                 row[f"own_ms_per_token_{tag}"] = own_ms / tokens  # tokens: every row's, a step
                 row["tokens_per_row_step"] = tokens / batch_size
+            counted = samples[batch_size, mode, "counted"]
+            row["torch_calls"], row["python_calls"] = counted["torch_calls"], counted["python_calls"]
             rows.append(row)
     for row in rows:
         plain = next(other for other in rows if other["batch"] == row["batch"] and other["k"] == PLAIN)
@@ -262,14 +332,15 @@ def measure(args, target, tokenizer) -> list[dict]:
 def table(rows: list[dict]) -> str:
     header = (
         "| batch | k | ms a step | forwards, ms | own ms (unsync) | own ms (sync) | tokens a row-step "
-        "| own ms a token | own vs plain, a step | own vs plain, a token |"
+        "| own ms a token | own vs plain, a step | own vs plain, a token | torch calls | Python calls |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for row in rows:
         lines.append(
             f"| {row['batch']} | {row['k']} | {row['step_ms_unsync']:.2f} | {row['forward_ms_unsync']:.2f} "
             f"| {row['own_ms_unsync']:.2f} | {row['own_ms_sync']:.2f} | {row['tokens_per_row_step']:.2f} "
-            f"| {row['own_ms_per_token_unsync']:.3f} | {row['own_ratio']:.2f}x | {row['own_per_token_ratio']:.2f}x |"
+            f"| {row['own_ms_per_token_unsync']:.3f} | {row['own_ratio']:.2f}x | {row['own_per_token_ratio']:.2f}x "
+            f"| {row['torch_calls']:.1f} | {row['python_calls']:.0f} |"
         )
     return "\n".join(lines)
 

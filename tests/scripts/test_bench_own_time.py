@@ -25,3 +25,11 @@ def test_the_table_and_the_ratio_against_plain_come_out(tiny_models_dir, capsys)
     tokens = {(row[0], row[1]): float(row[6]) for row in rows}
     assert [tokens[batch, mode] for batch in ("1", "2") for mode in ("0", "4")] == [1.0, 5.0, 1.0, 5.0]  # all taken
     assert all(tokens[batch, "0, planned"] >= 1.0 for batch in ("1", "2"))  # a warm-up may explore still
+    # The calls outside the forwards, counted: drafting's k passes make more than plain's one, and a
+    # second row adds Python calls (per-row bookkeeping) but no torch calls (the tensors are the batch's).
+    assert lines[header].endswith("| torch calls | Python calls |")
+    calls = {(row[0], row[1]): (float(row[10]), float(row[11])) for row in rows}
+    for batch in ("1", "2"):
+        assert 0 < calls[batch, "0"][0] < calls[batch, "4"][0]
+        assert 0 < calls[batch, "0"][1] < calls[batch, "4"][1]
+    assert calls["2", "4"][0] == calls["1", "4"][0] and calls["2", "4"][1] > calls["1", "4"][1]
