@@ -168,7 +168,7 @@ class ModelDrafter:
     @property
     def max_pending(self) -> int:
         """The most tokens a row feeds the next proposal's first pass (1 but after steps without drafts)."""
-        return max((len(tokens) for tokens in self.pending.values()), default=1) or 1
+        return max([len(tokens) for tokens in self.pending.values()], default=1) or 1
 
     def remove(
         self, request_ids: Sequence[Hashable], sequences: Mapping[Hashable, Sequence[int]] | None = None

@@ -164,7 +164,11 @@ class Proposer:
             per row in batch order, what it verifies; and where the draft model's time went.
         """
         times = DraftTimes()
-        drafts = [NO_DRAFTS_TO_VERIFY if row_plan.uses_model else Drafts(row_plan.proposal) for row_plan in plan.rows]
+        # A row without drafts (a plain plan's) verifies the one shared NO_DRAFTS_TO_VERIFY.
+        drafts = [
+            NO_DRAFTS_TO_VERIFY if row_plan.uses_model or row_plan.proposal is NO_DRAFTS else Drafts(row_plan.proposal)
+            for row_plan in plan.rows
+        ]
         model_slots = [slot for slot, row_plan in enumerate(plan.rows) if row_plan.uses_model and row_plan.k > 0]
         if not model_slots:
             return drafts, times
