@@ -330,7 +330,7 @@ class RaggedCache:
     def mask(self) -> torch.Tensor:  # [batch, columns] long, CPU: 1 where a column holds a row's token
         if self._ones:
             with torch.inference_mode():  # a read outside a step writes into the step's tensors
-                self._write_columns(None, self._ones)
+                self._write_ones()
         return self._mask
 
     @mask.setter
@@ -350,18 +350,22 @@ class RaggedCache:
         if chunk_mask is None:
             self._ones += width
             return
+        self._write_ones()  # the columns counted before this chunk's come first
         self._write_columns(chunk_mask, width)
 
+    def _write_ones(self) -> None:
+        """Writes the columns of ones counted since the last write."""
+        width, self._ones = self._ones, 0
+        if width:
+            self._write_columns(None, width)
+
     def _write_columns(self, chunk_mask: torch.Tensor | None, width: int) -> None:
-        """`_append_columns`, written (with the ones counted before it first).
+        """Appends `width` columns to the mask as it is written: `chunk_mask`, or ones.
 
         In place, into room that an earlier append left past the mask, where there is some: a pass
         then writes its own columns instead of copying the whole mask (a copy per pass grows with
         the context). Views of the mask taken before stay as they were: an append writes past them.
         """
-        ones, self._ones = self._ones, 0
-        if chunk_mask is not None and ones:
-            self._write_columns(None, ones)
         columns = self._mask.shape[1]
         room = self._room
         if room is None or room.shape[1] < columns + width:

@@ -127,7 +127,7 @@ class Verifier:
         on_device = _DeviceRows.of(drafts)
         # Each row's pending token leads its drafts in the verify chunk: one tensor of both.
         pending = None if logits is not None else [(row.token_ids or row.request.prompt_ids)[-1] for row in rows]
-        chunk_ids, draft_probs = _draft_batch(
+        chunk_ids, draft_token_ids, draft_probs = _draft_batch(
             drafts,
             on_device,
             k,
@@ -137,7 +137,6 @@ class Verifier:
             with_probs=not greedy,
             pending=pending,
         )
-        draft_token_ids = chunk_ids if pending is None else chunk_ids[:, 1:]  # [batch, k]
         draft_lists = [
             [] if slot in on_device.chains else list(row.proposal.token_ids) for slot, row in enumerate(drafts)
         ]
@@ -276,10 +275,11 @@ def _draft_batch(
     *,
     with_probs: bool = True,
     pending: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rows' drafts [batch, k] (on the device, padded), each led by the row's `pending` token where
-    that is given ([batch, 1 + k], the verify chunk: one copy, not two and a concatenation), and their
-    draft distributions [batch, k, vocab] (None without `with_probs`). Host drafts are copied over;
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The rows' drafts (on the device, padded), each led by the row's `pending` token where that is
+    given (the verify chunk [batch, 1 + k]: one copy, not two and a concatenation), else [batch, k];
+    the drafts alone, a view of it [batch, k]; and their draft distributions [batch, k, vocab] (None
+    without `with_probs`). Host drafts are copied over;
     those a draft loop left on the device (`on_device`) are written in there, without a read: one copy
     per loop and width, not per row."""
     batch_size = len(drafts)
@@ -301,7 +301,7 @@ def _draft_batch(
         index = host_to_device(torch.tensor(loop_rows), holder.tensor.device)
         draft_token_ids[host_to_device(torch.tensor(slots), device), :num] = holder.tensor[index, :num]
     if not with_probs:
-        return chunk_ids, None
+        return chunk_ids, draft_token_ids, None
     draft_probs = torch.zeros((batch_size, k, vocab_size), device=device)  # [batch, k, vocab]
     for slot, row_drafts in enumerate(drafts):
         if not row_drafts.k:
@@ -313,7 +313,7 @@ def _draft_batch(
         else:
             # A look-up is deterministic: its draft distribution is one-hot.
             draft_probs[slot, torch.arange(len(token_ids), device=device), token_ids] = 1.0
-    return chunk_ids, draft_probs
+    return chunk_ids, draft_token_ids, draft_probs
 
 
 def _tree_uniforms(row: Row, k: int) -> list[float]:

@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from handler import sampler
+from scripts.bench.own_time import TORCH_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,6 @@ DRAFTING_K = 4
 READS = frozenset(("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"))
 MODES = ("greedy", "sampled", "seeded")
 _ON_DEVICE = "_host_syncs_on_device"  # the attribute that marks a device tensor in a CPU run
-_TORCH_DIR = str(pathlib.Path(torch.__file__).parent)
 
 
 class HostReads(TorchFunctionMode):
@@ -174,7 +174,7 @@ def _caller() -> str:
     """The first line outside torch on the stack: where a read was asked for."""
     frame = sys._getframe(2)
     while frame is not None and (
-        frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == __file__
+        frame.f_code.co_filename.startswith(TORCH_DIR) or frame.f_code.co_filename == __file__
     ):
         frame = frame.f_back
     if frame is None:

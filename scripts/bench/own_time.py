@@ -110,7 +110,7 @@ class ForwardTimer:
             torch.cuda.CUDAGraph.replay = self._replay
 
 
-_TORCH_DIR = str(pathlib.Path(torch.__file__).parent)
+TORCH_DIR = str(pathlib.Path(torch.__file__).parent)  # frames from here are torch's own (also `host_syncs`)
 
 
 class CallCounter(TorchFunctionMode):
@@ -131,7 +131,7 @@ class CallCounter(TorchFunctionMode):
     def _profile(self, frame, event, arg) -> None:
         if event == "call" and not self.timer.depth:
             filename = frame.f_code.co_filename
-            if not filename.startswith(_TORCH_DIR) and filename != __file__:
+            if not filename.startswith(TORCH_DIR) and filename != __file__:
                 self.python_calls += 1
 
     def __enter__(self):
