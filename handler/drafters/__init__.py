@@ -180,10 +180,11 @@ class DraftRow:
     slot: int = 0  # its row in the step's `SamplingBatch`
     tree: bool = False  # a look-up may answer with a tree
     # The draft model's: its rules on the draft's logits, f(logits [vocab], previous draft or None) -> logits,
-    # called once per draft in order (a grammar mask, penalties); whether a look-up guesses its next
-    # drafts (guessed drafting); whether to measure its drafts' confidences and runners-up.
+    # called once per draft in order (a grammar mask, penalties); how many of its next drafts a look-up
+    # may guess into each pass (guessed drafting; 0: none); whether to measure its drafts' confidences
+    # and runners-up.
     shape: Callable | None = None
-    guess: bool = False
+    guesses: int = 0
     measure_confidence: bool = False
     # The grammar's: n -> the tokens its grammar forces next, up to n.
     forced: Callable[[int], list[int]] | None = None

@@ -233,9 +233,10 @@ class ModelDrafter:
             rows: the rows whose drafts will be verified, each with its most drafts (>= 1), its slot in
                 `sampling` (whose `uniforms` hold its draws), its rules on the draft's logits (`shape`,
                 called once per draft, in order, so that it can follow the drafts; a shaped row takes no
-                guesses), whether it guesses and whether its confidences are measured (a softmax over
-                the vocabulary per draft; without, no `keep_drafting`). Other rows of the cache draft
-                greedily and their drafts are only fed to keep the batch rectangular.
+                guesses), how many guessed drafts a pass may carry for it (0: it does not guess) and
+                whether its confidences are measured (a softmax over the vocabulary per draft; without,
+                no `keep_drafting`). Other rows of the cache draft greedily and their drafts are only
+                fed to keep the batch rectangular.
             sampling: the step's settings, rows in the step's order.
             keep_drafting: f(drafts so far, request id -> confidence of its latest draft, for the
                 asking rows) -> whether to draft one more; None: draft k. With `stop_by_mask` the k
@@ -260,13 +261,14 @@ class ModelDrafter:
             2 * k + 1,
         )
         shaped = {slot: wanted[self.order[slot]].shape for slot in asking if wanted[self.order[slot]].shape}
-        guess_of = {}
+        guess_of, max_guesses = {}, {}
         if self.guesser is not None:
             guess_of = {
                 slot: functools.partial(self.guesser.continuation, self.order[slot])
                 for slot in asking
-                if wanted[self.order[slot]].guess and slot not in shaped
+                if wanted[self.order[slot]].guesses and slot not in shaped
             }
+            max_guesses = {slot: wanted[self.order[slot]].guesses for slot in guess_of}
         texts = self._texts(asking, settings, shaped)
         if not (guess_of or texts or shaped) and (self.stops_by_mask if with_confidence else self._feeds_drafts):
             return self._propose_chains(rows, settings, k, asking, with_confidence, keep_drafting)
@@ -285,7 +287,7 @@ class ModelDrafter:
         while True:
             tried = [[] for _ in range(num_rows)]
             for slot, guess in guess_of.items():
-                room = k - len(drafts[slot]) - 1
+                room = min(k - len(drafts[slot]) - 1, max_guesses[slot])
                 if room > 0:
                     tried[slot] = list(guess(drafts[slot], room))[:room]
             num_kept = 1 + max(len(tokens) for tokens in tried)

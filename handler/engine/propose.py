@@ -98,6 +98,7 @@ class Proposer:
         (`handler.planning.planner.Planner.plan`). A row whose logits no rule shapes may take a
         tree of look-up candidates (`handler.tree`).
         """
+        self.planner.reprice_guesses()
         caps = [row.lookup_cap(self.prompt_lookup_num_tokens) for row in rows]
         forced = [NO_DRAFTS] * len(rows)
         if self.grammar_drafts:
@@ -136,7 +137,7 @@ class Proposer:
                 if row.drafter == name or lookup.token_ids:
                     lookup, curve = self.estimates.estimate(row, name, lookup)
                     candidates.append(Candidate(drafter=name, lookup=lookup, max_k=len(lookup.token_ids), curve=curve))
-            guesses = self.planner.guesses_for(row)
+            guesses = self.planner.guesses_for(row, len(rows))
             options.append(RowOptions(candidates=tuple(candidates), model_curve=model_curve, guesses=guesses))
         return options
 
@@ -193,7 +194,7 @@ class Proposer:
                 plan.rows[slot].k,
                 slot,
                 shape=rows[slot].shape_draft_logits if rows[slot].shapes_logits else None,
-                guess=self.planner.guesses_for(rows[slot]) is not None,
+                guesses=self._guesses(rows[slot], len(rows)),
                 measure_confidence=measure_confidence,
             )
             for slot in model_slots
@@ -207,7 +208,7 @@ class Proposer:
         chains = {}
         for slot, proposal in zip(model_slots, proposals):
             row = rows[slot]
-            if self.planner.guesses_for(row) is not None:
+            if self.planner.guesses_for(row, len(rows)) is not None:
                 passes_needed = drafter.passes_needed(row.request_id, len(proposal.token_ids))
                 row.guess_rate.update(len(proposal.token_ids), passes_needed)
             row.end_drafting()
@@ -226,6 +227,12 @@ class Proposer:
             confidences = dataclasses.replace(chain.confidences, runner_up_shares=shares)
             drafts[slot] = Drafts(Proposal(token_ids, parents=parents), probs=chain.probs, confidences=confidences)
         return drafts, times
+
+    def _guesses(self, row: Row, batch_size: int) -> int:
+        """How many guessed drafts the row's draft passes carry this step (0: it does not guess)."""
+        if self.planner.guesses_for(row, batch_size) is None:
+            return 0
+        return self.planner.guess_width(row, batch_size)
 
     def _takes_runners_up(self, row: Row) -> bool:
         """Whether a greedy model row's chain may take the draft's runners-up as siblings (`handler.tree`).

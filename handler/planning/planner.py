@@ -41,6 +41,17 @@ from handler.planning.trackers import (
 )
 from handler.types import DrafterName
 
+# Guessed drafting (`handler.drafters.model`, `GuessRate`): a draft pass carries a row's next g guessed
+# drafts where the pass over 1 + g tokens costs no more than the passes they are expected to save. The
+# j-th guess of a pass saves a pass where it and those before it are right: with the row's guess rate as
+# each guess's chance (GUESS_PRIOR_HIT before it has guessed), g guesses save hit + hit^2 + .. + hit^g
+# passes, against the wider pass's premium over one token, as the cost table prices the batch's rows.
+# On 2 cores a pass over 3 tokens cost 1.07x one over 1 token at one row but 2.1x at 16 rows (the
+# target's table), where guessed draft steps at k = 8 ran 2.5 to 3.7x the one-token price they were
+# planned at. Without a cost table every guess rides (up to the row's k).
+GUESS_PRIOR_HIT = 0.5
+MAX_GUESSES = 31  # more than any row's k - 1 (`handler.config.MAX_K`)
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -166,10 +177,48 @@ class Planner:
         # Steps after plans that priced drafting well below plain decoding skip planning; with a cost
         # table only (without one every row drafts its cap, and a look-up's next match is taken).
         self.plain_streak = PlainStreak() if cost_table is not None else None
+        # This step's `guess_width` by (request id, batch size), and the premiums of wider draft passes
+        # over one token's by batch size (`reprice_guesses`: the running table moves).
+        self._guess_widths: dict[tuple, int] = {}
+        self._guess_premiums: dict[int, list[float]] = {}
 
-    def guesses_for(self, row: PlannedRow) -> GuessRate | None:
-        """The row's guess rate where its model drafts are guessed (a hybrid row), else None."""
-        return row.guess_rate if self.draft_guesses and row.drafter == HYBRID else None
+    def reprice_guesses(self) -> None:
+        """Starts a step: its `guess_width`s are priced once, with the table and the rates as they
+        stand, and hold for the options, the plan and the drafts alike."""
+        self._guess_widths.clear()
+        self._guess_premiums.clear()
+
+    def guesses_for(self, row: PlannedRow, batch_size: int) -> GuessRate | None:
+        """The row's guess rate where its model drafts are guessed this step (a hybrid row whose draft
+        passes over `batch_size` rows carry guesses: `guess_width`), else None."""
+        if not (self.draft_guesses and row.drafter == HYBRID) or not self.guess_width(row, batch_size):
+            return None
+        return row.guess_rate
+
+    def guess_width(self, row: PlannedRow, batch_size: int) -> int:
+        """The most guessed drafts a draft pass over `batch_size` rows carries for `row` beside its feed:
+        as many as save more passes than their columns cost (GUESS_PRIOR_HIT), at most its k - 1;
+        that many without a cost table."""
+        limit = min(MAX_GUESSES, max(0, row.request.num_speculative_tokens - 1))
+        if self.cost_table is None:
+            return limit
+        key = (row.request_id, batch_size)
+        width = self._guess_widths.get(key)
+        if width is not None:
+            return width
+        premiums = self._guess_premiums.setdefault(batch_size, [])  # [g]: a pass with g + 1 guesses
+        hit = row.guess_rate.rate if row.guess_rate.has_guessed else GUESS_PRIOR_HIT
+        width, saved = 0, 0.0
+        while width < limit:
+            if len(premiums) <= width:
+                one_token = self.draft_pass_seconds(batch_size, 1)
+                premiums.append(self.draft_pass_seconds(batch_size, width + 2) / one_token - 1.0)
+            saved += hit ** (width + 1)
+            if premiums[width] > saved:
+                break
+            width += 1
+        self._guess_widths[key] = width
+        return width
 
     def pass_seconds(
         self, batch_size: int, width: int, num_draft_passes: float, trees: bool = False, joining: int = 0
@@ -242,15 +291,20 @@ class Planner:
 
         A prefill pays only while its row drafts. Where drafting with the model at this batch size has run
         below its price (`OutcomeCheck.ratio` of its kind < 1), the check may turn it off again within the
-        steps its verdict takes (OUTCOME_MIN_STEPS): a prefill must pay within them. (Look-up steps that ran
+        steps its verdict takes (OUTCOME_MIN_STEPS): a prefill must pay within them. So too where it has no
+        verdict yet: the steps that form one may end with it below its price. (Look-up steps that ran
         below theirs say nothing of the model's: under load at 4 rows their verdict, 0.74 to 0.81, kept
         the model from every row it had not prefilled.) Under load on a CPU, steps that
         prefilled 8 rows for a plan barely clearing the check ran 2.6 to 3.7 s, and drafting stopped
-        at the next step: 9 % of a C = 8 run lost to plain decoding.
+        at the next step: 9 % of a C = 8 run lost to plain decoding; at 16 rows, a second wave of
+        requests that the model had not drafted for at that size was prefilled in the draft (2.3 s) for
+        the 8 steps the verdict took, which found it below its price: 0.88x plain in that repeat.
         """
         check = self.outcome_check
-        ratio = None if check is None else check.ratio(batch_bucket(batch_size), WITH_MODEL)
-        return OUTCOME_MIN_STEPS if ratio is not None and ratio < 1.0 else math.inf
+        if check is None:
+            return math.inf  # nothing may stop it
+        ratio = check.ratio(batch_bucket(batch_size), WITH_MODEL)
+        return math.inf if ratio is not None and ratio >= 1.0 else OUTCOME_MIN_STEPS
 
     def plan(self, rows: list[PlannedRow], options: list[RowOptions], num_steps: int) -> StepPlan:
         """Each row's drafter, k and tree this step, priced for the whole batch: the one place they are decided.
@@ -303,7 +357,7 @@ class Planner:
         drafter = self.model_drafter
         if drafter is None or not getattr(drafter, "stops_by_mask", False):
             return False
-        return not any(self.guesses_for(row) is not None for row, model in zip(rows, uses_model) if model)
+        return not any(self.guesses_for(row, len(rows)) is not None for row, model in zip(rows, uses_model) if model)
 
     def _batch_plan(self, rows: list[PlannedRow], choices: list[_Choice], num_steps: int) -> BatchPlan:
         """Without a cost table every row drafts its cap: with its look-up where it found one, else the
@@ -405,7 +459,7 @@ class Planner:
         other_width = max((plans[slot].k for slot in others), default=0)
 
         # The batch drafts until its slowest row has its drafts: the row whose drafts are guessed least.
-        rates = [self.guesses_for(rows[slot]) or GuessRate() for slot in model_slots]
+        rates = [self.guesses_for(rows[slot], batch_size) or GuessRate() for slot in model_slots]
         slowest = min(rates, key=lambda rate: rate.rate)
 
         max_drafts = max(plans[slot].k for slot in model_slots)

@@ -445,6 +445,11 @@ class GuessRate:
     def rate(self) -> float:
         return self.free / self.chances
 
+    @property
+    def has_guessed(self) -> bool:
+        """Whether a step of several drafts updated it: the rate is then the row's, not the prior."""
+        return self.chances > 1.0
+
     def update(self, num_drafts: int, num_passes: int) -> None:
         """Takes one step's drafts and the draft passes they needed."""
         if num_drafts <= 1:

@@ -56,9 +56,16 @@ def sampling_batch(sampling: dict, device) -> SamplingBatch:
     return SamplingBatch.from_params(params, device).with_uniforms(uniforms)
 
 
-def propose(drafter: ModelDrafter, sampling: dict, guesses: dict | None = None, shapers: dict | None = None) -> dict:
+def propose(
+    drafter: ModelDrafter,
+    sampling: dict,
+    guesses: dict | None = None,
+    shapers: dict | None = None,
+    max_guesses: int | None = None,
+) -> dict:
     """The drafter's proposals for the rows of `sampling` (request id -> `settings`), by request id;
-    `guesses`, `shapers`: per row, its guesses of its next drafts and its rules on the draft's logits."""
+    `guesses`, `shapers`: per row, its guesses of its next drafts and its rules on the draft's logits;
+    `max_guesses`: the most guesses a pass carries (None: as many as the row's drafts)."""
     ids = list(sampling)
     batch = sampling_batch(sampling, drafter.device)
     drafter.guesser = Guesses(guesses) if guesses else None
@@ -68,7 +75,7 @@ def propose(drafter: ModelDrafter, sampling: dict, guesses: dict | None = None, 
             len(sampling[rid][3]),
             slot,
             shape=(shapers or {}).get(rid),
-            guess=bool(guesses) and rid in guesses,
+            guesses=(max_guesses or len(sampling[rid][3])) if guesses and rid in guesses else 0,
             measure_confidence=True,
         )
         for slot, rid in enumerate(ids)
@@ -76,11 +83,11 @@ def propose(drafter: ModelDrafter, sampling: dict, guesses: dict | None = None, 
     return dict(zip(ids, drafter.propose(rows, batch)))
 
 
-def two_steps(drafter: ModelDrafter, sampling: dict, guesses=None, commit=2) -> list[dict]:
+def two_steps(drafter: ModelDrafter, sampling: dict, guesses=None, commit=2, max_guesses=None) -> list[dict]:
     """Two proposals, the first `commit` drafts of each row committed between them (and one more token)."""
     proposals = []
     for _ in range(2):
-        proposal = propose(drafter, sampling, guesses=guesses(proposals) if guesses else None)
+        proposal = propose(drafter, sampling, guesses=guesses(proposals) if guesses else None, max_guesses=max_guesses)
         proposals.append((proposal, drafter.last_num_passes))
         drafter.observe({rid: [*p.token_ids[:commit], 7] for rid, p in proposal.items()})
     return proposals
@@ -109,6 +116,29 @@ def test_right_guesses_take_one_pass_and_change_no_draft(tiny_pair, temperature)
 
     guessed = two_steps(drafter_for(tiny_pair, prompts), sampling, oracle)
     assert [passes for _, passes in guessed] == [1, 1]
+    for (expected, _), (actual, _) in zip(plain, guessed):
+        assert_same_drafts(expected, actual)
+
+
+def test_a_pass_carries_at_most_the_guesses_its_row_may_take(tiny_pair, monkeypatch):
+    """Where a wider draft pass costs more (`Planner.guess_width`), a pass carries fewer guesses: right
+    guesses then take more passes, each no wider than its feed and those guesses, and the drafts stay."""
+    tokenizer = tiny_pair[2]
+    prompts = {"a": encode(tokenizer, PROMPTS[0])}
+    sampling = {"a": settings(0.0, 1)}
+    plain = two_steps(drafter_for(tiny_pair, prompts), sampling)
+
+    def oracle(done):
+        drafts = plain[len(done)][0]["a"].token_ids
+        return {"a": lambda so_far, most: drafts[len(so_far) : len(so_far) + most]}
+
+    widths = []
+    forward = ModelDrafter._pass_ids
+    monkeypatch.setattr(ModelDrafter, "_pass_ids", lambda self, ids: widths.append(ids.shape[1]) or forward(self, ids))
+    drafter = drafter_for(tiny_pair, prompts)
+    guessed = two_steps(drafter, sampling, oracle, max_guesses=2)
+    assert [passes for _, passes in guessed] == [K // 3, K // 3], "3 drafts a pass: its feed's and 2 guesses'"
+    assert widths == [1 + 2] * 4, "each pass: the one token it feeds and 2 guesses"
     for (expected, _), (actual, _) in zip(plain, guessed):
         assert_same_drafts(expected, actual)
 

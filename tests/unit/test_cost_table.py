@@ -268,9 +268,9 @@ def test_a_wide_draft_pass_costs_its_tokens_at_the_seconds_the_prefills_took():
 
 def test_where_drafting_ran_below_its_price_a_prefill_must_pay_within_the_checks_steps():
     """A prefill serves its row only while it drafts; where the outcome check found drafting with the
-    model below its price at this batch size, it may stop it within OUTCOME_MIN_STEPS, so the prefill is
-    spread over those at most. Elsewhere (no verdict of the model's steps, or them at or above their
-    price, whatever the look-ups' verdict) over the row's steps."""
+    model below its price at this batch size, or has no verdict of it there yet, it may stop it within
+    OUTCOME_MIN_STEPS, so the prefill is spread over those at most. Where the model's steps ran at or
+    above their price (whatever the look-ups' verdict), or no check runs, over the row's steps."""
     from handler.planning.planner import Planner
     from handler.planning.trackers import LOOKUPS_ONLY, OUTCOME_MIN_STEPS, WITH_MODEL, OutcomeCheck
 
@@ -283,13 +283,18 @@ def test_where_drafting_ran_below_its_price_a_prefill_must_pay_within_the_checks
         request_id, remaining = "r", 300
 
     curve = [1.0, 2.0, 3.0]  # 100 steps left
-    assert planner._fill_steps(8) == float("inf"), "no verdict yet"
-    assert planner._fill_share(Row(), curve, planner._fill_steps(8)) == pytest.approx(1.2 / 100)
+    assert planner._fill_steps(8) == OUTCOME_MIN_STEPS, "no verdict yet: the steps that form one"
+    unchecked = Planner(running, estimates=None, model_drafter=_Drafter(unfilled=300))
+    assert unchecked._fill_steps(8) == float("inf"), "no check: nothing stops the drafting"
+    assert planner._fill_share(Row(), curve, unchecked._fill_steps(8)) == pytest.approx(1.2 / 100)
     for _ in range(OUTCOME_MIN_STEPS):
         check.observe(8, True, 1.0, 0.55, LOOKUPS_ONLY)
         check.observe(8, False, 1.0, 1.0)
     assert check.ratio(8) == pytest.approx(0.55)
-    assert planner._fill_steps(8) == float("inf"), "look-ups below their price say nothing of the model's"
+    assert check.ratio(8, WITH_MODEL) is None
+    assert planner._fill_steps(8) == OUTCOME_MIN_STEPS, (
+        "look-ups below their price: the model's verdict is still to come"
+    )
     for _ in range(OUTCOME_MIN_STEPS):
         check.observe(8, True, 1.0, 0.55, WITH_MODEL)
         check.observe(8, False, 1.0, 1.0)
@@ -297,7 +302,7 @@ def test_where_drafting_ran_below_its_price_a_prefill_must_pay_within_the_checks
     assert planner._fill_steps(8) == OUTCOME_MIN_STEPS
     assert planner._fill_steps(7) == OUTCOME_MIN_STEPS, "7 rows share 8's verdict"
     assert planner._fill_share(Row(), curve, planner._fill_steps(8)) == pytest.approx(1.2 / OUTCOME_MIN_STEPS)
-    assert planner._fill_steps(1) == float("inf"), "another batch size has its own verdict"
+    assert planner._fill_steps(1) == OUTCOME_MIN_STEPS, "another batch size has its own verdict, none yet"
     for _ in range(OUTCOME_MIN_STEPS):
         check.observe(1, True, 1.0, 1.1, WITH_MODEL)
         check.observe(1, False, 1.0, 1.0)
@@ -312,3 +317,57 @@ def test_a_step_that_prefills_rows_in_the_draft_prices_its_passes_over_them_too(
     planner = Planner(RunningCostTable(FLAT), estimates=None, model_drafter=_Drafter(num_rows=0))
     assert planner.pass_seconds(8, 0, 2) == pytest.approx(0.26 + 2 * 0.04), "the draft's one row"
     assert planner.pass_seconds(8, 0, 2, joining=8) == pytest.approx(0.26 + 2 * 0.08)
+
+
+def test_guessed_drafts_ride_a_draft_pass_only_as_far_as_they_save_more_than_they_cost():
+    """Guessed drafting runs one draft pass over a row's guessed next drafts; the j-th guess saves a pass
+    only where it and those before it are right, while its column costs every step. On 2 cores a pass
+    over 3 tokens cost 1.07x one over 1 token at one row, 2.1x at 16 rows: there a pass carries none."""
+    from handler.drafters import HYBRID, MODEL
+    from handler.planning.planner import GUESS_PRIOR_HIT, Planner
+    from handler.planning.trackers import GuessRate
+
+    table = CostTable(
+        widths=(1, 2, 4, 8),
+        batch_sizes=(1, 16),
+        target=((0.10, 0.10, 0.11, 0.15), (0.60, 1.00, 1.30, 3.0)),
+        draft=(0.04, 0.10),
+    )
+
+    class Request:
+        num_speculative_tokens = 8
+
+    class Row:
+        request_id, request, drafter, guess_rate = "r", Request, HYBRID, GuessRate()
+
+    planner = Planner(table, estimates=None, model_drafter=_Drafter(), draft_guesses=True)
+    assert GUESS_PRIOR_HIT == 0.5 and not Row.guess_rate.has_guessed
+    # One row: 7 guesses (k - 1) cost 0.5 of a pass, and save 1/2 + 1/4 + .. + 1/128 of one.
+    assert planner.guess_width(Row, 1) == 7
+    assert planner.guesses_for(Row, 1) is Row.guess_rate
+    # 16 rows: one guess costs 0.67 of a pass and saves half of one.
+    assert planner.guess_width(Row, 16) == 0
+    assert planner.guesses_for(Row, 16) is None, "priced as one pass a draft, and drafted so"
+
+    confident = GuessRate()
+    confident.update(8, 2)  # 6 of 7 drafts after the first came free, over a prior of 1 not free
+    assert confident.has_guessed and confident.rate == pytest.approx(6 / 7.9)
+    Row.request_id, Row.guess_rate = "confident", confident
+    # 4 guesses cost 1.88 passes and save 2.11; a fifth would cost 2.58 and save 2.36.
+    assert planner.guess_width(Row, 16) == 4
+    Row.drafter = MODEL
+    assert planner.guesses_for(Row, 1) is None, "only a hybrid row guesses"
+    Row.drafter = HYBRID
+    assert Planner(table, estimates=None, model_drafter=_Drafter()).guesses_for(Row, 1) is None, "guesses off"
+    assert Planner(None, estimates=None, draft_guesses=True).guess_width(Row, 16) == 7, "no table: up to k - 1"
+
+    # The running table moves: each step prices the widths afresh (`reprice_guesses`), once.
+    Row.request_id, Row.guess_rate = "new", GuessRate()
+    running = RunningCostTable(table)
+    planner = Planner(running, estimates=None, model_drafter=_Drafter(), draft_guesses=True)
+    assert planner.guess_width(Row, 1) == 7
+    running.observe_fill(100, 100 * 0.024)  # the draft's prefills: 24 ms a token, a wide pass its tokens
+    assert planner.guess_width(Row, 1) == 7, "within a step the width holds"
+    planner.reprice_guesses()
+    assert planner.draft_pass_seconds(1, 2) == pytest.approx(0.048)
+    assert planner.guess_width(Row, 1) == 1, "2 tokens at 48 ms, 3 at 72 ms against 40 ms for 1"
