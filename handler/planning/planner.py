@@ -208,10 +208,10 @@ class Planner:
             return width
         premiums = self._guess_premiums.setdefault(batch_size, [])  # [g]: a pass with g + 1 guesses
         hit = row.guess_rate.rate if row.guess_rate.has_guessed else GUESS_PRIOR_HIT
+        one_token = self.draft_pass_seconds(batch_size, 1) if len(premiums) < limit else 0.0
         width, saved = 0, 0.0
         while width < limit:
             if len(premiums) <= width:
-                one_token = self.draft_pass_seconds(batch_size, 1)
                 premiums.append(self.draft_pass_seconds(batch_size, width + 2) / one_token - 1.0)
             saved += hit ** (width + 1)
             if premiums[width] > saved:
