@@ -158,11 +158,12 @@ class SamplingBatch:
 
     @functools.cached_property
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Through pinned memory: a copy from pageable memory waits for the passes queued before it.
         return (
-            torch.tensor([p.temperature for p in self.params], device=self.device),
-            torch.tensor([p.top_k for p in self.params], device=self.device),
-            torch.tensor([p.top_p for p in self.params], device=self.device),
-            torch.tensor([p.min_p for p in self.params], device=self.device),
+            host_to_device(torch.tensor([p.temperature for p in self.params]), self.device),
+            host_to_device(torch.tensor([p.top_k for p in self.params]), self.device),
+            host_to_device(torch.tensor([p.top_p for p in self.params]), self.device),
+            host_to_device(torch.tensor([p.min_p for p in self.params]), self.device),
         )
 
     @property
@@ -342,9 +343,31 @@ def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device`: on a GPU through pinned memory, without the host waiting for the copy
     (a copy from pageable memory waits for it). The pinned copy stays alive until the copy is done:
     the caching host allocator keeps a pinned block until the stream's work that reads it has run."""
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if device.type != "cuda" or host.device.type != "cpu" or not torch.cuda.is_available():
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor on its way to the host, read later (`tolist`). On a GPU it is copied into pinned
+    memory behind the work queued so far, and an event marks the copy's end: the read then waits for
+    that work only, not for what the host queued after it (the next step's pass, `SpeculativeEngine`'s
+    overlapped plain steps). Elsewhere it is the tensor itself."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.event = None
+        if tensor.device.type == "cuda":
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+            tensor = host
+        self.tensor = tensor
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tensor.tolist()
 
 
 def sample_from_probs(

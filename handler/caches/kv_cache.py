@@ -34,6 +34,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
+from handler.sampler import host_to_device
 from handler.tree import ROOT, chunk_attention
 
 # Hole columns tolerated beyond the longest row before re-packing the cache.
@@ -458,7 +459,7 @@ class RaggedCache:
 
     def _run(self, input_ids, attention_mask, position_ids, logits_to_keep: int) -> torch.Tensor:
         if self.device.type != "cpu":
-            input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
+            input_ids, position_ids = host_to_device(input_ids, self.device), host_to_device(position_ids, self.device)
         output = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -23,6 +23,10 @@ engine serves a changing batch of requests:
   5. each row emits its tokens, the estimates learn from the outcome
      (`handler.planning.acceptance`), and both caches roll back to the committed length. A
      finished row leaves at once.
+  On a GPU a plain step (no row drafts) over rows whose rules need no tokens on the host is launched
+  and read in the next call, after the next plain step's pass is launched from its tokens still on
+  the device (`SpeculativeEngine.step`, `EngineOptions.overlap_plain_steps`): the host reads and
+  commits one step while the device runs the next. Its tokens come out one call later.
 - After its prefill a row always has exactly one pending target token: the last committed
   one, which the target has not processed yet. The draft model has its own pending tokens
   (see `handler.drafters.model`).

@@ -21,15 +21,15 @@ from handler.drafters import DRAFTERS, MODEL, MODEL_FREE, SUFFIX, Drafter
 from handler.drafters.model import ModelDrafter
 from handler.drafters.suffix import SuffixDrafter, SuffixTreeStats
 from handler.engine.admission import Batch
-from handler.engine.propose import Proposer
+from handler.engine.propose import DraftTimes, Proposer
 from handler.engine.record import StepLog
 from handler.engine.row import Row
-from handler.engine.verify import StepUniforms, Verifier
+from handler.engine.verify import PlainLaunch, StepUniforms, Verified, Verifier
 from handler.planning.acceptance import SUFFIX_ESTIMATES
 from handler.planning.cost_table import RunningCostTable
 from handler.planning.planner import NO_DRAFTS_TO_VERIFY, Planner, StepPlan
 from handler.runtime.loading import LoadedModels
-from handler.sampler import SamplingBatch
+from handler.sampler import SamplingBatch, host_to_device
 from handler.types import DrafterName, GenerationRequest, GenerationResult, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,10 @@ class EngineOptions:
     # prompt's last token, so that the first output positions come out of a speculative step (the
     # distribution tests sample those, where a request's first drafts are all its drafts).
     first_token_from_prefill: bool = True
+    # Plain steps over rows without rules launch their pass and read the one before it while it runs
+    # (`SpeculativeEngine.step`): the host's bookkeeping under the device's pass. None: where the
+    # device runs behind the host (CUDA); on a CPU the pass is the host's own time, and nothing overlaps.
+    overlap_plain_steps: bool | None = None
 
     def __post_init__(self) -> None:
         assert self.suffix_estimate in SUFFIX_ESTIMATES, self.suffix_estimate
@@ -124,6 +128,10 @@ class SpeculativeEngine:
             self.batch, self.cost_table, vocab_size=self.vocab_size, pad_token_id=self.pad_token_id, device=self.device
         )
         self.steps = StepLog(self.outcome_check)
+        overlap = parts.options.overlap_plain_steps
+        self.overlap_plain_steps = self.device.type == "cuda" if overlap is None else overlap
+        self._in_flight: _InFlight | None = None  # a plain step launched and not yet read
+        self.num_overlapped_steps = 0  # plain steps launched before the one before them was read
 
     @property
     def model_drafter(self) -> ModelDrafter | None:
@@ -213,12 +221,20 @@ class SpeculativeEngine:
     def step(self) -> list[StepOutput]:
         """Runs one speculative step over every request in flight.
 
+        A plain step over rows without rules may be launched and read in the next call
+        (`overlap_plain_steps`): the next plain step's pass then runs behind it, from its tokens on the
+        device, while the host reads and commits it (`_step_behind`). Its tokens come out one call late.
+
         Returns:
-            one StepOutput per request that was in the step, in batch order.
+            one StepOutput per request that was in the step (or in the step read now), in batch order.
         """
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None and self._continues(in_flight):
+            return self._step_behind(in_flight)
+        landed = self._land(in_flight) if in_flight is not None else []
         self.batch.drop_aborted()
         admitted = time.perf_counter()
-        first_outputs = self._admit()
+        first_outputs = _joined(landed, self._admit())
         if not self.rows:
             return first_outputs
         rows = self.rows
@@ -226,30 +242,16 @@ class SpeculativeEngine:
         mask_seconds_before = sum([row.stats.mask_seconds for row in rows])
         sampling = SamplingBatch.from_params([row.request.sampling for row in rows], self.device)
         plan = self._plan(rows, sampling)
+        if plan.width == 0 and self._launchable(rows, lag=0):
+            pending = [[(row.token_ids or row.request.prompt_ids)[-1]] for row in rows]
+            self._launch(rows, sampling, host_to_device(torch.tensor(pending), self.device), admitted, started, lag=0)
+            return first_outputs
         uniforms = StepUniforms.draw(rows, plan.ks)
         drafts, times = self.proposer.draft(rows, plan, sampling.with_uniforms(uniforms.draft))
         verified = self.verifier(rows, drafts, uniforms, sampling)
-
-        outputs, finished, committed = [], [], {}
-        for slot, row in enumerate(rows):
-            row_plan, row_drafts = plan.rows[slot], drafts[slot]
-            accepted, path = verified.num_accepted[slot], verified.paths[slot]
-            row.stats.record(row_plan.drafter, row_drafts.k, accepted)
-            row.steps_without_drafts = 0 if row_drafts.k else row.steps_without_drafts + 1
-            self.estimates.learn(row, row_plan, row_drafts, accepted, path)
-            output = row.emit(verified.emitted[slot][: accepted + 1], verified.row_logits(row, slot), path)
-            output.num_draft_tokens, output.num_accepted_tokens = row_drafts.k, accepted
-            committed[row.request_id] = output.new_token_ids
-            outputs.append(output)
-            if row.finish_reason is not None:
-                finished.append(row)
-        ks = [row_drafts.k for row_drafts in drafts]
-        self.batch.rollback(ks, verified.num_accepted, verified.paths)
-        for drafter in self.drafter_map.values():
-            drafter.observe(committed)
-        self.batch.drop(finished)
-        mask_seconds = sum([row.stats.mask_seconds for row in rows]) - mask_seconds_before
-        self.steps.record(plan, ks, times, self.verifier.seconds, mask_seconds, outputs, admitted, started)
+        outputs = self._commit(
+            rows, plan, drafts, verified, times, self.verifier.seconds, mask_seconds_before, admitted, started
+        )
         return _joined(first_outputs, outputs)
 
     def generate(
@@ -285,9 +287,127 @@ class SpeculativeEngine:
 
     def reset(self) -> None:
         """Drops every request in flight, e.g. after a failed step left the caches undefined."""
+        self._in_flight = None
         self.batch.clear()
 
     # ---------------------------------------------------------------- internals
+
+    def _commit(
+        self,
+        rows: list[Row],
+        plan: StepPlan,
+        drafts: list,
+        verified: Verified,
+        times: DraftTimes,
+        verify_seconds: float,
+        mask_seconds_before: float | None,
+        admitted: float,
+        started: float,
+        ended: float | None = None,
+        landing: bool = False,
+    ) -> list[StepOutput]:
+        """Each row's bookkeeping after its step's read: its tokens emitted, the estimates, the caches
+        rolled back, the drafters' notes, finished rows dropped, the step's record (`mask_seconds_before`:
+        the rows' time in grammar masks before the step; None: none has a grammar). A launched step's
+        rows (`_land`) may have left the batch or been aborted since: they are skipped."""
+        outputs, finished, committed = [], [], {}
+        for slot, row in enumerate(rows):
+            if landing and (row.finish_reason is not None or row.request_id in self.batch.aborted):
+                continue
+            row_plan, row_drafts = plan.rows[slot], drafts[slot]
+            accepted, path = verified.num_accepted[slot], verified.paths[slot]
+            row.stats.record(row_plan.drafter, row_drafts.k, accepted)
+            row.steps_without_drafts = 0 if row_drafts.k else row.steps_without_drafts + 1
+            self.estimates.learn(row, row_plan, row_drafts, accepted, path)
+            output = row.emit(verified.emitted[slot][: accepted + 1], verified.row_logits(row, slot), path)
+            output.num_draft_tokens, output.num_accepted_tokens = row_drafts.k, accepted
+            committed[row.request_id] = output.new_token_ids
+            outputs.append(output)
+            if row.finish_reason is not None:
+                finished.append(row)
+        ks = [row_drafts.k for row_drafts in drafts]
+        if not landing:  # a launched step is plain: its rows keep their whole chunk
+            self.batch.rollback(ks, verified.num_accepted, verified.paths)
+        for drafter in self.drafter_map.values():
+            drafter.observe(committed)
+        self.batch.drop(finished)
+        mask_seconds = 0.0
+        if mask_seconds_before is not None:
+            mask_seconds = sum([row.stats.mask_seconds for row in rows]) - mask_seconds_before
+        self.steps.record(plan, ks, times, verify_seconds, mask_seconds, outputs, admitted, started, ended)
+        return outputs
+
+    def _launchable(self, rows: list[Row], lag: int) -> bool:
+        """Whether a plain step over `rows` may be launched and read later, `lag` tokens of each row still
+        unread: none has rules on its logits (their history is the host's) or reports log-probabilities
+        (read from the logits, which would wait for the passes behind them), and each has room for a
+        token more than those in flight."""
+        return self.overlap_plain_steps and all(
+            [not row.shapes_logits and row.logprobs is None and row.remaining > lag for row in rows]
+        )
+
+    def _continues(self, in_flight: _InFlight) -> bool:
+        """Whether this step launches behind the one in flight: no request joined or left since its launch
+        or waits to, every row may (`_launchable`), and the step is plain without planning (no row
+        drafts, or a plain streak's)."""
+        batch = self.batch
+        if batch.version != in_flight.version or batch.waiting or batch.aborted:
+            return False
+        if not self._launchable(batch.rows, lag=1):
+            return False
+        if all([row.request.num_speculative_tokens == 0 for row in batch.rows]):
+            return True
+        streak = self.planner.plain_streak
+        return streak is not None and streak.skips(batch.version)
+
+    def _launch(
+        self,
+        rows: list[Row],
+        sampling: SamplingBatch,
+        input_ids: torch.Tensor,
+        admitted: float,
+        started: float,
+        lag: int,
+    ) -> None:
+        """Launches a plain step over the rows from `input_ids` [batch, 1] (their pending tokens), to be read
+        by a later call (`_land`); `lag`: each row's tokens in flight before it."""
+        uniforms = StepUniforms.draw(rows, [0] * len(rows), lag=lag)
+        launch = self.verifier.launch_plain(rows, uniforms, sampling, input_ids)
+        self._in_flight = _InFlight(list(rows), self.batch.version, launch, admitted, started)
+
+    def _step_behind(self, in_flight: _InFlight) -> list[StepOutput]:
+        """A plain step launched from the tokens of the one in flight, still on the device; that one is
+        then read and committed while this one's pass runs. Returns the step read."""
+        started = time.perf_counter()
+        rows = self.rows
+        sampling = SamplingBatch.from_params([row.request.sampling for row in rows], self.device)
+        self._launch(rows, sampling, in_flight.launch.next_ids, started, started, lag=1)
+        self.num_overlapped_steps += 1
+        outputs = self._land(in_flight, ended=started)
+        if not self.rows:
+            self._in_flight = None  # every row finished in the step read: nothing to read of this one
+        return outputs
+
+    def _land(self, in_flight: _InFlight, ended: float | None = None) -> list[StepOutput]:
+        """Reads a launched step and commits it (`ended`: when the step behind it began, its own end)."""
+        rows = in_flight.rows
+        plan = StepPlan.plain(len(rows))
+        verified = in_flight.launch.read()
+        drafts = [NO_DRAFTS_TO_VERIFY] * len(rows)
+        seconds = in_flight.launch.seconds
+        return self._commit(
+            rows,
+            plan,
+            drafts,
+            verified,
+            DraftTimes(),
+            seconds,
+            None,
+            in_flight.admitted,
+            in_flight.started,
+            ended,
+            landing=True,
+        )
 
     def _plan(self, rows: list[Row], sampling: SamplingBatch) -> StepPlan:
         """The step's plan: from the drafters' options, or plain without asking them where the plans
@@ -335,6 +455,17 @@ class SpeculativeEngine:
                 drafter.observe(committed)
         self.batch.drop([row for row in admitted if row.finish_reason is not None])
         return outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """A plain step launched and not yet read (`SpeculativeEngine._launch`)."""
+
+    rows: list[Row]  # the step's rows, in batch order at its launch
+    version: int  # the batch's `version` then
+    launch: PlainLaunch
+    admitted: float  # when its call began
+    started: float  # when its own work began
 
 
 def _joined(first: list[StepOutput], outputs: list[StepOutput]) -> list[StepOutput]:

@@ -59,10 +59,12 @@ class StepLog:
         outputs: list[StepOutput],
         admitted: float,
         started: float,
+        ended: float | None = None,
     ) -> None:
         """Keeps a step's record (`ks`: the drafts each row verified; `mask_seconds`: its grammar masks'
-        part; `admitted`, `started`: when its admission and its own work began)."""
-        ended = time.perf_counter()
+        part; `admitted`, `started`: when its admission and its own work began; `ended`: when it ended,
+        None: now; a launched step read later ends where the step behind it began)."""
+        ended = time.perf_counter() if ended is None else ended
         self.last_step_seconds = ended - started
         self.last_step_mask_seconds = mask_seconds
         record = StepRecord(

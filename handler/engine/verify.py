@@ -22,7 +22,9 @@ from handler.logits_processors import process_row_logits
 from handler.planning.cost_table import RunningCostTable
 from handler.planning.planner import Drafts
 from handler.sampler import (
+    HostCopy,
     SamplingBatch,
+    argmax_vocab,
     coupled_targets,
     draw_step_uniforms,
     greedy_verify,
@@ -50,14 +52,17 @@ class StepUniforms:
     position: torch.Tensor  # [coupled rows, k + 1]
 
     @classmethod
-    def draw(cls, rows: list[Row], ks: list[int]) -> StepUniforms:
+    def draw(cls, rows: list[Row], ks: list[int], lag: int = 0) -> StepUniforms:
+        """`lag`: each row's tokens drawn before these and not yet read (a coupled row's positions follow them)."""
         k = max(ks)
         draft, verify = draw_step_uniforms([row.generator for row in rows], ks, k)
         coupled = [slot for slot, row in enumerate(rows) if row.coupled]
         position = torch.zeros(len(coupled), k + 1, dtype=torch.float64)
         for index, slot in enumerate(coupled):
             row = rows[slot]
-            position[index, : ks[slot] + 1] = position_uniforms(row.request.seed, len(row.token_ids), ks[slot] + 1)
+            position[index, : ks[slot] + 1] = position_uniforms(
+                row.request.seed, len(row.token_ids) + lag, ks[slot] + 1
+            )
             draft[slot] = position[index, :k]
         return cls(draft, verify[:, :k], verify[:, k], coupled, position)
 
@@ -212,6 +217,42 @@ class Verifier:
             output_token_ids[slot] = emitted + [-1] * (k + 1 - len(emitted))
         return Verified(num_accepted, output_token_ids, logits, paths)
 
+    def launch_plain(
+        self, rows: list[Row], uniforms: StepUniforms, sampling: SamplingBatch, input_ids: torch.Tensor
+    ) -> PlainLaunch:
+        """A plain step (no row drafts) whose outcome is read later: the target's pass over each row's
+        pending token (`input_ids` [batch, 1], on the device: the last launch's tokens, not yet read,
+        or the rows' own), and each row's next token drawn as `__call__` draws it at k = 0, left on the
+        device (`PlainLaunch`). The rows' rules must not shape their logits (the engine launches only
+        rows without them: their history would lag the tokens in flight)."""
+        assert not any(row.shapes_logits for row in rows), "a row's rules need its tokens on the host"
+        self.seconds = 0.0
+        logits = self._target_pass(input_ids, 1, None)[..., : self.vocab_size]  # [batch, 1, vocab]
+        if sampling.all_greedy:
+            next_ids = argmax_vocab(logits)  # [batch, 1]
+        else:
+            target_probs = sampling.warp(logits)  # [batch, 1, vocab]
+            verify_uniforms, coupled_uniforms = uniforms.for_verify(0)
+            coupled = uniforms.coupled
+            sampled = [slot for slot in range(len(rows)) if slot not in set(coupled)]
+            # Index tensors through pinned memory too: nothing here waits for the passes queued before.
+            next_ids = torch.empty((len(rows), 1), dtype=torch.long, device=self.device)
+            if sampled:
+                index = host_to_device(torch.tensor(sampled), self.device)
+                no_drafts = torch.zeros((len(sampled), 0), dtype=torch.long, device=self.device)
+                _, emitted = rejection_sample(
+                    target_probs if len(sampled) == len(rows) else target_probs[index],
+                    torch.zeros((len(sampled), 0, self.vocab_size), device=self.device),
+                    no_drafts,
+                    torch.zeros(len(sampled), dtype=torch.long, device=self.device),
+                    host_to_device(verify_uniforms[sampled], self.device),
+                )
+                next_ids[index] = emitted
+            if coupled:
+                index = host_to_device(torch.tensor(coupled), self.device)
+                next_ids[index] = coupled_targets(target_probs[index], host_to_device(coupled_uniforms, self.device))
+        return PlainLaunch(next_ids, logits, HostCopy(next_ids), self.seconds)
+
     def _target_pass(self, input_ids: torch.Tensor, num_columns: int, tree) -> torch.Tensor:
         """Input ids [batch, 1 + k] (no padding), k + 1 columns to keep, tree mask or None -> logits
         [batch, k + 1, vocab']."""
@@ -221,6 +262,21 @@ class Verifier:
         if self.running_costs is not None:
             self.running_costs.observe_target(len(input_ids), num_columns, self.seconds, tree=tree is not None)
         return logits
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainLaunch:
+    """A plain step launched and not yet read (`Verifier.launch_plain`)."""
+
+    next_ids: torch.Tensor  # [batch, 1] long, on the device: each row's next token, the next pass's input
+    logits: torch.Tensor  # [batch, 1, vocab]: the target's raw logits
+    host: HostCopy  # next_ids on its way to the host
+    seconds: float  # the target pass, as the host timed it (its launch, where the device runs behind)
+
+    def read(self) -> Verified:
+        """The step's one read: its decisions, as `Verifier.__call__` gives them at k = 0."""
+        tokens = self.host.tolist()
+        return Verified([0] * len(tokens), tokens, self.logits, [[0] for _ in tokens])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -228,7 +228,7 @@ class StaticRunner:
             "allowed": allowed,
         }
         if not (self.graphs and width <= MAX_GRAPH_WIDTH and batch_size <= MAX_GRAPH_BATCH):
-            device_inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
+            device_inputs = {name: host_to_device(tensor, self.device) for name, tensor in inputs.items()}
             return self._pass(**device_inputs, num_kept=num_kept, num_columns=num_columns)
         key = (batch_size, width, num_kept, num_columns)
         graph = self._graphs.pop(key, None)
@@ -238,6 +238,10 @@ class StaticRunner:
             graph = self._capture(batch_size, width, num_kept, num_columns)
         self._graphs[key] = graph  # last: the most recently replayed
         for name, tensor in inputs.items():
+            # A host tensor through pinned memory: a copy from pageable memory may wait for the passes
+            # queued before it, which an overlapped step runs behind (`SpeculativeEngine.step`).
+            if tensor.device.type == "cpu" and self.device.type == "cuda":
+                tensor = tensor.pin_memory()
             graph.inputs[name].copy_(tensor, non_blocking=True)
         graph.graph.replay()
         return graph.logits

@@ -176,16 +176,17 @@ def text_tokenizer():
 
 
 def make_engine(
-    target, draft, tokenizer, runner: str, vocab_map=None, cross_vocab_greedy: str = "slem"
+    target, draft, tokenizer, runner: str, vocab_map=None, cross_vocab_greedy: str = "slem", overlap: bool | None = None
 ) -> SpeculativeEngine:
-    """Drafts its fixed k (no cost table), chains only, no stop token: every step the same shape."""
+    """Drafts its fixed k (no cost table), chains only, no stop token: every step the same shape.
+    `overlap`: `EngineOptions.overlap_plain_steps` (None: the device's default, on for CUDA)."""
     models = LoadedModels.of(target, draft, tokenizer, eos_token_ids=(), pad_token_id=0, vocab_map=vocab_map)
     return build_engine(
         models,
         runner=runner,
         speculative_tree="off",
         cross_vocab_greedy=cross_vocab_greedy,
-        options=EngineOptions(running_costs=False),
+        options=EngineOptions(running_costs=False, overlap_plain_steps=overlap),
     )
 
 
@@ -339,10 +340,14 @@ def engine_rows(setup: Setup, passes: dict[str, dict[str, float]]) -> None:
         for kind in (runners.DYNAMIC, runners.STATIC):
             self_engine = make_engine(target, target, setup.tokenizer, kind)
             plain_engine = make_engine(target, None, setup.tokenizer, kind)
+            # Plain steps read before the next is launched: what the overlap of plain steps saves.
+            read_engine = make_engine(target, None, setup.tokenizer, kind, overlap=False)
             engine_run(self_engine, prompt, 16, k)  # warm-up: graph captures, allocator
             engine_run(plain_engine, prompt, 16, 0)
+            engine_run(read_engine, prompt, 16, 0)
             spec = median_run([engine_run(self_engine, prompt, setup.max_new_tokens, k) for _ in range(3)])
             plain = median_run([engine_run(plain_engine, prompt, setup.max_new_tokens, 0) for _ in range(3)])
+            read = median_run([engine_run(read_engine, prompt, setup.max_new_tokens, 0) for _ in range(3)])
             with PassClock(setup.device) as clock:
                 timed = engine_run(self_engine, prompt, setup.max_new_tokens, k)
             own = (timed["seconds"] - clock.seconds) / timed["steps"]
@@ -353,6 +358,10 @@ def engine_rows(setup: Setup, passes: dict[str, dict[str, float]]) -> None:
             data[f"{name}_{kind}"] = {
                 "draft_equals_target": spec,
                 "target_only": plain,
+                "target_only_read_at_once": read,
+                # A plain token's time over a plain pass's (the width-1 verify pass timed alone).
+                "plain_token_over_pass": 1 / plain["tokens_per_s"] / passes[name][f"{kind}_w1"],
+                "read_at_once_token_over_pass": 1 / read["tokens_per_s"] / passes[name][f"{kind}_w1"],
                 "engine_own_seconds_per_step": own,
                 "model_seconds_per_step": clock.seconds / timed["steps"],
                 "own_over_verify": own / verify,
@@ -361,13 +370,14 @@ def engine_rows(setup: Setup, passes: dict[str, dict[str, float]]) -> None:
             }
             speedup = spec["tokens_per_s"] / plain["tokens_per_s"]
             rows.append(
-                [name, setup.label(kind), spec["tokens_per_s"], spec["acceptance"], plain["tokens_per_s"], speedup,
-                 1e3 * own, own / verify, 1e3 * beyond, beyond / verify]
+                [name, setup.label(kind), spec["tokens_per_s"], spec["acceptance"], plain["tokens_per_s"],
+                 read["tokens_per_s"], speedup, 1e3 * own, own / verify, 1e3 * beyond, beyond / verify]
             )  # fmt: skip
         hf = statistics.median(hf_generate(target, prompt, setup.max_new_tokens) for _ in range(3))
         data[f"{name}_hf_generate"] = hf
-        rows.append([name, "HF generate (eager)", "-", "-", hf, "-", "-", "-", "-", "-"])
-    header = ["target", "runner", "draft = target tok/s", "acceptance", "target-only tok/s", "speedup",
+        rows.append([name, "HF generate (eager)", "-", "-", hf, "-", "-", "-", "-", "-", "-"])
+    header = ["target", "runner", "draft = target tok/s", "acceptance", "target-only tok/s",
+              "target-only read at once tok/s", "speedup",
               "engine's own ms/step", "own / verify pass", "beyond passes ms/step", "beyond / verify"]  # fmt: skip
     setup.report.section(
         "Engine: draft = target against target-only",
@@ -376,6 +386,8 @@ def engine_rows(setup: Setup, passes: dict[str, dict[str, float]]) -> None:
             f"Greedy, 64-token prompt, {setup.max_new_tokens} new tokens, fixed k = {k}, medians of 3 runs.",
             "Engine's own time: a step's wall time minus its model passes, each timed with a synchronisation;",
             "beyond passes: the step's wall time, unsynchronised, minus k draft passes and a verify pass timed alone.",
+            "Target-only: plain steps overlapped (each launched before the one before it is read, the default on",
+            "CUDA); read at once: that overlap off.",
             "",
             *table(header, rows),
         ],
@@ -601,14 +613,17 @@ def admission_rows(setup: Setup, out_dir: str) -> None:
         for index, prompt in enumerate(prompts):
             engine.add_request((tag, index), GenerationRequest(prompt, 8, SamplingParams(), k))
         runners.synchronize(setup.device)
+        num_steps = engine.steps.num_steps
         started = time.perf_counter()
         engine.step()
         runners.synchronize(setup.device)
         admitted = time.perf_counter()
-        record = engine.steps.recent_steps[-1]
         engine.step()
         runners.synchronize(setup.device)
         after = time.perf_counter()
+        # The admitting step's record: the first kept after it began (an overlapped plain step is
+        # recorded when it is read, in the call after it).
+        record = list(engine.steps.recent_steps)[num_steps - engine.steps.num_steps]
         for index in range(len(prompts)):
             engine.abort_request((tag, index))
         engine.step()

@@ -5,8 +5,10 @@ every draft is accepted, a fixed k (no cost table: every row drafts its cap), gr
 prompt. For each batch size, plain decoding (k = 0), the shipped planner where a cost table in this
 machine's seconds prices every draft out (`0, planned`: a step that drafts nothing, its look-ups and
 plan included, or skipped after plans that priced drafting well below plain, `handler.planning.trackers.PlainStreak`)
-and drafting (k = 4) run in the same process, alternating over the repeats, and the table gives, per
-step (medians over the repeats):
+and drafting (k = 4) run in the same process, alternating over the repeats (on a GPU also plain
+decoding with every step read before the next is launched, `0, read at once`: the engine's overlapped
+plain steps off; there a step's wall time is the steps' from the first's start to the last's work
+done, over the steps), and the table gives, per step (medians over the repeats):
 
 - ms a step, and the forwards' ms within it;
 - own ms, unsynchronised (each forward timed as its call returns) and synchronised (the device
@@ -158,9 +160,12 @@ def load_tiny_target(models: pathlib.Path | None, device: str):
     return target, tokenizer
 
 
-def self_drafting_engine(target, tokenizer, runner: str, confidence_stop: str = "off", **settings):
+def self_drafting_engine(
+    target, tokenizer, runner: str, confidence_stop: str = "off", overlap_plain_steps: bool | None = None, **settings
+):
     """The target drafting for itself, no stop token; a fixed k where `confidence_stop` is off, else planned
     from a fixed cost table with the confidence stop, by mask or by the loop (`CONFIDENCE_STOPS`).
+    `overlap_plain_steps`: `handler.engine.EngineOptions`'s (None: the device's default).
     `settings`: further `handler.engine.EngineSettings` fields."""
     from handler.engine import EngineOptions, build_engine
     from handler.planning.cost_table import CostModel
@@ -174,7 +179,7 @@ def self_drafting_engine(target, tokenizer, runner: str, confidence_stop: str = 
     engine = build_engine(
         LoadedModels.of(target, target, tokenizer, eos_token_ids=()),
         runner=runner,
-        options=EngineOptions(running_costs=False),
+        options=EngineOptions(running_costs=False, overlap_plain_steps=overlap_plain_steps),
         **settings,
     )
     if confidence_stop != "off":
@@ -215,18 +220,23 @@ def run_steps(
     wall = forwards = 0.0
     tokens = 0
     counting = counter if counter is not None else contextlib.nullcontext()
+    # On a GPU, the steps' wall time from the first's start to the last's queued work done: a step's
+    # host work may run under the pass before it (the engine's overlapped plain steps), which a
+    # synchronisation after every step would undo. On a CPU, each step's call.
+    start = time.perf_counter()
     for _ in range(steps):
         timer.seconds = 0.0
-        start = time.perf_counter()
+        called = time.perf_counter()
         with counting:
             outputs = engine.step()
-        if timer.device.type == "cuda":
-            torch.cuda.synchronize(timer.device)  # the step's queued work ends inside its wall time
-        wall += time.perf_counter() - start
+        wall += time.perf_counter() - called
         forwards += timer.seconds
         tokens += sum(len(output.new_token_ids) for output in outputs)
         finished = [output.result.finish_reason for output in outputs if output.result is not None]
         assert not finished, f"a row finished inside the timed steps: {finished}"
+    if timer.device.type == "cuda":
+        torch.cuda.synchronize(timer.device)
+        wall = time.perf_counter() - start
     for row in range(batch_size):
         engine.abort_request(row)
     engine.step()  # frees the aborted rows
@@ -263,16 +273,22 @@ def priced_out_engine(target, tokenizer, runner: str, plain_seconds: float):
 
 
 # The rows of the table at each batch size: plain decoding, the planner pricing every draft out (its steps
-# draft nothing), and drafting at a fixed k.
-PLAIN, PRICED_OUT, DRAFTING = "0", "0, planned", str(DRAFTING_K)
+# draft nothing), and drafting at a fixed k; on a GPU also plain decoding with each step read before the
+# next is launched (`READ_AT_ONCE`: the overlap of plain steps off, `handler.engine.EngineOptions`).
+PLAIN, READ_AT_ONCE, PRICED_OUT, DRAFTING = "0", "0, read at once", "0, planned", str(DRAFTING_K)
 MODES = (PLAIN, PRICED_OUT, DRAFTING)
+GPU_MODES = (PLAIN, READ_AT_ONCE, PRICED_OUT, DRAFTING)
 # Each row's requested k: the planner's rows ask for a cap it prices out.
-REQUESTED_K = {PLAIN: 0, PRICED_OUT: 2 * DRAFTING_K, DRAFTING: DRAFTING_K}
+REQUESTED_K = {PLAIN: 0, READ_AT_ONCE: 0, PRICED_OUT: 2 * DRAFTING_K, DRAFTING: DRAFTING_K}
 
 
 def measure(args, target, tokenizer) -> list[dict]:
     # The draft is the target itself: every draft is accepted, and the step is all the machinery.
     engine = self_drafting_engine(target, tokenizer, args.runner, args.confidence_stop)
+    modes = GPU_MODES if target.device.type == "cuda" else MODES
+    engines = {mode: engine for mode in modes}
+    if READ_AT_ONCE in modes:
+        engines[READ_AT_ONCE] = self_drafting_engine(target, tokenizer, args.runner, overlap_plain_steps=False)
     priced_out: dict[int, object] = {}  # by batch size, built after its first plain run
     timer = ForwardTimer(target)
     prompt_ids = tuple(tokenizer(PROMPT)["input_ids"])
@@ -280,14 +296,14 @@ def measure(args, target, tokenizer) -> list[dict]:
     try:
         for _ in range(args.repeats):
             for batch_size in args.batch_sizes:
-                for mode in MODES:  # alternating, so that a burst of load falls on all
+                for mode in modes:  # alternating, so that a burst of load falls on all
                     if mode == PRICED_OUT and batch_size not in priced_out:
                         plain_seconds = samples[batch_size, PLAIN, False][0]["forward_ms"] / 1e3
                         priced_out[batch_size] = priced_out_engine(target, tokenizer, args.runner, plain_seconds)
                     for synchronised in (False, True):
                         timer.synchronised = synchronised
                         sample = run_steps(
-                            priced_out[batch_size] if mode == PRICED_OUT else engine,
+                            priced_out[batch_size] if mode == PRICED_OUT else engines[mode],
                             timer,
                             prompt_ids,
                             batch_size,
@@ -297,8 +313,8 @@ def measure(args, target, tokenizer) -> list[dict]:
                         )
                         samples.setdefault((batch_size, mode, synchronised), []).append(sample)
         for batch_size in args.batch_sizes:
-            for mode in MODES:
-                engine_of_mode = priced_out[batch_size] if mode == PRICED_OUT else engine
+            for mode in modes:
+                engine_of_mode = priced_out[batch_size] if mode == PRICED_OUT else engines[mode]
                 counter = CallCounter(timer)
                 samples[batch_size, mode, "counted"] = run_steps(
                     engine_of_mode, timer, prompt_ids, batch_size, REQUESTED_K[mode], args.warmup, args.steps, counter
@@ -307,7 +323,7 @@ def measure(args, target, tokenizer) -> list[dict]:
         timer.remove()
     rows = []
     for batch_size in args.batch_sizes:
-        for mode in MODES:
+        for mode in modes:
             row = {"batch": batch_size, "k": mode}
             for synchronised, tag in ((False, "unsync"), (True, "sync")):
                 runs = samples[batch_size, mode, synchronised]

@@ -179,3 +179,24 @@ def test_a_draft_from_another_family_keeps_greedy_and_seeded_output_on_cuda(tmp_
         seeded = GenerationRequest(encode(tokenizer, PROMPTS[0]), 24, sampled, 4, seed=5)
         expected = plain.generate([dataclasses.replace(seeded, num_speculative_tokens=0)])[0].token_ids
         assert engine.generate([seeded])[0].token_ids == expected, greedy
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_overlapped_plain_steps_on_cuda_keep_the_targets_tokens(cuda_pair, runner):
+    """On CUDA plain steps overlap by default (each launched from the last one's tokens on the device,
+    read from pinned memory after an event): greedy rows give the target's tokens, seeded sampled rows the
+    same tokens as with the overlap off."""
+    from handler.engine import EngineOptions
+
+    target, draft, tokenizer = cuda_pair
+    engine = make_engine(target, draft, tokenizer, runner=runner)
+    assert engine.overlap_plain_steps
+    prompts = [encode(tokenizer, prompt) for prompt in PROMPTS]
+    results = engine.generate([GenerationRequest(p, 24, GREEDY, 0) for p in prompts])
+    assert [r.token_ids for r in results] == [reference_greedy(target, p, 24) for p in prompts]
+    assert engine.num_overlapped_steps > 0
+    sampled = [GenerationRequest(p, 24, SamplingParams(temperature=0.9), 0, seed=7) for p in prompts]
+    off = make_engine(
+        target, draft, tokenizer, runner=runner, options=EngineOptions(running_costs=False, overlap_plain_steps=False)
+    )
+    assert [r.token_ids for r in engine.generate(sampled)] == [r.token_ids for r in off.generate(sampled)]
