@@ -242,10 +242,15 @@ class SpeculativeEngine:
         mask_seconds_before = sum([row.stats.mask_seconds for row in rows])
         sampling = SamplingBatch.from_params([row.request.sampling for row in rows], self.device)
         plan = self._plan(rows, sampling)
-        if plan.width == 0 and self._launchable(rows, lag=0):
+        if plan.width == 0 and _lean(rows):
+            # A plain step: the target's pass and draws alone, as the plain engine's. Overlapped, it is
+            # read in the next call; else now.
             pending = [[(row.token_ids or row.request.prompt_ids)[-1]] for row in rows]
             self._launch(rows, sampling, host_to_device(torch.tensor(pending), self.device), admitted, started, lag=0)
-            return first_outputs
+            if self.overlap_plain_steps:
+                return first_outputs
+            in_flight, self._in_flight = self._in_flight, None
+            return _joined(first_outputs, self._land(in_flight))
         uniforms = StepUniforms.draw(rows, plan.ks)
         drafts, times = self.proposer.draft(rows, plan, sampling.with_uniforms(uniforms.draft))
         verified = self.verifier(rows, drafts, uniforms, sampling)
@@ -337,23 +342,14 @@ class SpeculativeEngine:
         self.steps.record(plan, ks, times, verify_seconds, mask_seconds, outputs, admitted, started, ended)
         return outputs
 
-    def _launchable(self, rows: list[Row], lag: int) -> bool:
-        """Whether a plain step over `rows` may be launched and read later, `lag` tokens of each row still
-        unread: none has rules on its logits (their history is the host's) or reports log-probabilities
-        (read from the logits, which would wait for the passes behind them), and each has room for a
-        token more than those in flight."""
-        return self.overlap_plain_steps and all(
-            [not row.shapes_logits and row.logprobs is None and row.remaining > lag for row in rows]
-        )
-
     def _continues(self, in_flight: _InFlight) -> bool:
         """Whether this step launches behind the one in flight: no request joined or left since its launch
-        or waits to, every row may (`_launchable`), and the step is plain without planning (no row
+        or waits to, overlap is on and every row may (`_lean`), and the step is plain without planning (no row
         drafts, or a plain streak's)."""
         batch = self.batch
         if batch.version != in_flight.version or batch.waiting or batch.aborted:
             return False
-        if not self._launchable(batch.rows, lag=1):
+        if not self.overlap_plain_steps or not _lean(batch.rows, lag=1):
             return False
         if all([row.request.num_speculative_tokens == 0 for row in batch.rows]):
             return True
@@ -412,6 +408,8 @@ class SpeculativeEngine:
     def _plan(self, rows: list[Row], sampling: SamplingBatch) -> StepPlan:
         """The step's plan: from the drafters' options, or plain without asking them where the plans
         before it priced drafting well below plain decoding (`PlainStreak`): such a step is a plain step."""
+        if all([row.request.num_speculative_tokens == 0 for row in rows]):
+            return StepPlan.plain(len(rows))  # no row may draft: nothing to ask or to price
         streak = self.planner.plain_streak
         if streak is not None and streak.skips(self.batch.version):
             return StepPlan.plain(len(rows))
@@ -466,6 +464,14 @@ class _InFlight:
     launch: PlainLaunch
     admitted: float  # when its call began
     started: float  # when its own work began
+
+
+def _lean(rows: list[Row], lag: int = 0) -> bool:
+    """Whether a plain step over `rows` may be launched and read later (`Verifier.launch_plain`), `lag`
+    tokens of each row still unread: none has rules on its logits (their history is the host's) or
+    reports log-probabilities (read from the logits, which would wait for the passes behind them), and
+    each has room for a token more than those in flight."""
+    return all([not row.shapes_logits and row.logprobs is None and row.remaining > lag for row in rows])
 
 
 def _joined(first: list[StepOutput], outputs: list[StepOutput]) -> list[StepOutput]:
