@@ -246,7 +246,8 @@ class SpeculativeEngine:
             # A plain step: the target's pass and draws alone, as the plain engine's. Overlapped, it is
             # read in the next call; else now.
             pending = [[(row.token_ids or row.request.prompt_ids)[-1]] for row in rows]
-            self._launch(rows, sampling, host_to_device(torch.tensor(pending), self.device), admitted, started, lag=0)
+            input_ids = host_to_device(torch.tensor(pending), self.device)
+            self._launch(rows, plan, sampling, input_ids, admitted, started, lag=0)
             if self.overlap_plain_steps:
                 return first_outputs
             in_flight, self._in_flight = self._in_flight, None
@@ -359,6 +360,7 @@ class SpeculativeEngine:
     def _launch(
         self,
         rows: list[Row],
+        plan: StepPlan,
         sampling: SamplingBatch,
         input_ids: torch.Tensor,
         admitted: float,
@@ -366,10 +368,12 @@ class SpeculativeEngine:
         lag: int,
     ) -> None:
         """Launches a plain step over the rows from `input_ids` [batch, 1] (their pending tokens), to be read
-        by a later call (`_land`); `lag`: each row's tokens in flight before it."""
-        uniforms = StepUniforms.draw(rows, [0] * len(rows), lag=lag)
+        by a later call (`_land`); `plan`: its plan, plain (the planner's, for the step's record and the
+        estimates); `lag`: each row's tokens in flight before it."""
+        drafts, _ = self.proposer.draft(rows, plan, sampling)  # a plain plan's: none, nothing runs
+        uniforms = StepUniforms.draw(rows, plan.ks, lag=lag)
         launch = self.verifier.launch_plain(rows, uniforms, sampling, input_ids)
-        self._in_flight = _InFlight(list(rows), self.batch.version, launch, admitted, started)
+        self._in_flight = _InFlight(list(rows), self.batch.version, plan, drafts, launch, admitted, started)
 
     def _step_behind(self, in_flight: _InFlight) -> list[StepOutput]:
         """A plain step launched from the tokens of the one in flight, still on the device; that one is
@@ -377,7 +381,8 @@ class SpeculativeEngine:
         started = time.perf_counter()
         rows = self.rows
         sampling = SamplingBatch.from_params([row.request.sampling for row in rows], self.device)
-        self._launch(rows, sampling, in_flight.launch.next_ids, started, started, lag=1)
+        plan = StepPlan.plain(len(rows))  # as a plain streak's skip plans it
+        self._launch(rows, plan, sampling, in_flight.launch.next_ids, started, started, lag=1)
         self.num_overlapped_steps += 1
         outputs = self._land(in_flight, ended=started)
         if not self.rows:
@@ -386,10 +391,8 @@ class SpeculativeEngine:
 
     def _land(self, in_flight: _InFlight, ended: float | None = None) -> list[StepOutput]:
         """Reads a launched step and commits it (`ended`: when the step behind it began, its own end)."""
-        rows = in_flight.rows
-        plan = StepPlan.plain(len(rows))
+        rows, plan, drafts = in_flight.rows, in_flight.plan, in_flight.drafts
         verified = in_flight.launch.read()
-        drafts = [NO_DRAFTS_TO_VERIFY] * len(rows)
         seconds = in_flight.launch.seconds
         return self._commit(
             rows,
@@ -461,6 +464,8 @@ class _InFlight:
 
     rows: list[Row]  # the step's rows, in batch order at its launch
     version: int  # the batch's `version` then
+    plan: StepPlan  # its plan: plain
+    drafts: list  # each row's `Drafts` under it: none
     launch: PlainLaunch
     admitted: float  # when its call began
     started: float  # when its own work began

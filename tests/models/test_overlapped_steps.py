@@ -160,3 +160,24 @@ def test_rows_whose_tokens_the_host_needs_are_never_launched_ahead(tiny_pair, mo
     requests = [GenerationRequest(prompt, 12, num_speculative_tokens=0, **options), GenerationRequest(prompt, 12, GREEDY, 0)]
     engine.generate(requests)
     assert engine.num_overlapped_steps == 0 and engine._in_flight is None
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["read at once", "overlapped"])
+def test_a_planned_plain_step_is_recorded_with_its_plan(tiny_pair, overlap):
+    """A plain step that the planner planned keeps that plan in its record (its priced rate is what the
+    outcome check weighs plain decoding's steps by) and in the rows' estimates, read at once or later."""
+    target, draft, tokenizer = tiny_pair
+    options = EngineOptions(running_costs=False, overlap_plain_steps=overlap)
+    engine = make_engine(target, draft, tokenizer, cost_table=DEAR_DRAFTS, options=options, drafter="hybrid")
+    engine.planner.plain_streak.min_share = 1.0  # every step plans
+    recorded = []
+    record = engine.steps.record
+    engine.steps.record = lambda plan, *args: recorded.append(plan) or record(plan, *args)
+    planned = []
+    plan = engine.planner.plan
+    engine.planner.plan = lambda *args: planned.append(plan(*args)) or planned[-1]
+    engine.generate([GenerationRequest(encode(tokenizer, PROMPTS[0]), 16, GREEDY, 8)])
+    # Plain plans, but for the outcome check's exploring steps (by step number), which draft.
+    assert len(recorded) == len(planned) > 5 and sum(p.width == 0 for p in planned) > 5
+    assert [id(p) for p in recorded] == [id(p) for p in planned]
+    assert all(p.expected_rate > 0 for p in recorded)
