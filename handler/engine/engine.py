@@ -247,11 +247,11 @@ class SpeculativeEngine:
             # read in the next call; else now.
             pending = [[(row.token_ids or row.request.prompt_ids)[-1]] for row in rows]
             input_ids = host_to_device(torch.tensor(pending), self.device)
-            self._launch(rows, plan, sampling, input_ids, admitted, started, lag=0)
+            launched = self._launch(rows, plan, sampling, input_ids, admitted, started, lag=0)
             if self.overlap_plain_steps:
+                self._in_flight = launched
                 return first_outputs
-            in_flight, self._in_flight = self._in_flight, None
-            return _joined(first_outputs, self._land(in_flight))
+            return _joined(first_outputs, self._land(launched))
         uniforms = StepUniforms.draw(rows, plan.ks)
         drafts, times = self.proposer.draft(rows, plan, sampling.with_uniforms(uniforms.draft))
         verified = self.verifier(rows, drafts, uniforms, sampling)
@@ -352,7 +352,7 @@ class SpeculativeEngine:
             return False
         if not self.overlap_plain_steps or not _lean(batch.rows, lag=1):
             return False
-        if all([row.request.num_speculative_tokens == 0 for row in batch.rows]):
+        if _never_draft(batch.rows):
             return True
         streak = self.planner.plain_streak
         return streak is not None and streak.skips(batch.version)
@@ -366,14 +366,14 @@ class SpeculativeEngine:
         admitted: float,
         started: float,
         lag: int,
-    ) -> None:
+    ) -> _InFlight:
         """Launches a plain step over the rows from `input_ids` [batch, 1] (their pending tokens), to be read
-        by a later call (`_land`); `plan`: its plan, plain (the planner's, for the step's record and the
+        later (`_land`); `plan`: its plan, plain (the planner's, for the step's record and the
         estimates); `lag`: each row's tokens in flight before it."""
         drafts, _ = self.proposer.draft(rows, plan, sampling)  # a plain plan's: none, nothing runs
         uniforms = StepUniforms.draw(rows, plan.ks, lag=lag)
         launch = self.verifier.launch_plain(rows, uniforms, sampling, input_ids)
-        self._in_flight = _InFlight(list(rows), self.batch.version, plan, drafts, launch, admitted, started)
+        return _InFlight(list(rows), self.batch.version, plan, drafts, launch, admitted, started)
 
     def _step_behind(self, in_flight: _InFlight) -> list[StepOutput]:
         """A plain step launched from the tokens of the one in flight, still on the device; that one is
@@ -382,11 +382,11 @@ class SpeculativeEngine:
         rows = self.rows
         sampling = SamplingBatch.from_params([row.request.sampling for row in rows], self.device)
         plan = StepPlan.plain(len(rows))  # as a plain streak's skip plans it
-        self._launch(rows, plan, sampling, in_flight.launch.next_ids, started, started, lag=1)
+        launched = self._launch(rows, plan, sampling, in_flight.launch.next_ids, started, started, lag=1)
         self.num_overlapped_steps += 1
         outputs = self._land(in_flight, ended=started)
-        if not self.rows:
-            self._in_flight = None  # every row finished in the step read: nothing to read of this one
+        # Where every row finished in the step read, nothing of this one is read.
+        self._in_flight = launched if self.rows else None
         return outputs
 
     def _land(self, in_flight: _InFlight, ended: float | None = None) -> list[StepOutput]:
@@ -411,8 +411,8 @@ class SpeculativeEngine:
     def _plan(self, rows: list[Row], sampling: SamplingBatch) -> StepPlan:
         """The step's plan: from the drafters' options, or plain without asking them where the plans
         before it priced drafting well below plain decoding (`PlainStreak`): such a step is a plain step."""
-        if all([row.request.num_speculative_tokens == 0 for row in rows]):
-            return StepPlan.plain(len(rows))  # no row may draft: nothing to ask or to price
+        if _never_draft(rows):
+            return StepPlan.plain(len(rows))  # nothing to ask or to price
         streak = self.planner.plain_streak
         if streak is not None and streak.skips(self.batch.version):
             return StepPlan.plain(len(rows))
@@ -469,6 +469,11 @@ class _InFlight:
     launch: PlainLaunch
     admitted: float  # when its call began
     started: float  # when its own work began
+
+
+def _never_draft(rows: list[Row]) -> bool:
+    """Whether every row asks k = 0: no step over them may draft."""
+    return all([row.request.num_speculative_tokens == 0 for row in rows])
 
 
 def _lean(rows: list[Row], lag: int = 0) -> bool:

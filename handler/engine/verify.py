@@ -234,7 +234,7 @@ class Verifier:
             target_probs = sampling.warp(logits)  # [batch, 1, vocab]
             verify_uniforms, coupled_uniforms = uniforms.for_verify(0)
             coupled = uniforms.coupled
-            sampled = [slot for slot in range(len(rows)) if slot not in set(coupled)]
+            sampled = sorted(set(range(len(rows))) - set(coupled))
             # Index tensors through pinned memory too: nothing here waits for the passes queued before.
             next_ids = torch.empty((len(rows), 1), dtype=torch.long, device=self.device)
             if sampled:
