@@ -60,6 +60,9 @@ class Batch:
         self.num_cached_tokens = 0
         # Moves on whenever rows join or leave: the same number, the same rows (request ids may be reused).
         self.version = 0
+        # Tokens committed by steps that drafted nothing, by request id, that the drafters have not seen
+        # yet (`observe`).
+        self.unobserved: dict[Hashable, list[int]] = {}
 
     def holds(self, request_id: Hashable) -> bool:
         """Whether the request is in flight or waiting to join."""
@@ -125,6 +128,32 @@ class Batch:
         kept_lengths = target_lengths_after_verify(self.cache.lengths.tolist(), ks, num_accepted)
         self.cache.rollback(torch.tensor(kept_lengths, dtype=torch.long))
 
+    def observe(self, committed: Mapping[Hashable, list[int]], drafted: bool) -> None:
+        """The drafters take the rows' newly committed tokens.
+
+        After a step that drafted for no row (`drafted` False) the tokens wait, joined to those of the
+        steps before, until a drafter is next asked or a row leaves (`flush_observed`): a drafter that
+        did not propose only appends what it is given, so that one call a plan gives it the same state
+        as one call a step, and a plain step's bookkeeping stays a plain engine's (16 rows' suffix and
+        n-gram updates and the draft's pending tokens were a quarter of such a step's own time). A step
+        that drafted was planned, and the plan took every waiting token first (`flush_observed`), so
+        that a drafter that proposed gets its step's tokens in one call, as its roll-back needs."""
+        if not drafted:
+            for request_id, tokens in committed.items():
+                if tokens:
+                    self.unobserved.setdefault(request_id, []).extend(tokens)
+            return
+        assert not self.unobserved, "a step drafted before its drafters saw the tokens before it"
+        for drafter in self.drafters.values():
+            drafter.observe(committed)
+
+    def flush_observed(self) -> None:
+        """Hands the drafters the tokens of the steps that drafted nothing since they last saw any."""
+        if self.unobserved:
+            committed, self.unobserved = self.unobserved, {}
+            for drafter in self.drafters.values():
+                drafter.observe(committed)
+
     def drop(self, rows: list[Row], consistent: bool = True) -> None:
         """Removes rows from the batch and from every drafter.
 
@@ -134,6 +163,10 @@ class Batch:
         if not rows:
             return
         gone = {row.request_id for row in rows}
+        if consistent:
+            self.flush_observed()  # a leaving row's outputs join the suffix tree shared across requests
+        else:
+            self.unobserved = {r: tokens for r, tokens in self.unobserved.items() if r not in gone}
         sequences = {row.request_id: (*row.request.prompt_ids, *row.token_ids) for row in rows} if consistent else None
         self._release(rows, sequences)
         keep = [slot for slot, row in enumerate(self.rows) if row.request_id not in gone]

@@ -162,6 +162,7 @@ class SpeculativeEngine:
     @property
     def suffix_tree_stats(self) -> SuffixTreeStats:
         """The size of the suffix drafter's tree of recent outputs, shared across requests."""
+        self.batch.flush_observed()
         return self.suffix_drafter.stats
 
     @property
@@ -334,8 +335,7 @@ class SpeculativeEngine:
         ks = [row_drafts.k for row_drafts in drafts]
         if not landing:  # a launched step is plain: its rows keep their whole chunk
             self.batch.rollback(ks, verified.num_accepted, verified.paths)
-        for drafter in self.drafter_map.values():
-            drafter.observe(committed)
+        self.batch.observe(committed, drafted=any(ks))
         self.batch.drop(finished)
         mask_seconds = 0.0
         if mask_seconds_before is not None:
@@ -417,6 +417,7 @@ class SpeculativeEngine:
         if streak is not None and streak.skips(self.batch.version):
             return StepPlan.plain(len(rows))
         started = time.perf_counter()
+        self.batch.flush_observed()  # the drafters see every committed token before they are asked
         plan = self.planner.plan(rows, self.proposer.options(rows, sampling), self.steps.num_steps)
         if streak is not None:
             share = (time.perf_counter() - started) / self.planner.pass_seconds(len(rows), 0, 0.0)
@@ -452,8 +453,7 @@ class SpeculativeEngine:
             if row.request.num_speculative_tokens > 0:
                 committed[row.request_id] = output.new_token_ids
         if committed:
-            for drafter in self.drafter_map.values():
-                drafter.observe(committed)
+            self.batch.observe(committed, drafted=False)
         self.batch.drop([row for row in admitted if row.finish_reason is not None])
         return outputs
 

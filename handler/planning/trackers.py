@@ -75,6 +75,12 @@ BURST_OVERRUN = 2.0
 PLAIN_SKIP_GAIN = 0.9
 PLAIN_SKIP_MAX = 4
 PLAIN_SKIP_SHARE = 0.005
+# Where the look-ups and the plan cost a large share of a plain step (a CPU's tiny models at 16 rows:
+# about 0.6; a GPU's steps, whose pass is short), the streak grows on past PLAIN_SKIP_MAX until
+# planning costs at most PLAIN_SKIP_BUDGET of the plain steps it spans, and at most PLAIN_SKIP_LONGEST
+# steps: a prompt that turns repetitive mid-answer drafts at most that many steps late.
+PLAIN_SKIP_BUDGET = 0.02
+PLAIN_SKIP_LONGEST = 16
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -259,14 +265,21 @@ class PlainStreak:
 
     Such a step skips the drafters' look-ups and the plan, as plain decoding does; its tokens are the
     same (a plain step is exact). The skips after each such plan in a row double, 1, 2, 4, up to
-    `max_skip`; a plan that drafts or prices drafting near plain, or planning that costs less than
-    `min_share` of a plain step, ends the streak. A row that joins or leaves is planned at once.
+    `max_skip`, or further, up to `longest`, where planning costs more than `budget` of the steps
+    `max_skip` would span; a plan that drafts or prices drafting near plain, or planning that costs less
+    than `min_share` of a plain step, ends the streak. A row that joins or leaves is planned at once.
     """
 
     def __init__(
-        self, max_skip: int = PLAIN_SKIP_MAX, min_share: float = PLAIN_SKIP_SHARE, max_gain: float = PLAIN_SKIP_GAIN
+        self,
+        max_skip: int = PLAIN_SKIP_MAX,
+        min_share: float = PLAIN_SKIP_SHARE,
+        max_gain: float = PLAIN_SKIP_GAIN,
+        budget: float = PLAIN_SKIP_BUDGET,
+        longest: int = PLAIN_SKIP_LONGEST,
     ) -> None:
         self.max_skip, self.min_share, self.max_gain = max_skip, min_share, max_gain
+        self.budget, self.longest = budget, longest
         self.num_skipped = 0  # steps that skipped planning
         self._batch: int | None = None  # the batch's rows when it last planned (`Batch.version`)
         self._length = 0  # the skips granted after the last plan
@@ -288,7 +301,9 @@ class PlainStreak:
         over plain decoding's where it planned plain (infinite where it drafted), and what its look-ups
         and plan cost over a plain step's seconds."""
         if drafting_gain <= self.max_gain and share >= self.min_share and self.max_skip:
-            self._length = min(self.max_skip, max(1, 2 * self._length))
+            # The skips after which one plan costs `budget` of the steps: share / (skips + 1) = budget.
+            within_budget = min(self.longest, math.ceil(share / self.budget) - 1)
+            self._length = min(max(self.max_skip, within_budget), max(1, 2 * self._length))
         else:
             self._length = 0
         self._batch, self._left = batch, self._length

@@ -80,3 +80,43 @@ def test_rows_that_join_under_a_reused_request_id_are_planned_at_once(tiny_pair)
         assert len(asked) == num_asked + 1 and engine.planner.plain_streak.num_skipped == skipped
         engine.abort_request("same")
         engine.step()
+
+
+def drafter_states(engine) -> dict:
+    """What each drafter knows of each row, rows in the order they came (`generate`'s ids differ from
+    run to run): the suffix drafter's context, the n-gram index's tokens, the draft model's pending ones."""
+    suffix, ngram, model = (engine.drafter_map[name] for name in ("suffix", "ngram", "model"))
+    return {
+        "suffix": [list(row.context) for row in suffix.rows.values()],
+        "ngram": [list(index.tokens) for index in ngram.rows.values()],
+        "model": [list(tokens) for tokens in model.pending.values()],
+        "held": suffix.stats,
+    }
+
+
+def test_steps_that_draft_nothing_hand_their_tokens_to_the_drafters_at_the_next_plan(tiny_pair, monkeypatch):
+    """A plain step's tokens wait (`Batch.observe`), and the drafters, when next asked, know what
+    observing every step would have told them; a finished row's outputs reach the shared suffix tree."""
+    target, _, tokenizer = tiny_pair
+    prompts = [encode(tokenizer, prompt) for prompt in PROMPTS[:3]]
+    seen, waited = {}, []
+    for mode in ("deferred", "every step"):
+        engine, _ = counted_engine(tiny_pair, DEAR_DRAFTS, 0.0)
+        if mode == "every step":
+            real = engine.batch.observe
+            monkeypatch.setattr(engine.batch, "observe", lambda committed, drafted: real(committed, True))
+        states, options = [], engine.proposer.options
+
+        def asked(rows, sampling, engine=engine, states=states, options=options):
+            states.append(drafter_states(engine))
+            return options(rows, sampling)
+
+        engine.proposer.options = asked
+        requests = [GenerationRequest(p, 24 + 8 * i, GREEDY, 8) for i, p in enumerate(prompts)]
+        results = engine.generate(requests, on_tokens=lambda *_, engine=engine: waited.append(bool(engine.batch.unobserved)))
+        assert [r.token_ids for r in results] == [reference_greedy(target, p, 24 + 8 * i) for i, p in enumerate(prompts)]
+        assert not engine.batch.unobserved
+        seen[mode] = (states, engine.suffix_drafter.stats)
+    assert seen["deferred"] == seen["every step"]
+    assert any(waited) and len(seen["deferred"][0]) > 1  # tokens waited, over several plans
+    assert seen["deferred"][1].num_requests == 3  # every finished row's outputs are held, shared

@@ -224,6 +224,7 @@ def assert_draft_cache_holds_committed_tokens(engine, tokenizer) -> None:
     """Each draft-model row caches a prefix of its committed tokens, exactly as a fresh prefill does,
     and keeps the rest pending (`handler.caches.rollback`)."""
     drafter = engine.model_drafter
+    engine.batch.flush_observed()  # steps that drafted nothing leave their tokens waiting
     for row in engine.rows:
         if row.request_id not in drafter.order:
             continue  # a look-up row: the draft model does not follow it

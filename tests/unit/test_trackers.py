@@ -408,6 +408,25 @@ def test_a_plain_streak_skips_planning_for_1_2_4_then_4_steps_after_each_plain_p
     assert streak.num_skipped == sum(skipped_runs) + run
 
 
+def test_a_plain_streak_grows_past_its_max_skip_where_planning_costs_more_than_its_budget_of_the_steps():
+    def runs(share: float) -> list[int]:
+        streak = PlainStreak(max_skip=4, min_share=0.01, budget=0.02, longest=16)
+        skipped_runs, run = [], 0
+        for _ in range(120):
+            if streak.skips(1):
+                run += 1
+                continue
+            if run:
+                skipped_runs.append(run)
+            run = 0
+            streak.planned(1, drafting_gain=0.5, share=share)
+        return skipped_runs[:7]
+
+    assert runs(0.05) == [1, 2, 4, 4, 4, 4, 4]  # 0.05 / 5 steps is 1 %: within the budget at 4
+    assert runs(0.2) == [1, 2, 4, 8, 9, 9, 9]  # one plan in 10 steps costs them 2 %
+    assert runs(1.0) == [1, 2, 4, 8, 16, 16, 16]  # at most `longest`
+
+
 def test_a_plain_streak_ends_at_a_plan_that_drafts_or_cheap_planning_and_plans_a_change_of_rows():
     streak = PlainStreak(max_skip=4, min_share=0.01)
     for _ in range(3):
