@@ -194,8 +194,10 @@ class SamplingBatch:
         """The settings of another order of rows: row i takes this batch's row `slots[i]`, and the first
         `num_uniforms[i]` of its uniforms (zeros after them, up to `width`); a row whose slot is None
         samples greedily (its draws are never verified)."""
-        uniforms = torch.zeros((len(slots), width), dtype=torch.float64)  # [rows, width]
-        if self.uniforms is not None and not self.all_greedy:  # greedy: zeros
+        if self.uniforms is None or self.all_greedy:  # greedy: zeros
+            uniforms = greedy_uniforms(len(slots), width)
+        else:
+            uniforms = torch.zeros((len(slots), width), dtype=torch.float64)  # [rows, width]
             for row, (slot, num) in enumerate(zip(slots, num_uniforms)):
                 if slot is not None:
                     uniforms[row, :num] = self.uniforms[slot, :num]
@@ -477,6 +479,15 @@ def rejection_sample(
     output_token_ids[:, :k] = torch.where(positions[None, :] < num_accepted[:, None], draft_token_ids, -1)
     output_token_ids[rows, num_accepted] = next_token_ids
     return num_accepted, output_token_ids
+
+
+@functools.lru_cache(maxsize=64)
+def greedy_uniforms(rows: int, width: int) -> torch.Tensor:  # [rows, width] float64, on the CPU
+    """Zeros for the uniforms of rows that draw none (greedy): one tensor per shape, shared by every
+    step of that shape, where a step of greedy rows would make its own (a few tensors a step, each a
+    host call that costs as much as a small pass's bookkeeping). Only read, never written: whatever
+    fills uniforms in (a sampled row's draws, a coupled row's positions) fills a tensor of its own."""
+    return torch.zeros((rows, width), dtype=torch.float64)
 
 
 def draw_step_uniforms(

@@ -27,6 +27,7 @@ from handler.sampler import (
     argmax_vocab,
     coupled_targets,
     draw_step_uniforms,
+    greedy_uniforms,
     greedy_verify,
     host_to_device,
     match_drafts,
@@ -55,6 +56,8 @@ class StepUniforms:
     def draw(cls, rows: list[Row], ks: list[int], lag: int = 0) -> StepUniforms:
         """`lag`: each row's tokens drawn before these and not yet read (a coupled row's positions follow them)."""
         k = max(ks)
+        if not any([row.generator is not None or row.coupled for row in rows]):
+            return _greedy_step_uniforms(len(rows), k)  # greedy rows draw nothing
         draft, verify = draw_step_uniforms([row.generator for row in rows], ks, k)
         coupled = [slot for slot, row in enumerate(rows) if row.coupled]
         position = torch.zeros(len(coupled), k + 1, dtype=torch.float64)
@@ -75,6 +78,14 @@ class StepUniforms:
         verify = torch.cat([self.acceptance[:, :width], extra, self.last[:, None]], dim=1)
         position = torch.cat([self.position[:, : width + 1], extra[: len(self.coupled)]], dim=1)
         return verify, position
+
+
+@functools.lru_cache(maxsize=64)
+def _greedy_step_uniforms(rows: int, k: int) -> StepUniforms:
+    """The uniforms of a step of greedy rows, all zeros: one per shape, shared by the steps of that shape
+    (`greedy_uniforms`: only read)."""
+    zeros = greedy_uniforms(rows, 2 * k + 1)
+    return StepUniforms(zeros[:, :k], zeros[:, k : 2 * k], zeros[:, 2 * k], [], greedy_uniforms(0, k + 1))
 
 
 @dataclasses.dataclass

@@ -422,3 +422,25 @@ def test_top_p_by_its_prefix_keeps_what_the_whole_sort_keeps(vocab, monkeypatch)
         )
     monkeypatch.setattr(sampler, "TOP_P_PREFIX", vocab)  # every position sorted whole
     assert torch.equal(by_prefix, sampler._apply_top_p(logits, top_p))
+
+
+def test_greedy_rows_share_zero_uniforms_and_a_sampled_row_draws_its_own():
+    from types import SimpleNamespace
+
+    from handler.engine.verify import StepUniforms
+
+    greedy = [SimpleNamespace(generator=None, coupled=False) for _ in range(3)]
+    first, again = StepUniforms.draw(greedy, [2, 0, 2]), StepUniforms.draw(greedy, [1, 2, 2])
+    assert first is again  # one per shape, not a few tensors a step
+    assert (first.draft.shape, first.acceptance.shape, first.last.shape) == ((3, 2), (3, 2), (3,))
+    assert first.coupled == [] and first.position.shape == (0, 3)
+    verify, position = first.for_verify(3)
+    assert verify.shape == (3, 4) and position.shape == (0, 4)
+    assert not any(tensor.any() for tensor in (first.draft, first.acceptance, first.last, verify))
+    # A sampled row among them draws from its generator, into tensors of the step's own.
+    sampled = greedy[:2] + [SimpleNamespace(generator=torch.Generator().manual_seed(0), coupled=False)]
+    drawn = StepUniforms.draw(sampled, [2, 0, 2])
+    expected = torch.rand(5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert torch.equal(drawn.draft[2], expected[:2]) and torch.equal(drawn.acceptance[2], expected[2:4])
+    assert drawn.last[2] == expected[4] and not drawn.draft[:2].any()
+    assert not any(tensor.any() for tensor in (first.draft, first.acceptance, first.last))  # still zeros
