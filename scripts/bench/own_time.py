@@ -8,7 +8,10 @@ plan included, or skipped after plans that priced drafting well below plain, `ha
 and drafting (k = 4) run in the same process, alternating over the repeats (on a GPU also plain
 decoding with every step read before the next is launched, `0, read at once`: the engine's overlapped
 plain steps off; there a step's wall time is the steps' from the first's start to the last's work
-done, over the steps), and the table gives, per step (medians over the repeats):
+done, over the steps), and with the dynamic runner drafting's passes alone (`4, bare loop`: two caches
+of the target, k greedy draft passes, the verify pass, one read, the roll-backs, and nothing else; the
+least own time of a step of those passes, which the engine's drafting row's is above by its planning and
+bookkeeping), and the table gives, per step (medians over the repeats):
 
 - ms a step, and the forwards' ms within it;
 - own ms, unsynchronised (each forward timed as its call returns) and synchronised (the device
@@ -246,6 +249,71 @@ def run_steps(
     return sample
 
 
+def run_bare_steps(
+    target,
+    timer: ForwardTimer,
+    prompt_ids,
+    batch_size: int,
+    k: int,
+    warmup: int,
+    steps: int,
+    counter: CallCounter | None = None,
+) -> dict:
+    """`run_steps` for the bare loop (`FLOOR`): the drafting row's passes and nothing else. Two caches of
+    the target (the draft's and the target's, `handler.caches.kv_cache.RaggedCache`), each step k greedy
+    draft passes of one token a row fed to the next on the device, the verify pass over each row's pending
+    token and its k drafts, the target's argmaxes read once with the accepted counts, both caches rolled
+    back to the accepted tokens. No plan, no drafters, no bookkeeping: the least a step of these passes
+    costs the host."""
+    from handler.caches.kv_cache import RaggedCache
+    from handler.sampler import argmax_vocab
+
+    with torch.inference_mode():
+        draft, verify = RaggedCache(target, batch_size), RaggedCache(target, batch_size)
+        prompt = torch.tensor([list(prompt_ids)] * batch_size)
+        draft.forward(prompt, None, logits_to_keep=1)
+        pending = argmax_vocab(verify.forward(prompt, None, logits_to_keep=1))  # [rows, 1]
+        draft_pending, draft_mask = pending, None  # [rows, w]: what the draft cache has not seen yet
+        device = pending.device
+        wall = forwards = 0.0
+        tokens = 0
+        for step in range(warmup + steps):
+            measured = step >= warmup
+            timer.seconds = 0.0
+            counting = counter if counter is not None and measured else contextlib.nullcontext()
+            called = time.perf_counter()
+            with counting:
+                feeds, feed_mask, drafted = draft_pending, draft_mask, []
+                for _ in range(k):
+                    feeds = argmax_vocab(draft.forward(feeds, feed_mask, logits_to_keep=1))  # [rows, 1]
+                    feed_mask = None
+                    drafted.append(feeds)
+                chunk = torch.cat([pending, *drafted], dim=1)  # [rows, 1 + k]
+                targets = argmax_vocab(verify.forward(chunk, None, logits_to_keep=k + 1))  # [rows, 1 + k]
+                accepted = (targets[:, :k] == chunk[:, 1:]).cumprod(dim=1).sum(dim=1)  # [rows]
+                read = torch.cat([accepted[:, None], targets], dim=1).tolist()  # the step's one read
+                num_accepted = torch.tensor([row[0] for row in read])
+                # The target keeps each row's pending token and accepted drafts; the draft, what it was fed
+                # of them (it never saw its own last draft: a row that took every draft feeds it next).
+                verify.rollback(verify.lengths - (k - num_accepted))
+                draft.rollback(draft.lengths - (k - 1) + num_accepted.clamp(max=k - 1))
+                pending = torch.tensor([[row[1 + row[0]]] for row in read], device=device)  # [rows, 1]: the bonus
+                every_draft = [row[0] == k for row in read]
+                draft_pending, draft_mask = pending, None
+                if any(every_draft):
+                    draft_pending = torch.cat([drafted[-1], pending], dim=1)
+                    if not all(every_draft):  # the others' first column is left padding
+                        draft_mask = torch.tensor([[int(every), 1] for every in every_draft])
+            if measured:
+                wall += time.perf_counter() - called
+                forwards += timer.seconds
+                tokens += sum(row[0] + 1 for row in read)
+    sample = {"step_ms": wall / steps * 1e3, "forward_ms": forwards / steps * 1e3, "tokens_per_step": tokens / steps}
+    if counter is not None:
+        sample.update(torch_calls=counter.torch_calls / steps, python_calls=counter.python_calls / steps)
+    return sample
+
+
 def load_shaped_target(shape: str, device: str):
     """A random-weight Qwen2.5 shape in bf16 (scripts.bench.gpu_check.SHAPES) and a text tokenizer."""
     from scripts.bench import gpu_check
@@ -275,21 +343,41 @@ def priced_out_engine(target, tokenizer, runner: str, plain_seconds: float):
 # The rows of the table at each batch size: plain decoding, the planner pricing every draft out (its steps
 # draft nothing), and drafting at a fixed k; on a GPU also plain decoding with each step read before the
 # next is launched (`READ_AT_ONCE`: the overlap of plain steps off, `handler.engine.EngineOptions`).
+# With the dynamic runner, also the drafting row's passes alone (`FLOOR`, `run_bare_steps`): the least
+# own time of a step of them, the engine's bound.
 PLAIN, READ_AT_ONCE, PRICED_OUT, DRAFTING = "0", "0, read at once", "0, planned", str(DRAFTING_K)
+FLOOR = f"{DRAFTING_K}, bare loop"
 MODES = (PLAIN, PRICED_OUT, DRAFTING)
 GPU_MODES = (PLAIN, READ_AT_ONCE, PRICED_OUT, DRAFTING)
 # Each row's requested k: the planner's rows ask for a cap it prices out.
-REQUESTED_K = {PLAIN: 0, READ_AT_ONCE: 0, PRICED_OUT: 2 * DRAFTING_K, DRAFTING: DRAFTING_K}
+REQUESTED_K = {PLAIN: 0, READ_AT_ONCE: 0, PRICED_OUT: 2 * DRAFTING_K, DRAFTING: DRAFTING_K, FLOOR: DRAFTING_K}
+
+
+def modes_of(device: torch.device, runner: str) -> tuple[str, ...]:
+    """The table's rows at each batch size on `device` with `runner`."""
+    modes = GPU_MODES if device.type == "cuda" else MODES
+    return modes + (FLOOR,) if runner == "dynamic" else modes
+
+
+def run_mode(mode: str, engine, target, timer, prompt_ids, batch_size: int, args, counter=None) -> dict:
+    """One run of a row of the table: `run_steps` on the row's engine, or the bare loop (`FLOOR`)."""
+    if mode == FLOOR:
+        return run_bare_steps(target, timer, prompt_ids, batch_size, DRAFTING_K, args.warmup, args.steps, counter)
+    return run_steps(engine, timer, prompt_ids, batch_size, REQUESTED_K[mode], args.warmup, args.steps, counter)
 
 
 def measure(args, target, tokenizer) -> list[dict]:
     # The draft is the target itself: every draft is accepted, and the step is all the machinery.
     engine = self_drafting_engine(target, tokenizer, args.runner, args.confidence_stop)
-    modes = GPU_MODES if target.device.type == "cuda" else MODES
+    modes = modes_of(target.device, args.runner)
     engines = {mode: engine for mode in modes}
     if READ_AT_ONCE in modes:
         engines[READ_AT_ONCE] = self_drafting_engine(target, tokenizer, args.runner, overlap_plain_steps=False)
     priced_out: dict[int, object] = {}  # by batch size, built after its first plain run
+
+    def engine_of(mode: str, batch_size: int):
+        return priced_out[batch_size] if mode == PRICED_OUT else engines[mode]
+
     timer = ForwardTimer(target)
     prompt_ids = tuple(tokenizer(PROMPT)["input_ids"])
     samples: dict[tuple[int, str, bool], list[dict]] = {}
@@ -302,22 +390,14 @@ def measure(args, target, tokenizer) -> list[dict]:
                         priced_out[batch_size] = priced_out_engine(target, tokenizer, args.runner, plain_seconds)
                     for synchronised in (False, True):
                         timer.synchronised = synchronised
-                        sample = run_steps(
-                            priced_out[batch_size] if mode == PRICED_OUT else engines[mode],
-                            timer,
-                            prompt_ids,
-                            batch_size,
-                            REQUESTED_K[mode],
-                            args.warmup,
-                            args.steps,
+                        sample = run_mode(
+                            mode, engine_of(mode, batch_size), target, timer, prompt_ids, batch_size, args
                         )
                         samples.setdefault((batch_size, mode, synchronised), []).append(sample)
         for batch_size in args.batch_sizes:
             for mode in modes:
-                engine_of_mode = priced_out[batch_size] if mode == PRICED_OUT else engines[mode]
-                counter = CallCounter(timer)
-                samples[batch_size, mode, "counted"] = run_steps(
-                    engine_of_mode, timer, prompt_ids, batch_size, REQUESTED_K[mode], args.warmup, args.steps, counter
+                samples[batch_size, mode, "counted"] = run_mode(
+                    mode, engine_of(mode, batch_size), target, timer, prompt_ids, batch_size, args, CallCounter(timer)
                 )
     finally:
         timer.remove()

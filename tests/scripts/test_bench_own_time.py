@@ -16,14 +16,16 @@ def test_the_table_and_the_ratio_against_plain_come_out(tiny_models_dir, capsys)
     header = next(index for index, line in enumerate(lines) if line.startswith("| batch | k |"))
     assert "own ms (unsync)" in lines[header] and "own ms (sync)" in lines[header]
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[header + 2 :]]
-    modes = ("0", "0, planned", "4")  # plain, the planner pricing every draft out, drafting
+    # plain, the planner pricing every draft out, drafting, and drafting's passes alone (the floor)
+    modes = ("0", "0, planned", "4", "4, bare loop")
     assert [(row[0], row[1]) for row in rows] == [(batch, mode) for batch in ("1", "2") for mode in modes]
     for row in rows:
         assert float(row[2]) >= float(row[3]) >= 0.0  # a step holds its forwards
         assert row[8].endswith("x") and row[9].endswith("x")
     assert [row[8] for row in rows if row[1] == "0"] == ["1.00x", "1.00x"]  # plain against itself
     tokens = {(row[0], row[1]): float(row[6]) for row in rows}
-    assert [tokens[batch, mode] for batch in ("1", "2") for mode in ("0", "4")] == [1.0, 5.0, 1.0, 5.0]  # all taken
+    modes_taking_all = ("0", "4", "4, bare loop")
+    assert [tokens[batch, mode] for batch in ("1", "2") for mode in modes_taking_all] == [1.0, 5.0, 5.0] * 2
     assert all(tokens[batch, "0, planned"] >= 1.0 for batch in ("1", "2"))  # a warm-up may explore still
     # The calls outside the forwards, counted: drafting's k passes make more than plain's one, and a
     # second row adds Python calls (per-row bookkeeping) but no torch calls (the tensors are the batch's).
@@ -33,3 +35,7 @@ def test_the_table_and_the_ratio_against_plain_come_out(tiny_models_dir, capsys)
         assert 0 < calls[batch, "0"][0] < calls[batch, "4"][0]
         assert 0 < calls[batch, "0"][1] < calls[batch, "4"][1]
     assert calls["2", "4"][0] == calls["1", "4"][0] and calls["2", "4"][1] > calls["1", "4"][1]
+    # The bare loop makes drafting's passes with no bookkeeping: its Python calls do not grow with the rows.
+    for batch in ("1", "2"):
+        assert 0 < calls[batch, "4, bare loop"][1] < calls[batch, "4"][1]
+    assert calls["2", "4, bare loop"] == calls["1", "4, bare loop"]
