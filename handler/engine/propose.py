@@ -100,6 +100,7 @@ class Proposer:
         """
         self.planner.reprice_guesses()
         caps = [row.lookup_cap(self.prompt_lookup_num_tokens) for row in rows]
+        proposing = [drafters_of(row.drafter) for row in rows]
         forced = [NO_DRAFTS] * len(rows)
         if self.grammar_drafts:
             asking = [
@@ -113,7 +114,7 @@ class Proposer:
             asking = [
                 DraftRow(row.request_id, cap, slot, tree=self._takes_trees(row))
                 for slot, (row, cap) in enumerate(zip(rows, caps))
-                if name in drafters_of(row.drafter) and not forced[slot].token_ids
+                if name in proposing[slot] and not forced[slot].token_ids
             ]
             lookups[name] = self._proposals(name, asking, sampling, [None] * len(rows))
         options = []
@@ -125,7 +126,7 @@ class Proposer:
                 options.append(RowOptions(candidates=(grammar,)))
                 continue
             model_curve = None
-            if MODEL in drafters_of(row.drafter):
+            if MODEL in proposing[slot]:
                 model_curve = self.estimates.tracker(row, MODEL).expected_curve(row.cap())
             candidates = []
             for name in LOOKUPS:
@@ -206,15 +207,16 @@ class Proposer:
             # Every row of the draft's batch takes part in every pass.
             cost_table.observe_draft(drafter.num_rows, times.num_passes, times.draft_seconds)
         chains = {}
-        for slot, proposal in zip(model_slots, proposals):
+        for slot, asked, proposal in zip(model_slots, asking, proposals):
             row = rows[slot]
-            if self.planner.guesses_for(row, len(rows)) is not None:
-                passes_needed = drafter.passes_needed(row.request_id, len(proposal.token_ids))
-                row.guess_rate.update(len(proposal.token_ids), passes_needed)
+            drawn = len(proposal.token_ids)
+            num = min(plan.rows[slot].k, drawn)
+            passes = drafter.passes_needed(row.request_id, num)
+            if asked.guesses:  # its passes carried guesses (`_guesses`: 0 where it takes none)
+                row.guess_rate.update(drawn, passes if num == drawn else drafter.passes_needed(row.request_id, drawn))
             row.end_drafting()
-            num = min(plan.rows[slot].k, len(proposal.token_ids))
-            row.stats.draft_passes += drafter.passes_needed(row.request_id, num)
-            chain = proposal.prefix(num)
+            row.stats.draft_passes += passes
+            chain = proposal if num == drawn else proposal.prefix(num)
             chains[slot] = (num, chain.confidences or [], chain.runners_up or [])
             confidences = DraftConfidences(chain.confidences) if chain.confidences else None
             drafts[slot] = Drafts(Proposal(chain.token_ids), probs=chain.draft_probs, confidences=confidences)

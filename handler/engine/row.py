@@ -91,16 +91,17 @@ class Row:
 
     def cap(self) -> int:
         """The most drafts this row may verify now: its k, and never past max_new_tokens."""
-        return self._within_max_new_tokens(self.request.num_speculative_tokens)
+        # The verify pass emits up to k + 1 tokens and must stay inside max_new_tokens. (Inline, as in
+        # `lookup_cap`: both run for every row of every planned step.)
+        request = self.request
+        return max(0, min(request.num_speculative_tokens, request.max_new_tokens - len(self.token_ids) - 1))
 
     def lookup_cap(self, lookup_num_tokens: int) -> int:
         """The most look-up drafts this row may verify now: `lookup_num_tokens` (0: its k), none when its k is 0."""
-        k = self.request.num_speculative_tokens
-        return self._within_max_new_tokens(lookup_num_tokens if k and lookup_num_tokens else k)
-
-    def _within_max_new_tokens(self, num_drafts: int) -> int:
-        # The verify pass emits up to num_drafts + 1 tokens and must stay inside max_new_tokens.
-        return max(0, min(num_drafts, self.remaining - 1))
+        request = self.request
+        k = request.num_speculative_tokens
+        wanted = lookup_num_tokens if k and lookup_num_tokens else k
+        return max(0, min(wanted, request.max_new_tokens - len(self.token_ids) - 1))  # as in `cap`
 
     def extend(self, new_token_ids: Sequence[int]) -> list[int]:
         """Appends tokens one by one until a stop condition; returns those kept."""
