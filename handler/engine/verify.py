@@ -234,9 +234,9 @@ class Verifier:
         """A plain step (no row drafts) whose outcome is read later: the target's pass over each row's
         pending token (`input_ids` [batch, 1], on the device: the last launch's tokens, not yet read,
         or the rows' own), and each row's next token drawn as `__call__` draws it at k = 0, left on the
-        device (`PlainLaunch`). The rows' rules must not shape their logits (the engine launches only
-        rows without them: their history would lag the tokens in flight)."""
-        assert not any(row.shapes_logits for row in rows), "a row's rules need its tokens on the host"
+        device (`PlainLaunch`). The rows' rules must not shape their logits: the engine launches only
+        rows without them (`handler.engine.engine._lean`, asked just before), whose history would lag the
+        tokens in flight."""
         self.seconds = 0.0
         logits = self._target_pass(input_ids, 1, None)[..., : self.vocab_size]  # [batch, 1, vocab]
         if sampling.all_greedy:
