@@ -327,7 +327,8 @@ class SpeculativeEngine:
             row.steps_without_drafts = 0 if row_drafts.k else row.steps_without_drafts + 1
             if row_drafts.k or row_plan.planned_tree:  # else nothing verified, nothing to learn or relax
                 self.estimates.learn(row, row_plan, row_drafts, accepted, path)
-            output = row.emit(verified.emitted[slot][: accepted + 1], verified.row_logits(row, slot), path)
+            logits = verified.logits[slot] if row.logprobs is not None else None  # `Verified.row_logits`
+            output = row.emit(verified.emitted[slot][: accepted + 1], logits, path)
             output.num_draft_tokens, output.num_accepted_tokens = row_drafts.k, accepted
             committed[row.request_id] = output.new_token_ids
             outputs.append(output)

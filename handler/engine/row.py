@@ -106,7 +106,7 @@ class Row:
     def extend(self, new_token_ids: Sequence[int]) -> list[int]:
         """Appends tokens one by one until a stop condition; returns those kept."""
         kept = []
-        remaining = self.remaining
+        remaining = self.request.max_new_tokens - len(self.token_ids)  # `remaining`, once a row a step
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             kept.append(token_id)
@@ -162,7 +162,8 @@ class Row:
         (`logits`: the row's raw target logits at the step's columns, [columns, vocab], read where it
         reports log-probabilities; `path`: the columns of the emitted tokens)."""
         kept = self.extend(new_tokens)
-        self.commit(kept)
+        if self.grammar is not None or self.output_counts is not None or self.seen is not None:
+            self.commit(kept)  # a row with rules (most rows have none: not called for them)
         if self.logprobs is not None and kept:
             self.logprobs.extend(token_logprobs(logits[path[: len(kept)]], kept, self.request.logprobs))
         result = self.result() if self.finish_reason is not None else None

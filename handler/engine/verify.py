@@ -303,7 +303,7 @@ class _DeviceRows:
         chains = {
             slot: row.proposal.token_ids
             for slot, row in enumerate(drafts)
-            if isinstance(row.proposal.token_ids, DeviceChain)
+            if type(row.proposal.token_ids) is DeviceChain  # not isinstance: an ABC's check, once a row a step
         }
         return cls(chains, tuple({id(chain.drafts): chain.drafts for chain in chains.values()}.values()))
 
