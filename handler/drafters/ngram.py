@@ -42,16 +42,19 @@ class NgramIndex:
         self.extend(token_ids)
 
     def extend(self, token_ids: Sequence[int]) -> None:
+        # Every committed token of every row passes here (a prompt's at admission): the loop reads locals.
+        tokens, first_end, more_ends = self.tokens, self.first_end, self.more_ends
+        min_n, max_n = self.min_n, self.max_n
         for token_id in token_ids:
             # The suffix that ends at the current end becomes an earlier occurrence.
-            end = len(self.tokens)
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                ngram = tuple(self.tokens[end - n : end])
-                if self.first_end.setdefault(ngram, end) != end:
-                    more = self.more_ends.setdefault(ngram, [])
+            end = len(tokens)
+            for n in range(min_n, min(max_n, end) + 1):
+                ngram = tuple(tokens[end - n : end])
+                if first_end.setdefault(ngram, end) != end:
+                    more = more_ends.setdefault(ngram, [])
                     if len(more) < MAX_OCCURRENCES - 1:
                         more.append(end)
-            self.tokens.append(token_id)
+            tokens.append(token_id)
 
     def lookup(self, k: int) -> list[int]:
         """Up to k tokens that followed the longest matching suffix's earliest occurrence."""
