@@ -252,7 +252,7 @@ class Proposer:
 
     def _runners_up(self, rows: list[Row], plan: StepPlan, chains: dict) -> dict[int, tuple[list[int], dict]]:
         """The greedy model chains that take the draft's runners-up, where they pay (`Planner.runners_up`)."""
-        eligible = [slot for slot, chain in chains.items() if self._takes_runners_up(rows[slot]) and chain[2]]
+        eligible = [slot for slot, chain in chains.items() if chain[2] and self._takes_runners_up(rows[slot])]
         if not eligible:
             return {}
         max_nodes = [max(chains[slot][0], rows[slot].lookup_cap(self.prompt_lookup_num_tokens)) for slot in eligible]
