@@ -243,22 +243,18 @@ def run_steps(
     for row in range(batch_size):
         engine.abort_request(row)
     engine.step()  # frees the aborted rows
+    return _sample(wall, forwards, tokens, steps, counter)
+
+
+def _sample(wall: float, forwards: float, tokens: int, steps: int, counter: CallCounter | None) -> dict:
+    """A run's figures a step: its wall and forwards' ms, its tokens, and its counted calls where counted."""
     sample = {"step_ms": wall / steps * 1e3, "forward_ms": forwards / steps * 1e3, "tokens_per_step": tokens / steps}
     if counter is not None:
         sample.update(torch_calls=counter.torch_calls / steps, python_calls=counter.python_calls / steps)
     return sample
 
 
-def run_bare_steps(
-    target,
-    timer: ForwardTimer,
-    prompt_ids,
-    batch_size: int,
-    k: int,
-    warmup: int,
-    steps: int,
-    counter: CallCounter | None = None,
-) -> dict:
+def run_bare_steps(target, timer, prompt_ids, batch_size: int, k: int, warmup: int, steps: int, counter=None) -> dict:
     """`run_steps` for the bare loop (`FLOOR`): the drafting row's passes and nothing else. Two caches of
     the target (the draft's and the target's, `handler.caches.kv_cache.RaggedCache`), each step k greedy
     draft passes of one token a row fed to the next on the device, the verify pass over each row's pending
@@ -308,10 +304,7 @@ def run_bare_steps(
                 wall += time.perf_counter() - called
                 forwards += timer.seconds
                 tokens += sum(row[0] + 1 for row in read)
-    sample = {"step_ms": wall / steps * 1e3, "forward_ms": forwards / steps * 1e3, "tokens_per_step": tokens / steps}
-    if counter is not None:
-        sample.update(torch_calls=counter.torch_calls / steps, python_calls=counter.python_calls / steps)
-    return sample
+    return _sample(wall, forwards, tokens, steps, counter)
 
 
 def load_shaped_target(shape: str, device: str):
