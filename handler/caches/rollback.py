@@ -93,7 +93,7 @@ def draft_rollback(
     assert not (pending and (fed or fed_pending)), (pending, fed, fed_pending)
     if not committed:
         return DraftRollback(len(fed) + len(fed_pending), [*fed_pending, *pending])
-    num_matching = 0
-    while num_matching < min(len(fed), len(committed) - 1) and fed[num_matching] == committed[num_matching]:
+    num_matching, most = 0, min(len(fed), len(committed) - 1)  # every row, every step: the bound once
+    while num_matching < most and fed[num_matching] == committed[num_matching]:
         num_matching += 1
     return DraftRollback(len(fed) - num_matching, [*pending, *committed[num_matching:]])
