@@ -132,6 +132,7 @@ class SpeculativeEngine:
         self.overlap_plain_steps = self.device.type == "cuda" if overlap is None else overlap
         self._in_flight: _InFlight | None = None  # a plain step launched and not yet read
         self.num_overlapped_steps = 0  # plain steps launched before the one before them was read
+        self._sampling_of: tuple[int, SamplingBatch] | None = None  # the batch's settings, by `Batch.version`
 
     @property
     def model_drafter(self) -> ModelDrafter | None:
@@ -241,7 +242,7 @@ class SpeculativeEngine:
         rows = self.rows
         started = time.perf_counter()
         mask_seconds_before = sum([row.stats.mask_seconds for row in rows])
-        sampling = SamplingBatch.from_params([row.request.sampling for row in rows], self.device)
+        sampling = self._batch_sampling()
         plan = self._plan(rows, sampling)
         if plan.width == 0 and _lean(rows):
             # A plain step: the target's pass and draws alone, as the plain engine's. Overlapped, it is
@@ -382,7 +383,7 @@ class SpeculativeEngine:
         then read and committed while this one's pass runs. Returns the step read."""
         started = time.perf_counter()
         rows = self.rows
-        sampling = SamplingBatch.from_params([row.request.sampling for row in rows], self.device)
+        sampling = self._batch_sampling()
         plan = StepPlan.plain(len(rows))  # as a plain streak's skip plans it
         launched = self._launch(rows, plan, sampling, in_flight.launch.next_ids, started, started, lag=1)
         self.num_overlapped_steps += 1
@@ -409,6 +410,16 @@ class SpeculativeEngine:
             ended,
             landing=True,
         )
+
+    def _batch_sampling(self) -> SamplingBatch:
+        """The batch's rows' sampling settings, built again only where rows joined or left since
+        (`Batch.version`): each step's were the same objects, and a sampled batch's tensors of them
+        (four copies to the device) are then made once, not each step."""
+        version = self.batch.version
+        if self._sampling_of is None or self._sampling_of[0] != version:
+            params = [row.request.sampling for row in self.batch.rows]
+            self._sampling_of = (version, SamplingBatch.from_params(params, self.device))
+        return self._sampling_of[1]
 
     def _plan(self, rows: list[Row], sampling: SamplingBatch) -> StepPlan:
         """The step's plan: from the drafters' options, or plain without asking them where the plans
