@@ -42,19 +42,29 @@ class NgramIndex:
         self.extend(token_ids)
 
     def extend(self, token_ids: Sequence[int]) -> None:
-        # Every committed token of every row passes here (a prompt's at admission): the loop reads locals.
-        tokens, first_end, more_ends = self.tokens, self.first_end, self.more_ends
-        min_n, max_n = self.min_n, self.max_n
-        for token_id in token_ids:
-            # The suffix that ends at the current end becomes an earlier occurrence.
-            end = len(tokens)
-            for n in range(min_n, min(max_n, end) + 1):
-                ngram = tuple(tokens[end - n : end])
-                if first_end.setdefault(ngram, end) != end:
-                    more = more_ends.setdefault(ngram, [])
-                    if len(more) < MAX_OCCURRENCES - 1:
-                        more.append(end)
-            tokens.append(token_id)
+        """Appends tokens; each suffix that a new token follows becomes an earlier occurrence.
+
+        Every committed token of a hybrid row passes here (a prompt's at admission), and at n = 2..8
+        a token is 7 n-grams: they are made and entered n by n over the new ends (`zip` over shifted
+        slices, `map` of `setdefault`), not in a Python loop a token and an n. For one n the ends come
+        in order, so each n-gram's first end and its next ones are those a token-by-token pass enters.
+        """
+        tokens = self.tokens
+        start = len(tokens)
+        tokens.extend(token_ids)
+        stop = len(tokens)  # the n-grams ending at start .. stop - 1 enter: a token followed each
+        first_end, more_ends = self.first_end, self.more_ends
+        for n in range(self.min_n, self.max_n + 1):
+            begin = max(start, n)  # an n-gram needs n tokens before its end
+            if begin >= stop:
+                continue
+            ngrams = list(zip(*[tokens[begin - n + i : stop - n + i] for i in range(n)]))
+            ends = range(begin, stop)
+            earliest = list(map(first_end.setdefault, ngrams, ends))
+            for ngram, end in [(g, e) for g, e, first in zip(ngrams, ends, earliest) if first != e]:
+                more = more_ends.setdefault(ngram, [])
+                if len(more) < MAX_OCCURRENCES - 1:
+                    more.append(end)
 
     def lookup(self, k: int) -> list[int]:
         """Up to k tokens that followed the longest matching suffix's earliest occurrence."""

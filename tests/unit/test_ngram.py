@@ -57,3 +57,37 @@ def test_drafter_tracks_rows_by_request_id():
     assert drafter.lookup("a", 0).token_ids == []
     drafter.remove(["a"])
     assert "a" not in drafter.rows
+
+
+def _indexed_token_by_token(tokens: list[int], min_n: int, max_n: int) -> tuple[dict, dict]:
+    """The index as one token at a time enters it: each suffix a token follows becomes an occurrence."""
+    from handler.drafters.ngram import MAX_OCCURRENCES
+
+    first_end, more_ends = {}, {}
+    for end in range(len(tokens)):
+        for n in range(min_n, min(max_n, end) + 1):
+            ngram = tuple(tokens[end - n : end])
+            if first_end.setdefault(ngram, end) != end:
+                more = more_ends.setdefault(ngram, [])
+                if len(more) < MAX_OCCURRENCES - 1:
+                    more.append(end)
+    return first_end, more_ends
+
+
+def test_an_index_grown_in_chunks_holds_each_ngrams_occurrences_as_one_token_at_a_time_does():
+    import random
+
+    generator = random.Random(0)
+    for trial in range(60):
+        min_n = generator.randint(1, 3)
+        max_n = generator.randint(min_n, 8)
+        # A small vocabulary repeats n-grams often: past MAX_OCCURRENCES, and inside one chunk.
+        tokens = [generator.randrange(2 + trial % 6) for _ in range(generator.randint(0, 120))]
+        cut = generator.randint(0, len(tokens))
+        index = NgramIndex(tokens[:cut], min_n, max_n)
+        while cut < len(tokens):
+            step = generator.randint(0, 20)
+            index.extend(tokens[cut : cut + step])
+            cut += step
+        assert index.tokens == tokens
+        assert (index.first_end, index.more_ends) == _indexed_token_by_token(tokens, min_n, max_n), trial
