@@ -144,8 +144,8 @@ class SamplingParams:
             raise ValueError(problem)
         object.__setattr__(self, "logit_bias", tuple(sorted((token_id, float(bias)) for token_id, bias in pairs)))
 
-    @property
-    def is_greedy(self) -> bool:
+    @functools.cached_property
+    def is_greedy(self) -> bool:  # cached: read for every row, several times a planned step
         return self.temperature == 0.0
 
     # Cached: the settings are frozen, and the step asks for these per row, several times a step.
