@@ -409,19 +409,17 @@ class ModelDrafter:
         uniforms = None if greedy else host_to_device(settings.uniforms[:, :k], self.device)  # [rows, k]
         sampled_per_pass, probs_per_pass, measured_per_pass = [], [], []
         # A draft on the target's vocabulary reads the target's ids and its logits are the target's: the
-        # passes then skip the mapping (two calls a pass each way; `_pass_ids`, `_target_logits`).
-        maps_ids = type(self)._pass_ids is not ModelDrafter._pass_ids or self.vocab_size > self.draft_vocab_size
-        fits_logits = None  # whether the logits need `_target_logits`: known from the first pass's width
+        # passes then skip the mapping (`_pass_ids`, `_target_logits`: two calls a pass each way).
+        same_vocab = (
+            self.draft_vocab_size == self.vocab_size
+            and type(self)._pass_ids is ModelDrafter._pass_ids
+            and type(self)._target_logits is ModelDrafter._target_logits
+        )
         for number in range(k):
             draft_logits = self.cache.forward(
-                self._pass_ids(input_ids) if maps_ids else input_ids, chunk_mask, logits_to_keep=1
+                input_ids if same_vocab else self._pass_ids(input_ids), chunk_mask, logits_to_keep=1
             )
-            if fits_logits is None:
-                fits_logits = (
-                    type(self)._target_logits is not ModelDrafter._target_logits
-                    or draft_logits.shape[-1] != self.vocab_size
-                )
-            logits = self._target_logits(draft_logits) if fits_logits else draft_logits  # [rows, 1, vocab]
+            logits = draft_logits if same_vocab else self._target_logits(draft_logits)  # [rows, 1, vocab]
             if greedy:
                 sampled = argmax_vocab(logits)  # [rows, 1]
             else:

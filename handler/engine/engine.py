@@ -326,8 +326,7 @@ class SpeculativeEngine:
             accepted, path = verified.num_accepted[slot], verified.paths[slot]
             row.stats.record(row_plan.drafter, row_drafts.k, accepted)
             row.steps_without_drafts = 0 if row_drafts.k else row.steps_without_drafts + 1
-            if row_drafts.k or row_plan.planned_tree:  # else nothing verified, nothing to learn or relax
-                self.estimates.learn(row, row_plan, row_drafts, accepted, path)
+            self.estimates.learn(row, row_plan, row_drafts, accepted, path)
             logits = verified.logits[slot] if row.logprobs is not None else None  # `Verified.row_logits`
             output = row.emit(verified.emitted[slot][: accepted + 1], logits, path)
             output.num_draft_tokens, output.num_accepted_tokens = row_drafts.k, accepted

@@ -91,22 +91,21 @@ class Row:
 
     def cap(self) -> int:
         """The most drafts this row may verify now: its k, and never past max_new_tokens."""
-        # The verify pass emits up to k + 1 tokens and must stay inside max_new_tokens. (Inline, as in
-        # `lookup_cap`: both run for every row of every planned step.)
-        request = self.request
-        return max(0, min(request.num_speculative_tokens, request.max_new_tokens - len(self.token_ids) - 1))
+        return self._within_max_new_tokens(self.request.num_speculative_tokens)
 
     def lookup_cap(self, lookup_num_tokens: int) -> int:
         """The most look-up drafts this row may verify now: `lookup_num_tokens` (0: its k), none when its k is 0."""
-        request = self.request
-        k = request.num_speculative_tokens
-        wanted = lookup_num_tokens if k and lookup_num_tokens else k
-        return max(0, min(wanted, request.max_new_tokens - len(self.token_ids) - 1))  # as in `cap`
+        k = self.request.num_speculative_tokens
+        return self._within_max_new_tokens(lookup_num_tokens if k and lookup_num_tokens else k)
+
+    def _within_max_new_tokens(self, num_drafts: int) -> int:
+        # The verify pass emits up to num_drafts + 1 tokens and must stay inside max_new_tokens.
+        return max(0, min(num_drafts, self.remaining - 1))
 
     def extend(self, new_token_ids: Sequence[int]) -> list[int]:
         """Appends tokens one by one until a stop condition; returns those kept."""
         kept = []
-        remaining = self.request.max_new_tokens - len(self.token_ids)  # `remaining`, once a row a step
+        remaining = self.remaining
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             kept.append(token_id)
@@ -162,8 +161,7 @@ class Row:
         (`logits`: the row's raw target logits at the step's columns, [columns, vocab], read where it
         reports log-probabilities; `path`: the columns of the emitted tokens)."""
         kept = self.extend(new_tokens)
-        if self.grammar is not None or self.output_counts is not None or self.seen is not None:
-            self.commit(kept)  # a row with rules (most rows have none: not called for them)
+        self.commit(kept)
         if self.logprobs is not None and kept:
             self.logprobs.extend(token_logprobs(logits[path[: len(kept)]], kept, self.request.logprobs))
         result = self.result() if self.finish_reason is not None else None

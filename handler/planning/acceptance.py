@@ -104,6 +104,8 @@ class Estimates:
         `path`: the chunk columns of its pending token and accepted drafts.
         """
         proposer, proposal, k = plan.drafter, drafts.proposal, drafts.k
+        if not k and not plan.planned_tree:
+            return  # nothing verified (a plain step's row): nothing to learn, no planned tree to relax
         # Drafts reached: the accepted ones, and one more where the walk stopped at a node with children.
         reached = k
         if proposal.is_tree:

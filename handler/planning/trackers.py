@@ -421,8 +421,7 @@ class ConfidenceCalibration:
 
     def acceptance(self, confidence: float) -> float:
         """The estimated chance that the target accepts a draft of this confidence."""
-        # `_bin`, inline: the confidence stop asks this for every draft of every row it plans.
-        index = min(max(int(confidence * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
+        index = self._bin(confidence)
         prior = (index + 0.5) / CONFIDENCE_BINS
         return (self.accepted[index] + CONFIDENCE_PRIOR * prior) / (self.verified[index] + CONFIDENCE_PRIOR)
 

@@ -354,9 +354,8 @@ def modes_of(device: torch.device, runner: str) -> tuple[str, ...]:
 
 def run_mode(mode: str, engine, target, timer, prompt_ids, batch_size: int, args, counter=None) -> dict:
     """One run of a row of the table: `run_steps` on the row's engine, or the bare loop (`FLOOR`)."""
-    if mode == FLOOR:
-        return run_bare_steps(target, timer, prompt_ids, batch_size, DRAFTING_K, args.warmup, args.steps, counter)
-    return run_steps(engine, timer, prompt_ids, batch_size, REQUESTED_K[mode], args.warmup, args.steps, counter)
+    run, subject = (run_bare_steps, target) if mode == FLOOR else (run_steps, engine)
+    return run(subject, timer, prompt_ids, batch_size, REQUESTED_K[mode], args.warmup, args.steps, counter)
 
 
 def measure(args, target, tokenizer) -> list[dict]:
