@@ -29,6 +29,7 @@ This module imports only torch.
 from __future__ import annotations
 
 import heapq
+import operator
 from typing import Sequence
 
 import torch
@@ -40,7 +41,7 @@ ROOT = -1
 
 def is_chain(parents: Sequence[int]) -> bool:
     """Whether every node's parent is the node before it (the root for the first)."""
-    return all(parent == index - 1 for index, parent in enumerate(parents))
+    return all(map(operator.eq, parents, range(ROOT, len(parents) - 1)))
 
 
 def depths(parents: Sequence[int]) -> list[int]:
@@ -67,7 +68,7 @@ def order_best_first(
     """
     num_nodes = len(token_ids)
     assert len(parents) == num_nodes == len(scores), (len(token_ids), len(parents), len(scores))
-    if all(score >= next_score for score, next_score in zip(scores, scores[1:])):
+    if all(map(operator.ge, scores, scores[1:])):
         # Already best first (a chain of equal shares, a suffix tree's path probabilities): parents come first.
         return list(token_ids), list(parents), list(scores)
     if all(parent == ROOT or scores[parent] >= scores[index] for index, parent in enumerate(parents)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from typing import Callable, Sequence
 
 import torch
@@ -155,6 +156,31 @@ class StepPlan:
         return cls((NO_PLAN,) * num_rows)
 
 
+class StepPrices:
+    """(k, drafts with the model) -> the seconds of a step of one batch verifying k drafts, each priced
+    once a plan: every row's candidates ask for the same few. `best_rate` takes a candidate's best tokens
+    per second over its ks from the prices of all of them at once, the ks a row's look-up and the
+    draft offer being up to 16 a row at 16 rows."""
+
+    def __init__(self, seconds: Callable[[int, bool], float]) -> None:
+        self._seconds = seconds
+        self._prices: dict[bool, list[float]] = {False: [], True: []}  # [k - 1]: a step of k drafts
+
+    def __call__(self, k: int, model: bool) -> float:
+        return self.up_to(k, model)[k - 1] if k > 0 else self._seconds(k, model)
+
+    def up_to(self, max_k: int, model: bool) -> list[float]:
+        """The seconds of a step of 1, 2, .. drafts, at least `max_k` of them."""
+        prices = self._prices[model]
+        while len(prices) < max_k:
+            prices.append(self._seconds(len(prices) + 1, model))
+        return prices
+
+    def best_rate(self, curve: Sequence[float], max_k: int, model: bool) -> float:
+        """max over k in 1..max_k of curve[k] / seconds(k, model): E(k) per second of its step."""
+        return max(map(operator.truediv, curve[1 : max_k + 1], self.up_to(max_k, model)))
+
+
 class Planner:
     """Prices steps with a cost table and decides each row's drafts (`plan`)."""
 
@@ -259,20 +285,11 @@ class Planner:
             seconds = max(seconds, num_rows * width * table.draft_token_seconds)
         return seconds
 
-    def step_seconds(self, batch_size: int) -> Callable[[int, bool], float] | None:
+    def step_seconds(self, batch_size: int) -> StepPrices | None:
         """(k, drafts with the model) -> the cost table's seconds for a step of the batch; None without a table."""
         if self.cost_table is None:
             return None
-        # Every row's candidates ask for the same few (k, model) within a plan: each is priced once.
-        priced: dict[tuple[int, bool], float] = {}
-
-        def seconds(k: int, model: bool) -> float:
-            cost = priced.get((k, model))
-            if cost is None:
-                cost = priced[k, model] = self.pass_seconds(batch_size, k, k if model else 0)
-            return cost
-
-        return seconds
+        return StepPrices(lambda k, model: self.pass_seconds(batch_size, k, k if model else 0))
 
     def _fill_share(self, row: PlannedRow, model_curve: Sequence[float], max_steps: float = math.inf) -> float:
         """The seconds per step of the draft model's prefill of a row it has not drafted for (`fill`):
@@ -533,7 +550,7 @@ class Planner:
         }
 
 
-def _choose_lookup(option: RowOptions, step_seconds: Callable[[int, bool], float] | None) -> _Choice:
+def _choose_lookup(option: RowOptions, step_seconds: StepPrices | None) -> _Choice:
     """A row's best look-up (`choose`) with its first-choice chain where it is a tree."""
     if not option.candidates:
         return _Choice(lookup=NO_DRAFTS, model_curve=option.model_curve, guesses=option.guesses)
@@ -552,7 +569,7 @@ def _choose_lookup(option: RowOptions, step_seconds: Callable[[int, bool], float
     )
 
 
-def choose(candidates: Sequence[Candidate], step_seconds: Callable[[int, bool], float] | None) -> Candidate:
+def choose(candidates: Sequence[Candidate], step_seconds: StepPrices | None) -> Candidate:
     """The hybrid rule: the candidate with the most expected tokens per second (ties: the earlier one).
 
     With a cost table, a candidate's worth is its best E(k) / seconds(k) over k, where a look-up's step
@@ -562,8 +579,8 @@ def choose(candidates: Sequence[Candidate], step_seconds: Callable[[int, bool], 
 
     Args:
         candidates: in order of preference; candidates with max_k 0 never win over others.
-        step_seconds: (k, drafts with the model) -> seconds of a step verifying k drafts;
-            None when no cost table was measured.
+        step_seconds: the step's prices, (k, drafts with the model) -> seconds of a step verifying
+            k drafts (`StepPrices`); None when no cost table was measured.
     """
     assert candidates
     live = [c for c in candidates if c.max_k > 0] or list(candidates)
@@ -574,8 +591,7 @@ def choose(candidates: Sequence[Candidate], step_seconds: Callable[[int, bool], 
         return live[0]
 
     def rate(candidate: Candidate) -> float:
-        model = candidate.drafter == MODEL
-        return max(candidate.curve[k] / step_seconds(k, model) for k in range(1, candidate.max_k + 1))
+        return step_seconds.best_rate(candidate.curve, candidate.max_k, candidate.drafter == MODEL)
 
     return max(live, key=rate) if live[0].max_k > 0 else live[0]
 

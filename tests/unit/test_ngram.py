@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from handler.drafters.ngram import NgramDrafter, NgramIndex
+from handler.drafters.ngram import BULK_EXTEND, NgramDrafter, NgramIndex
 
 
 def test_proposes_what_followed_the_longest_matching_suffix():
@@ -86,7 +86,7 @@ def test_an_index_grown_in_chunks_holds_each_ngrams_occurrences_as_one_token_at_
         cut = generator.randint(0, len(tokens))
         index = NgramIndex(tokens[:cut], min_n, max_n)
         while cut < len(tokens):
-            step = generator.randint(0, 20)
+            step = generator.randint(0, 2 * BULK_EXTEND)  # one by one, and n by n
             index.extend(tokens[cut : cut + step])
             cut += step
         assert index.tokens == tokens

@@ -4,12 +4,13 @@ the expected-tokens formula, the confidence stop, the runners-up, and the hybrid
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
 from handler.drafters import MODEL, NGRAM, SUFFIX, Proposal
 from handler.planning.cost_table import CostModel, CostTable
-from handler.planning.planner import Candidate, choose
+from handler.planning.planner import Candidate, StepPrices, choose
 from handler.planning.pricing import Offer, geometric_tokens, plan_batch
 
 # Draft costs 0.2 of a target pass; verifying extra tokens is free (the GPU-like case).
@@ -408,6 +409,30 @@ def test_with_a_cost_table_the_most_tokens_per_second_wins():
     look_up = candidate(SUFFIX, [1, 1.6, 2.0, 2.2])
     strong_model = candidate(MODEL, [1, 1.95, 2.85, 3.7])
     # look-up: best 2.0 / 1.1 = 1.82 tokens/s; model: best 1.95 / 1.35 = 1.44.
-    assert choose([look_up, strong_model], seconds) is look_up
+    assert choose([look_up, strong_model], StepPrices(seconds)) is look_up
     cheap_draft = lambda k, model: 1.0 + 0.05 * k + (0.02 * k if model else 0.0)  # noqa: E731
-    assert choose([look_up, strong_model], cheap_draft) is strong_model
+    assert choose([look_up, strong_model], StepPrices(cheap_draft)) is strong_model
+
+
+def test_step_prices_price_each_k_once_and_rate_a_candidate_at_its_best_k():
+    asked = []
+
+    def seconds(k: int, model: bool) -> float:
+        asked.append((k, model))
+        return 1.0 + 0.05 * k + (0.3 * k if model else 0.0)
+
+    prices = StepPrices(seconds)
+    rng = random.Random(3)
+    for _ in range(50):
+        max_k, model = rng.randint(1, 12), rng.random() < 0.5
+        curve = [1.0]
+        for _ in range(max_k + rng.randint(0, 3)):  # a curve may run past the candidate's max_k
+            curve.append(curve[-1] + rng.random())
+        expected = max(curve[k] / seconds(k, model) for k in range(1, max_k + 1))
+        assert prices.best_rate(curve, max_k, model) == expected
+        assert prices(max_k, model) == seconds(max_k, model)
+    asked.clear()
+    prices = StepPrices(seconds)
+    for max_k in (3, 7, 2, 7):
+        prices.best_rate([1.0] * 8, max_k, True)
+    assert asked == [(k, True) for k in range(1, 8)]  # each k once, however many rows ask
