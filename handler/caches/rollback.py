@@ -19,7 +19,7 @@ drafts accepted in hybrid mode).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 
 def target_lengths_after_verify(
@@ -52,16 +52,9 @@ def target_lengths_after_verify(
     return kept
 
 
-class DraftRollback(NamedTuple):
-    """What the draft model's cache does with one row after a step."""
-
-    num_dropped: int  # tokens to drop from the end of the row's cache
-    pending: list[int]  # committed tokens the draft model has not processed, fed at its next proposal
-
-
 def draft_rollback(
     fed_pending: Sequence[int], fed: Sequence[int], pending: Sequence[int], committed: Sequence[int]
-) -> DraftRollback:
+) -> tuple[int, list[int]]:
     """Rolls one row of the draft cache back to what the step committed.
 
     A proposal of k drafts feeds the row's pending tokens, then its first k - 1
@@ -87,13 +80,14 @@ def draft_rollback(
         committed: the tokens the row committed this step; [] for none.
 
     Returns:
-        the number of cached tokens to drop, and the row's new pending tokens.
+        the number of cached tokens to drop, and the row's new pending tokens (a plain pair: every
+        row makes one every step).
     """
     # A proposal feeds every pending token, so pending tokens and fed ones never coexist.
     assert not (pending and (fed or fed_pending)), (pending, fed, fed_pending)
     if not committed:
-        return DraftRollback(len(fed) + len(fed_pending), [*fed_pending, *pending])
+        return len(fed) + len(fed_pending), [*fed_pending, *pending]
     num_matching, most = 0, min(len(fed), len(committed) - 1)  # every row, every step: the bound once
     while num_matching < most and fed[num_matching] == committed[num_matching]:
         num_matching += 1
-    return DraftRollback(len(fed) - num_matching, [*pending, *committed[num_matching:]])
+    return len(fed) - num_matching, [*pending, *committed[num_matching:]]

@@ -195,7 +195,7 @@ class Proposer:
                 plan.rows[slot].k,
                 slot,
                 shape=rows[slot].shape_draft_logits if rows[slot].shapes_logits else None,
-                guesses=self._guesses(rows[slot], len(rows)),
+                guesses=self.planner.guess_width(rows[slot], len(rows)) if plan.rows[slot].guesses else 0,
                 measure_confidence=measure_confidence,
             )
             for slot in model_slots
@@ -219,7 +219,8 @@ class Proposer:
             chain = proposal if num == drawn else proposal.prefix(num)
             chains[slot] = (num, chain.confidences or [], chain.runners_up or [])
             confidences = DraftConfidences(chain.confidences) if chain.confidences else None
-            drafts[slot] = Drafts(Proposal(chain.token_ids), probs=chain.draft_probs, confidences=confidences)
+            # The chain as drawn: its draft measures stay on it, unread (`Drafts` holds what verifying reads).
+            drafts[slot] = Drafts(chain, probs=chain.draft_probs, confidences=confidences)
         for slot, (positions, shares) in self._runners_up(rows, plan, chains).items():
             chain = drafts[slot]
             runners_up = chains[slot][2]
@@ -229,12 +230,6 @@ class Proposer:
             confidences = dataclasses.replace(chain.confidences, runner_up_shares=shares)
             drafts[slot] = Drafts(Proposal(token_ids, parents=parents), probs=chain.probs, confidences=confidences)
         return drafts, times
-
-    def _guesses(self, row: Row, batch_size: int) -> int:
-        """How many guessed drafts the row's draft passes carry this step (0: it does not guess)."""
-        if self.planner.guesses_for(row, batch_size) is None:
-            return 0
-        return self.planner.guess_width(row, batch_size)
 
     def _takes_runners_up(self, row: Row) -> bool:
         """Whether a greedy model row's chain may take the draft's runners-up as siblings (`handler.tree`).

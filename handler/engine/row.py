@@ -37,12 +37,16 @@ class Row:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.token_ids: list[int] = []
+        self.remaining = request.max_new_tokens  # tokens it may still emit (`extend` counts them down)
         self.text = ""
         self.stop_checker = StopChecker(tokenizer, request.stop) if request.stop else None
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
         self.trackers = {name: AcceptanceTracker() for name in PROPOSERS}
-        self.grammar: RowGrammar | None = None  # set by the engine for a constrained request
+        self.grammar: RowGrammar | None = None  # the constraint's, set by `start`
+        # Whether a rule changes this row's logits: a grammar, a logit bias or a penalty. Read for every
+        # row several times a step, and fixed by the request.
+        self.shapes_logits = request.constraint is not None or request.sampling.processes_logits
         # Penalties' history (set by the engine when the request has penalties): counts of the
         # generated tokens, and which tokens the prompt or the output holds.
         self.output_counts: torch.Tensor | None = None  # [vocab] float
@@ -85,10 +89,6 @@ class Row:
             row.seen = token_mask(request.prompt_ids, vocab_size, device)
         return row
 
-    @property
-    def remaining(self) -> int:
-        return self.request.max_new_tokens - len(self.token_ids)
-
     def cap(self) -> int:
         """The most drafts this row may verify now: its k, and never past max_new_tokens."""
         return self._within_max_new_tokens(self.request.num_speculative_tokens)
@@ -118,13 +118,9 @@ class Row:
                 self.finish_reason = FINISH_LENGTH
             if self.finish_reason is not None:
                 break
+        self.remaining = remaining
         self.stats.completion_tokens = len(self.token_ids)
         return kept
-
-    @property
-    def shapes_logits(self) -> bool:
-        """Whether a rule changes this row's logits: a grammar, a logit bias or a penalty."""
-        return self.grammar is not None or self.request.sampling.processes_logits
 
     def shape_draft_logits(self, logits: torch.Tensor, previous_draft: int | None) -> torch.Tensor:  # [vocab]
         """The draft model's logits for this row's next draft, shaped as the target's will be."""

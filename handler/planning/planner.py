@@ -104,6 +104,7 @@ class RowPlan:
     uses_model: bool  # the draft model drafts them
     curve: Sequence[float]  # E(0..n) as planned
     planned_tree: bool = False  # a look-up's tree the plan picked (its branches are calibrated)
+    guesses: bool = False  # its model drafts are guessed (`Planner.guesses_for`, asked once, at the options)
 
 
 NO_PLAN = RowPlan(drafter=MODEL, proposal=NO_DRAFTS, k=0, uses_model=False, curve=(1.0,))  # plain decoding
@@ -344,7 +345,10 @@ class Planner:
                 curve = choice.model_curve or (1.0,)
                 if uses_model and to_cap:
                     k = len(curve) - 1
-                plans.append(RowPlan(drafter=MODEL, proposal=NO_DRAFTS, k=k, uses_model=uses_model, curve=curve))
+                guesses = choice.guesses is not None
+                plans.append(
+                    RowPlan(drafter=MODEL, proposal=NO_DRAFTS, k=k, uses_model=uses_model, curve=curve, guesses=guesses)
+                )
                 continue
             lookup, curve = choice.lookup, choice.lookup_curve
             if choice.chain is not None and not batch.trees:

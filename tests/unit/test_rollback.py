@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from handler.caches.rollback import DraftRollback, draft_rollback, target_lengths_after_verify
+from handler.caches.rollback import draft_rollback, target_lengths_after_verify
 
 PAD = -1  # the padding of a verify chunk beyond a row's own k; never a real token
 
@@ -84,13 +84,13 @@ def test_target_replay_matches_the_committed_tokens():
     ("committed", "expected"),
     [
         # k = 3, drafts 7 8 9, of which 7 and 8 were fed after the pending 5.
-        ([7, 8, 9, 10], DraftRollback(0, [9, 10])),  # all accepted: the last draft was never fed
-        ([3], DraftRollback(2, [3])),  # none accepted
-        ([7, 4], DraftRollback(1, [4])),  # partial
+        ([7, 8, 9, 10], (0, [9, 10])),  # all accepted: the last draft was never fed
+        ([3], (2, [3])),  # none accepted
+        ([7, 4], (1, [4])),  # partial
         # The last committed token equals a fed draft, but stays pending: the
         # next proposal needs the logits after it.
-        ([7, 8], DraftRollback(1, [8])),
-        ([7], DraftRollback(2, [7])),
+        ([7, 8], (1, [8])),
+        ([7], (2, [7])),
     ],
 )
 def test_draft_keeps_the_fed_drafts_that_match_but_never_the_last_committed_token(committed, expected):
@@ -99,29 +99,29 @@ def test_draft_keeps_the_fed_drafts_that_match_but_never_the_last_committed_toke
 
 def test_draft_fed_drafts_longer_than_the_committed_tokens():
     # A row that stopped early (or a row with a smaller k in the batch) commits fewer tokens than were fed.
-    assert draft_rollback([5], [7, 8, 9], [], [7, 2]) == DraftRollback(2, [2])
-    assert draft_rollback([5], [7, 8, 9], [], [7, 8, 9]) == DraftRollback(1, [9])
+    assert draft_rollback([5], [7, 8, 9], [], [7, 2]) == (2, [2])
+    assert draft_rollback([5], [7, 8, 9], [], [7, 8, 9]) == (1, [9])
 
 
 def test_draft_row_that_committed_nothing_goes_back_to_before_the_proposal():
-    assert draft_rollback([4, 5], [7, 8], [], []) == DraftRollback(4, [4, 5])
-    assert draft_rollback([5], [], [], []) == DraftRollback(1, [5])
+    assert draft_rollback([4, 5], [7, 8], [], []) == (4, [4, 5])
+    assert draft_rollback([5], [], [], []) == (1, [5])
 
 
 def test_draft_without_a_proposal_queues_the_committed_tokens():
-    assert draft_rollback([], [], [4], [6, 2]) == DraftRollback(0, [4, 6, 2])
-    assert draft_rollback([], [], [4], []) == DraftRollback(0, [4])
+    assert draft_rollback([], [], [4], [6, 2]) == (0, [4, 6, 2])
+    assert draft_rollback([], [], [4], []) == (0, [4])
 
 
 def test_draft_with_k_one_feeds_no_draft():
-    assert draft_rollback([5], [], [], [9]) == DraftRollback(0, [9])
-    assert draft_rollback([5], [], [], [7, 9]) == DraftRollback(0, [7, 9])
+    assert draft_rollback([5], [], [], [9]) == (0, [9])
+    assert draft_rollback([5], [], [], [7, 9]) == (0, [7, 9])
 
 
 def test_draft_after_several_pending_tokens():
     # Hybrid mode: accepted look-up drafts were pending, then fed with the first model draft.
-    assert draft_rollback([3, 4, 5], [6], [], [6, 1]) == DraftRollback(0, [1])
-    assert draft_rollback([3, 4, 5], [6], [], [2]) == DraftRollback(1, [2])
+    assert draft_rollback([3, 4, 5], [6], [], [6, 1]) == (0, [1])
+    assert draft_rollback([3, 4, 5], [6], [], [2]) == (1, [2])
 
 
 def test_draft_refuses_pending_tokens_beside_fed_ones():
