@@ -408,18 +408,9 @@ class ModelDrafter:
         greedy = settings.all_greedy
         uniforms = None if greedy else host_to_device(settings.uniforms[:, :k], self.device)  # [rows, k]
         sampled_per_pass, probs_per_pass, measured_per_pass = [], [], []
-        # A draft on the target's vocabulary reads the target's ids and its logits are the target's: the
-        # passes then skip the mapping (`_pass_ids`, `_target_logits`: two calls a pass each way).
-        same_vocab = (
-            self.draft_vocab_size == self.vocab_size
-            and type(self)._pass_ids is ModelDrafter._pass_ids
-            and type(self)._target_logits is ModelDrafter._target_logits
-        )
         for number in range(k):
-            draft_logits = self.cache.forward(
-                input_ids if same_vocab else self._pass_ids(input_ids), chunk_mask, logits_to_keep=1
-            )
-            logits = draft_logits if same_vocab else self._target_logits(draft_logits)  # [rows, 1, vocab]
+            draft_logits = self.cache.forward(self._pass_ids(input_ids), chunk_mask, logits_to_keep=1)
+            logits = self._target_logits(draft_logits)  # [rows, 1, vocab]
             if greedy:
                 sampled = argmax_vocab(logits)  # [rows, 1]
             else:

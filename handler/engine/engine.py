@@ -327,8 +327,7 @@ class SpeculativeEngine:
             row.stats.record(row_plan.drafter, row_drafts.k, accepted)
             row.steps_without_drafts = 0 if row_drafts.k else row.steps_without_drafts + 1
             self.estimates.learn(row, row_plan, row_drafts, accepted, path)
-            logits = verified.logits[slot] if row.logprobs is not None else None  # `Verified.row_logits`
-            output = row.emit(verified.emitted[slot][: accepted + 1], logits, path)
+            output = row.emit(verified.emitted[slot][: accepted + 1], verified.row_logits(row, slot), path)
             output.num_draft_tokens, output.num_accepted_tokens = row_drafts.k, accepted
             committed[row.request_id] = output.new_token_ids
             outputs.append(output)

@@ -158,17 +158,14 @@ class StepPlan:
 
 
 class StepPrices:
-    """(k, drafts with the model) -> the seconds of a step of one batch verifying k drafts, each priced
-    once a plan: every row's candidates ask for the same few. `best_rate` takes a candidate's best tokens
-    per second over its ks from the prices of all of them at once, the ks a row's look-up and the
-    draft offer being up to 16 a row at 16 rows."""
+    """The seconds of a step of one batch verifying k drafts, with the draft model or not, each priced
+    once a plan: every row's candidates ask for the same few ks. A candidate's best tokens per second
+    over its ks (`best_rate`) is taken from the prices of all of them at once."""
 
     def __init__(self, seconds: Callable[[int, bool], float]) -> None:
+        """`seconds`: (k, drafts with the model) -> the seconds of such a step."""
         self._seconds = seconds
         self._prices: dict[bool, list[float]] = {False: [], True: []}  # [k - 1]: a step of k drafts
-
-    def __call__(self, k: int, model: bool) -> float:
-        return self.up_to(k, model)[k - 1] if k > 0 else self._seconds(k, model)
 
     def up_to(self, max_k: int, model: bool) -> list[float]:
         """The seconds of a step of 1, 2, .. drafts, at least `max_k` of them."""
@@ -287,7 +284,7 @@ class Planner:
         return seconds
 
     def step_seconds(self, batch_size: int) -> StepPrices | None:
-        """(k, drafts with the model) -> the cost table's seconds for a step of the batch; None without a table."""
+        """The cost table's prices of a step of the batch by its drafts (`StepPrices`); None without a table."""
         if self.cost_table is None:
             return None
         return StepPrices(lambda k, model: self.pass_seconds(batch_size, k, k if model else 0))
@@ -583,8 +580,8 @@ def choose(candidates: Sequence[Candidate], step_seconds: StepPrices | None) -> 
 
     Args:
         candidates: in order of preference; candidates with max_k 0 never win over others.
-        step_seconds: the step's prices, (k, drafts with the model) -> seconds of a step verifying
-            k drafts (`StepPrices`); None when no cost table was measured.
+        step_seconds: the seconds of a step verifying k drafts, with the model or not (`StepPrices`);
+            None when no cost table was measured.
     """
     assert candidates
     live = [c for c in candidates if c.max_k > 0] or list(candidates)

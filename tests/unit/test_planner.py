@@ -430,7 +430,7 @@ def test_step_prices_price_each_k_once_and_rate_a_candidate_at_its_best_k():
             curve.append(curve[-1] + rng.random())
         expected = max(curve[k] / seconds(k, model) for k in range(1, max_k + 1))
         assert prices.best_rate(curve, max_k, model) == expected
-        assert prices(max_k, model) == seconds(max_k, model)
+        assert prices.up_to(max_k, model)[max_k - 1] == seconds(max_k, model)
     asked.clear()
     prices = StepPrices(seconds)
     for max_k in (3, 7, 2, 7):
