@@ -395,8 +395,9 @@ class ModelDrafter:
         otherwise the host reads them once, after the last pass (with confidences: for the stop rule
         and the runners-up).
 
-        With confidences (where `stop_by_mask`), each pass also measures them where they are
-        (`confidence_tensors`), read with the drafts. The stop rule is then asked on the host, pass by
+        With confidences (where `stop_by_mask`), they are measured where the passes' logits are, once
+        over all k passes (`confidence_tensors`: a dozen device calls, a pass's or the chain's), and
+        read with the drafts. The stop rule is then asked on the host, pass by
         pass, as the general loop asks it (`agree_on_drafts`: the same calls, of a rule that keeps
         state), and the drafts past its stop are dropped with the cache's feeds of them
         (`_end_proposal`): the proposals, the counts and the cache are the general loop's. The passes
@@ -407,7 +408,7 @@ class ModelDrafter:
         # a proposal without `draft_probs` says so, as a look-up's does.
         greedy = settings.all_greedy
         uniforms = None if greedy else host_to_device(settings.uniforms[:, :k], self.device)  # [rows, k]
-        sampled_per_pass, probs_per_pass, measured_per_pass = [], [], []
+        sampled_per_pass, probs_per_pass, logits_per_pass = [], [], []
         for number in range(k):
             draft_logits = self.cache.forward(self._pass_ids(input_ids), chunk_mask, logits_to_keep=1)
             logits = self._target_logits(draft_logits)  # [rows, 1, vocab]
@@ -419,14 +420,14 @@ class ModelDrafter:
                 probs_per_pass.append(probs[:, 0])
             sampled_per_pass.append(sampled)
             if with_confidence:
-                measured_per_pass.append(confidence_tensors(logits, sampled))  # 3 x [rows, 1]
+                logits_per_pass.append(logits)
             input_ids = sampled  # [rows, 1]: the next pass reads the draft where it is
             chunk_mask = None  # one draft a row: no padding
         drafted = torch.cat(sampled_per_pass, dim=1)  # [rows, k]
         if with_confidence:
             # The stop rule and the runners-up are the host's, before the verify pass: the proposal's one
             # wait for the device. float64 holds the ids (below 2**53) and the float32 probabilities exactly.
-            measured = [torch.cat(parts, dim=1) for parts in zip(*measured_per_pass)]  # 3 x [rows, k]
+            measured = confidence_tensors(torch.cat(logits_per_pass, dim=1), drafted)  # 3 x [rows, k]
             read = torch.stack([values.double() for values in (drafted, *measured)]).tolist()  # [4][rows][k]
             drafts = [[int(token) for token in row] for row in read[0]]
             confidences, other_ids, other_probs = read[1:]
@@ -611,7 +612,7 @@ def agree_on_drafts(
     """
     for slot in asking:
         counts[slot].append(len(drafts[slot]))
-    while not stop and all(len(drafts[slot]) > num_drafts for slot in asking):
+    while not stop and all([len(drafts[slot]) > num_drafts for slot in asking]):
         num_drafts += 1
         stop = num_drafts >= k or (
             keep_drafting is not None

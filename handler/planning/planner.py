@@ -334,7 +334,7 @@ class Planner:
         # The plan says whether to draft; the draft's confidence says how far (`_confidence_stop`). Where
         # the stop is a mask, every planned pass runs whatever it says: the plan's k stands, and the
         # stop only cuts drafts whose verify columns do not pay.
-        masked = bool(batch.draft_passes) and self.draft_confidence and self._stops_by_mask(rows, batch.uses_model)
+        masked = bool(batch.draft_passes) and self.draft_confidence and self._stops_by_mask(choices, batch.uses_model)
         to_cap = bool(batch.draft_passes) and self.draft_confidence and not masked
         plans = []
         for choice, k, uses_model in zip(choices, batch.ks, batch.uses_model):
@@ -367,15 +367,15 @@ class Planner:
             # (`OutcomeCheck.arm`): every step plans.
             ratio = self.outcome_check.ratio(batch_bucket(len(rows)))
             gain = math.inf if ratio is None else gain * ratio
-        return StepPlan(tuple(plans), self._confidence_stop(rows, plans, masked), expected_rate, gain)
+        return StepPlan(tuple(plans), self._confidence_stop(rows, choices, plans, masked), expected_rate, gain)
 
-    def _stops_by_mask(self, rows: list[PlannedRow], uses_model: Sequence[bool]) -> bool:
+    def _stops_by_mask(self, choices: list[_Choice], uses_model: Sequence[bool]) -> bool:
         """Whether the draft model's proposal this step runs all its passes and applies the stop after
         them (`ModelDrafter.stop_by_mask`): it does where no row that drafts with it guesses."""
         drafter = self.model_drafter
         if drafter is None or not getattr(drafter, "stops_by_mask", False):
             return False
-        return not any(self.guesses_for(row, len(rows)) is not None for row, model in zip(rows, uses_model) if model)
+        return not any([choice.guesses is not None for choice, model in zip(choices, uses_model) if model])
 
     def _batch_plan(self, rows: list[PlannedRow], choices: list[_Choice], num_steps: int) -> BatchPlan:
         """Without a cost table every row drafts its cap: with its look-up where it found one, else the
@@ -464,10 +464,10 @@ class Planner:
         return plan
 
     def _confidence_stop(
-        self, rows: list[PlannedRow], plans: list[RowPlan], masked: bool = False
+        self, rows: list[PlannedRow], choices: list[_Choice], plans: list[RowPlan], masked: bool = False
     ) -> Callable[[int, dict], bool] | None:
-        """The draft model's stop rule this step (`ConfidenceStop`), or None: it drafts its rows' ks.
-        `masked`: the proposal runs all its passes whatever the rule says, so one more draft costs its
+        """The draft model's stop rule this step (`ConfidenceStop`), or None: it drafts its rows' ks
+        (`choices`: each row's, with its guess rate where it guesses). `masked`: the proposal runs all its passes whatever the rule says, so one more draft costs its
         verify column only."""
         model_slots = [slot for slot, plan in enumerate(plans) if plan.uses_model and plan.k > 0]
         if not (self.draft_confidence and self.cost_table is not None and model_slots):
@@ -477,19 +477,27 @@ class Planner:
         other_width = max((plans[slot].k for slot in others), default=0)
 
         # The batch drafts until its slowest row has its drafts: the row whose drafts are guessed least.
-        rates = [self.guesses_for(rows[slot], batch_size) or GuessRate() for slot in model_slots]
-        slowest = min(rates, key=lambda rate: rate.rate)
+        # A row that does not guess takes a pass a draft, as a rate of 0 (GuessRate's prior) does.
+        rates = [choices[slot].guesses for slot in model_slots]
+        slowest = GuessRate() if None in rates else min(rates, key=lambda rate: rate.rate)
 
         max_drafts = max(plans[slot].k for slot in model_slots)
 
-        def step_seconds(num_drafts: int) -> float:
-            passes = slowest.passes(max_drafts if masked else num_drafts)
-            return self.pass_seconds(batch_size, max(num_drafts, other_width), passes)
+        priced: dict[int, float] = {}  # the rule asks each pass for that number of drafts and the next
 
-        calibrations = [self.estimates.calibrations[rows[slot].request.sampling.is_greedy] for slot in model_slots]
+        def step_seconds(num_drafts: int) -> float:
+            seconds = priced.get(num_drafts)
+            if seconds is None:
+                passes = slowest.passes(max_drafts if masked else num_drafts)
+                seconds = priced[num_drafts] = self.pass_seconds(batch_size, max(num_drafts, other_width), passes)
+            return seconds
+
+        by_kind = self.estimates.calibrations  # greedy or not: two calibrations for the batch's rows
+        calibrations = [by_kind[rows[slot].request.sampling.is_greedy] for slot in model_slots]
+        mean_acceptances = {greedy: calibration.mean_acceptance for greedy, calibration in by_kind.items()}
         stop = ConfidenceStop(
             calibrations,
-            [calibration.mean_acceptance for calibration in calibrations],
+            [mean_acceptances[rows[slot].request.sampling.is_greedy] for slot in model_slots],
             max_drafts,
             planned_tokens([plans[slot] for slot in others]),
             step_seconds,
@@ -524,7 +532,7 @@ class Planner:
         calibrations = self.estimates.calibrations
         # Each model row's calibrated acceptance of each of its drafts, and the step's expected tokens.
         chain_acceptances = {
-            slot: [calibrations[rows[slot].request.sampling.is_greedy].acceptance(c) for c in confidences]
+            slot: calibrations[rows[slot].request.sampling.is_greedy].acceptances(confidences)
             for slot, (_, confidences, _) in chains.items()
         }
         tokens = planned_tokens([plans[slot] for slot in range(batch_size) if slot not in chains])
@@ -535,9 +543,7 @@ class Planner:
             # The runner-up's share of what the draft left to tokens other than its draft.
             row_shares = [prob / max(1.0 - c, 1e-6) for (_, prob), c in zip(runners_up, confidences)]
             shares.append(row_shares)
-            runner_up_acceptances.append(
-                [self.estimates.runner_up_calibration.acceptance(share) for share in row_shares]
-            )
+            runner_up_acceptances.append(self.estimates.runner_up_calibration.acceptances(row_shares))
 
         def step_seconds(step_width: int) -> float:
             return self.pass_seconds(batch_size, step_width, num_draft_passes)

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Callable, Sequence
 
 import numpy
 
-from handler.planning.trackers import ConfidenceCalibration
+from handler.planning.trackers import ConfidenceCalibration, confidence_bins
 
 
 def geometric_tokens(acceptance: float, k: int) -> float:
@@ -279,12 +280,13 @@ class ConfidenceStop:
     def __call__(self, num_drafted: int, confidences: Sequence[float]) -> bool:
         """Takes the confidences of the rows' latest drafts; True: draft one more token."""
         assert len(confidences) == len(self.survival), (len(confidences), len(self.survival))
-        for row, (calibration, confidence) in enumerate(zip(self.calibrations, confidences)):
-            self.survival[row] *= calibration.acceptance(confidence)
+        bins = confidence_bins(confidences)
+        for row, (calibration, index) in enumerate(zip(self.calibrations, bins)):
+            self.survival[row] *= calibration.table[index]
             self.tokens += self.survival[row]
         if num_drafted >= self.max_drafts:
             return False
-        gain = sum(s * a for s, a in zip(self.survival, self.next_acceptances))
+        gain = sum(map(operator.mul, self.survival, self.next_acceptances))
         seconds = self.step_seconds(num_drafted)
         extra = self.step_seconds(num_drafted + 1) - seconds
         return gain * seconds > self.tokens * extra

@@ -157,7 +157,7 @@ def test_greedy_output_with_the_mask_is_the_targets(tiny_pair):
     masked, looped = confident_engine(tiny_pair, True), confident_engine(tiny_pair, False)
     # The two plan alike here (`test_with_the_mask_the_plan_keeps_its_priced_k` has how they differ), so
     # that the steps below differ by the way the stop is applied alone.
-    masked.planner._stops_by_mask = lambda rows, uses_model: False
+    masked.planner._stops_by_mask = lambda choices, uses_model: False
     for prompt_ids in prompts:
         result = masked.generate([GenerationRequest(prompt_ids, 40, GREEDY, 8)])[0]
         assert result.token_ids == reference_greedy(target, prompt_ids, 40)

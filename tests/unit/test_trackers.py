@@ -99,6 +99,29 @@ def test_confidence_calibration_starts_at_its_prior_and_learns_only_judged_draft
     assert calibration.acceptance(0.55) > 0.55
 
 
+def test_confidence_calibration_table_follows_its_counts():
+    import random
+
+    from handler.planning.trackers import CONFIDENCE_BINS, CONFIDENCE_PRIOR, ConfidenceCalibration
+
+    def from_counts(calibration, confidence):  # the estimate from the counts, as defined
+        index = min(max(int(confidence * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
+        prior = (index + 0.5) / CONFIDENCE_BINS
+        verified, accepted = calibration.verified[index], calibration.accepted[index]
+        return (accepted + CONFIDENCE_PRIOR * prior) / (verified + CONFIDENCE_PRIOR)
+
+    rng = random.Random(0)
+    calibration = ConfidenceCalibration()
+    probes = [0.0, 0.05, 0.5, 0.99, 1.0, -0.1, 1.5]
+    for _ in range(200):
+        # Chains with several drafts in one bin: each counts, and the bin's estimate follows them all.
+        chain = [rng.choice([0.91, 0.97, rng.random()]) for _ in range(rng.randint(1, 6))]
+        calibration.update(chain, num_accepted=rng.randint(0, len(chain)))
+        probes.append(rng.random())
+        assert calibration.acceptances(probes) == [from_counts(calibration, c) for c in probes]
+        assert calibration.acceptance(probes[-1]) == from_counts(calibration, probes[-1])
+
+
 def test_confidence_calibration_mean_acceptance_follows_every_judged_draft():
     from handler.planning.trackers import ConfidenceCalibration
 
