@@ -467,8 +467,8 @@ class Planner:
         self, rows: list[PlannedRow], choices: list[_Choice], plans: list[RowPlan], masked: bool = False
     ) -> Callable[[int, dict], bool] | None:
         """The draft model's stop rule this step (`ConfidenceStop`), or None: it drafts its rows' ks
-        (`choices`: each row's, with its guess rate where it guesses). `masked`: the proposal runs all its passes whatever the rule says, so one more draft costs its
-        verify column only."""
+        (`choices`: each row's, with its guess rate where it guesses). `masked`: the proposal runs all
+        its passes whatever the rule says, so one more draft costs its verify column only."""
         model_slots = [slot for slot, plan in enumerate(plans) if plan.uses_model and plan.k > 0]
         if not (self.draft_confidence and self.cost_table is not None and model_slots):
             return None
