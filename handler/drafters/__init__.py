@@ -63,7 +63,7 @@ def drafters_of(drafter: DrafterName) -> tuple[DrafterName, ...]:
     return _PROPOSING[drafter]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass  # not frozen, as the planner's per-step records (`handler.planning.planner`)
 class Proposal:
     """One row's drafts for one step, a chain or a tree: a look-up's, the tokens a grammar forces,
     or the draft model's chain (with its runners-up as siblings, `handler.engine.propose`)."""
@@ -171,7 +171,7 @@ class DeviceChain(collections.abc.Sequence):
         return self.drafts.tensor[self.row, : self.num]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass  # not frozen, as `Proposal`
 class DraftRow:
     """One row asking a drafter for its drafts this step."""
 

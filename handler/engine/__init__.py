@@ -13,7 +13,7 @@ engine serves a changing batch of requests:
   1. each row's drafters say what it can draft (`propose.Proposer.options`, every drafter through
      `propose`): the tokens its grammar forces, a look-up's chain or tree, or the draft model;
   2. the planner prices the batch's choices with the cost table and decides each row's drafter,
-     k and tree once (`handler.planning.planner.Planner.plan`, one frozen `RowPlan` per row),
+     k and tree once (`handler.planning.planner.Planner.plan`, one `RowPlan` per row),
      which can be none (plain decoding);
   3. the draft model drafts for the rows the plan gives it (`propose.Proposer.draft`); each row
      then has its `Drafts`, what it verifies;

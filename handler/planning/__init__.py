@@ -5,6 +5,6 @@
 - `acceptance`: from them, what each proposal is expected to give (E(0..n) curves), and what a
   verified one teaches them;
 - `pricing`: pure functions that price a batch's choices with curves and costs;
-- `planner`: the step's plan, one frozen `RowPlan` per row (its drafter, k and tree), and the
+- `planner`: the step's plan, one `RowPlan` per row (its drafter, k and tree), and the
   `Drafts` a row verifies once the draft loop has run.
 """
