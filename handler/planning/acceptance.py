@@ -28,7 +28,7 @@ from handler.tree import depths, first_choice_path, off_first_choice, order_best
 SUFFIX_ESTIMATES = ("tree", "tracker")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass  # not frozen, as the planner's per-row records (`handler.planning.planner`)
 class DraftConfidences:
     """What the draft model drafted for one row this step, for the calibrations."""
 

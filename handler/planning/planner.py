@@ -54,8 +54,8 @@ GUESS_PRIOR_HIT = 0.5
 MAX_GUESSES = 31  # more than any row's k - 1 (`handler.config.MAX_K`)
 
 
-# A step's records of each row (its candidates, options, choice, plan and drafts, and the drafters'
-# `Proposal` and `DraftRow`) are plain dataclasses, not frozen ones: a step builds several a row, and
+# A step's records of each row (its candidates, options, choice, offer, plan, drafts and confidences,
+# and the drafters' `Proposal` and `DraftRow`) are plain dataclasses, not frozen ones: a step builds several a row, and
 # a frozen dataclass's constructor sets each field through `object.__setattr__`, about 3x the cost
 # (1.0 against 0.3 us for 7 fields; at 16 rows a k = 4 step's own time 0.90-0.93 -> 0.83-0.85 ms on the
 # tiny pair). Nothing changes them once built, the shared ones (NO_PLAN, NO_DRAFTS_TO_VERIFY) included.

@@ -35,7 +35,7 @@ def geometric_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass  # not frozen, as the planner's per-row records (`handler.planning.planner`)
 class Offer:
     """What one row can verify this step, for `plan_batch`: expected tokens E(0..n) per way to draft.
 
