@@ -280,6 +280,9 @@ class ModelDrafter:
         # a text whose draft drew a special token.
         stalled: set[int] = set()
         feeds = self._first_feeds()
+        # Where no row samples, a draw is the argmax and its distribution one-hot at the draft: no
+        # distributions are built, and a proposal without `draft_probs` says so (`_propose_chains`).
+        greedy = settings.all_greedy
         num_drafts, num_passes = 0, 0  # drafts decided for the batch: every asking row has at least as many
         counts = {slot: [] for slot in asking}  # drafts after each pass
         # A text row's last target token may be unfinished: one pass more finishes its k-th.
@@ -301,18 +304,21 @@ class ModelDrafter:
                 for slot, shape in shaped.items():
                     previous = drafts[slot][-1] if drafts[slot] else None
                     logits[slot, -1] = shape(logits[slot, -1], previous)
-            # The draft draws from the distribution the target's is warped to: min-p included.
-            probs = settings.warp(logits)  # [rows, num_kept, vocab]
             # Column c of the kept logits follows the row's guess number c - offset (-1: its feed).
             offsets = [num_kept - 1 - len(tokens) for tokens in tried]
-            index = torch.tensor(
-                [
-                    [min(len(drafts[slot]) + max(c - offsets[slot], 0), 2 * k) for c in range(num_kept)]
-                    for slot in range(num_rows)
-                ]
-            )
-            step_uniforms = settings.uniforms.gather(1, index).to(self.device)  # [rows, num_kept]
-            sampled = sample_from_probs(probs.flatten(0, 1), step_uniforms.flatten()).view(num_rows, num_kept)
+            if greedy:
+                sampled = argmax_vocab(logits)  # [rows, num_kept]
+            else:
+                # The draft draws from the distribution the target's is warped to: min-p included.
+                probs = settings.warp(logits)  # [rows, num_kept, vocab]
+                index = torch.tensor(
+                    [
+                        [min(len(drafts[slot]) + max(c - offsets[slot], 0), 2 * k) for c in range(num_kept)]
+                        for slot in range(num_rows)
+                    ]
+                )
+                step_uniforms = settings.uniforms.gather(1, index).to(self.device)  # [rows, num_kept]
+                sampled = sample_from_probs(probs.flatten(0, 1), step_uniforms.flatten()).view(num_rows, num_kept)
             if with_confidence:
                 confidence, other_ids, other_probs = draft_confidences(logits, sampled)
             own = self._own_choices(draft_logits, with_confidence)
@@ -333,7 +339,8 @@ class ModelDrafter:
                         stalled.add(slot)
                         break
                     drafts[slot].append(token)
-                    probs_of[slot].append(probs[slot, column])
+                    if not greedy:
+                        probs_of[slot].append(probs[slot, column])
                     feeds[slot] = [feed]
                     if with_confidence:
                         confidences[slot].append(confidence[slot][column])
@@ -367,6 +374,8 @@ class ModelDrafter:
                 # A re-tokenized draft is the draft's greedy choice: its distribution is one-hot.
                 draft_probs = torch.zeros((len(token_ids), self.vocab_size), device=self.device)  # [n, vocab]
                 draft_probs[torch.arange(len(token_ids)), torch.tensor(token_ids, dtype=torch.long)] = 1.0
+            elif greedy:
+                draft_probs = None
             else:
                 draft_probs = torch.stack(probs_of[slot][: len(token_ids)])  # [n, vocab]
             proposals[self.order[slot]] = Proposal(
