@@ -39,7 +39,10 @@ instead of the tiny pair; each shape drafts for itself, as the tiny target does.
 `--confidence-stop loop|mask` plans the drafting steps from a fixed cost table instead, and the
 draft's confidence stops the chains: the plan drafts to the row's k and the host reads every pass
 (`loop`), or the plan's priced k passes run and are read once (`mask`,
-`handler.drafters.model.ModelDrafter.stop_by_mask`).
+`handler.drafters.model.ModelDrafter.stop_by_mask`). `--drafter hybrid` has the drafting rows draft
+as the shipped configs' requests do: the look-ups (n-gram, suffix trees) against the draft model,
+whose passes carry the suffix trees' guesses where they are priced to pay (with `--confidence-stop
+loop`, the shipped CPU step).
 
 Benchmarks are programs: take figures on a quiet machine, never in a test.
 """
@@ -360,7 +363,7 @@ def run_mode(mode: str, engine, target, timer, prompt_ids, batch_size: int, args
 
 def measure(args, target, tokenizer) -> list[dict]:
     # The draft is the target itself: every draft is accepted, and the step is all the machinery.
-    engine = self_drafting_engine(target, tokenizer, args.runner, args.confidence_stop)
+    engine = self_drafting_engine(target, tokenizer, args.runner, args.confidence_stop, drafter=args.drafter)
     modes = modes_of(target.device, args.runner)
     engines = {mode: engine for mode in modes}
     if READ_AT_ONCE in modes:
@@ -451,6 +454,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shapes", default="", help="comma-separated gpu_check shapes, e.g. 1.5B,7B (bf16)")
     add_confidence_stop_argument(parser)
+    parser.add_argument(
+        "--drafter",
+        choices=("model", "hybrid"),
+        default="model",
+        help="the drafting rows' drafter: hybrid is the shipped configs' (look-ups, guessed model drafts)",
+    )
     return parser.parse_args(argv)
 
 
@@ -464,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = measure(args, *load_target(args, shape))
         what = "the tiny pair, float32" if shape is None else f"the {shape} shape, random weights, bf16"
         stop = "" if args.confidence_stop == "off" else f", the confidence stop by {args.confidence_stop}"
-        print(f"Own time: {what}, draft == target, greedy, {args.runner} runner, {args.device}{stop}")
+        setup = f"{args.drafter} drafter, {args.runner} runner, {args.device}{stop}"
+        print(f"Own time: {what}, draft == target, greedy, {setup}")
         device = torch.cuda.get_device_name() if args.device.startswith("cuda") else machine_info()["description"]
         print(device)
         print(f"medians of {args.repeats} runs of {args.steps} steps after {args.warmup}; ratios against k = 0 here")

@@ -39,3 +39,15 @@ def test_the_table_and_the_ratio_against_plain_come_out(tiny_models_dir, capsys)
     for batch in ("1", "2"):
         assert 0 < calls[batch, "4, bare loop"][1] < calls[batch, "4"][1]
     assert calls["2", "4, bare loop"] == calls["1", "4, bare loop"]
+
+
+def test_the_shipped_drafting_step_is_a_row_of_its_own(tiny_models_dir, capsys):
+    # The hybrid drafter planned from a cost table with the confidence stop: the shipped CPU step.
+    argv = ["--models", str(tiny_models_dir), "--batch-sizes", "1", "--steps", "2", "--warmup", "1", "--repeats", "1"]
+    assert bench_own_time.main([*argv, "--drafter", "hybrid", "--confidence-stop", "loop"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "hybrid drafter" in lines[0] and "the confidence stop by loop" in lines[0]
+    header = next(index for index, line in enumerate(lines) if line.startswith("| batch | k |"))
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[header + 2 :]]
+    rows = {row[1]: row for row in cells}
+    assert float(rows["4"][6]) > 1.0  # every draft is the target's own: the drafting rows emit more than one a step
