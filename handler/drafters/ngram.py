@@ -106,16 +106,17 @@ class NgramIndex:
         earlier occurrence's), and the first `max_nodes` are kept. With one occurrence this is the
         chain `lookup` proposes.
         """
-        end = len(self.tokens)
+        tokens = self.tokens
+        end = len(tokens)
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
-            ngram = tuple(self.tokens[end - n : end])
+            ngram = tuple(tokens[end - n : end])
             first = self.first_end.get(ngram)
             if first is None:
                 continue
             more = self.more_ends.get(ngram)
             if not more:
                 # One occurrence: its continuation is the chain, every node on it (share 1).
-                token_ids = self.tokens[first : min(first + max_nodes, end)]
+                token_ids = tokens[first : min(first + max_nodes, end)]
                 return Proposal(token_ids, None, list(range(ROOT, len(token_ids) - 1)), [1.0] * len(token_ids))
             starts = [first, *more]
             token_ids, parents, counts = [], [], []
@@ -123,13 +124,13 @@ class NgramIndex:
             heads = [ROOT] * len(starts)  # each occurrence's node at the current depth
             # Depth by depth, so that nodes are numbered shallow first (the tie-break below).
             for depth in range(max_nodes):
-                if depth and not any(head is not None for head in heads):
+                if depth and heads.count(None) == len(heads):
                     break  # every occurrence ran into the row's end
                 for occurrence, start in enumerate(starts):
                     if start + depth >= end or heads[occurrence] is None:
                         heads[occurrence] = None
                         continue
-                    key = (heads[occurrence], self.tokens[start + depth])
+                    key = (heads[occurrence], tokens[start + depth])
                     node = children.get(key)
                     if node is None:
                         node = children[key] = len(token_ids)
