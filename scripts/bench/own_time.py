@@ -5,7 +5,7 @@ every draft is accepted, a fixed k (no cost table: every row drafts its cap), gr
 prompt. For each batch size, plain decoding (k = 0), the shipped planner where a cost table in this
 machine's seconds prices every draft out (`0, planned`: a step that drafts nothing, its look-ups and
 plan included, or skipped after plans that priced drafting well below plain, `handler.planning.trackers.PlainStreak`)
-and drafting (k = 4) run in the same process, alternating over the repeats (on a GPU also plain
+and drafting (k = 4, or `--k`) run in the same process, alternating over the repeats (on a GPU also plain
 decoding with every step read before the next is launched, `0, read at once`: the engine's overlapped
 plain steps off; there a step's wall time is the steps' from the first's start to the last's work
 done, over the steps), and with the dynamic runner drafting's passes alone (`4, bare loop`: two caches
@@ -341,12 +341,20 @@ def priced_out_engine(target, tokenizer, runner: str, plain_seconds: float):
 # next is launched (`READ_AT_ONCE`: the overlap of plain steps off, `handler.engine.EngineOptions`).
 # With the dynamic runner, also the drafting row's passes alone (`FLOOR`, `run_bare_steps`): the least
 # own time of a step of them, the engine's bound.
-PLAIN, READ_AT_ONCE, PRICED_OUT, DRAFTING = "0", "0, read at once", "0, planned", str(DRAFTING_K)
-FLOOR = f"{DRAFTING_K}, bare loop"
+# The drafting rows are labelled by their k (`--k`, DRAFTING_K by default): "4" and "4, bare loop".
+PLAIN, READ_AT_ONCE, PRICED_OUT, DRAFTING, FLOOR = "0", "0, read at once", "0, planned", "k", "k, bare loop"
 MODES = (PLAIN, PRICED_OUT, DRAFTING)
 GPU_MODES = (PLAIN, READ_AT_ONCE, PRICED_OUT, DRAFTING)
-# Each row's requested k: the planner's rows ask for a cap it prices out.
-REQUESTED_K = {PLAIN: 0, READ_AT_ONCE: 0, PRICED_OUT: 2 * DRAFTING_K, DRAFTING: DRAFTING_K, FLOOR: DRAFTING_K}
+
+
+def requested_k(mode: str, k: int) -> int:
+    """Each row's requested k: the planner's rows ask for a cap it prices out."""
+    return {PLAIN: 0, READ_AT_ONCE: 0, PRICED_OUT: 2 * k, DRAFTING: k, FLOOR: k}[mode]
+
+
+def label(mode: str, k: int) -> str:
+    """A row's name in the table: the drafting rows by their k."""
+    return mode.replace("k", str(k), 1) if mode in (DRAFTING, FLOOR) else mode
 
 
 def modes_of(device: torch.device, runner: str) -> tuple[str, ...]:
@@ -358,7 +366,7 @@ def modes_of(device: torch.device, runner: str) -> tuple[str, ...]:
 def run_mode(mode: str, engine, target, timer, prompt_ids, batch_size: int, args, counter=None) -> dict:
     """One run of a row of the table: `run_steps` on the row's engine, or the bare loop (`FLOOR`)."""
     run, subject = (run_bare_steps, target) if mode == FLOOR else (run_steps, engine)
-    return run(subject, timer, prompt_ids, batch_size, REQUESTED_K[mode], args.warmup, args.steps, counter)
+    return run(subject, timer, prompt_ids, batch_size, requested_k(mode, args.k), args.warmup, args.steps, counter)
 
 
 def measure(args, target, tokenizer) -> list[dict]:
@@ -399,7 +407,7 @@ def measure(args, target, tokenizer) -> list[dict]:
     rows = []
     for batch_size in args.batch_sizes:
         for mode in modes:
-            row = {"batch": batch_size, "k": mode}
+            row = {"batch": batch_size, "k": label(mode, args.k)}
             for synchronised, tag in ((False, "unsync"), (True, "sync")):
                 runs = samples[batch_size, mode, synchronised]
                 step_ms = statistics.median(run["step_ms"] for run in runs)
@@ -454,6 +462,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shapes", default="", help="comma-separated gpu_check shapes, e.g. 1.5B,7B (bf16)")
     add_confidence_stop_argument(parser)
+    parser.add_argument("--k", type=int, default=DRAFTING_K, help="the drafting rows' k")
     parser.add_argument(
         "--drafter",
         choices=("model", "hybrid"),

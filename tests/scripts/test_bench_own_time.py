@@ -51,3 +51,14 @@ def test_the_shipped_drafting_step_is_a_row_of_its_own(tiny_models_dir, capsys):
     cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[header + 2 :]]
     rows = {row[1]: row for row in cells}
     assert float(rows["4"][6]) > 1.0  # every draft is the target's own: the drafting rows emit more than one a step
+
+
+def test_the_drafting_rows_take_the_k_asked(tiny_models_dir, capsys):
+    argv = ["--models", str(tiny_models_dir), "--batch-sizes", "1", "--steps", "2", "--warmup", "1", "--repeats", "1"]
+    assert bench_own_time.main([*argv, "--k", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(index for index, line in enumerate(lines) if line.startswith("| batch | k |"))
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[header + 2 :]]
+    tokens = {row[1]: float(row[6]) for row in cells}
+    assert tokens["2"] == tokens["2, bare loop"] == 3.0  # every draft accepted: k + 1 tokens a step
+    assert tokens["0"] == 1.0
