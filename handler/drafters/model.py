@@ -243,8 +243,9 @@ class ModelDrafter:
                 passes all run and the rule is asked after them, draft by draft: the same drafts stay.
 
         Returns:
-            each row's `Proposal` of n <= k drafts, with their distributions (and confidences and
-            runners-up where measured); the number of draft passes they took is `last_num_passes`.
+            each row's `Proposal` of n <= k drafts, with their distributions (None where no row of the
+            batch samples: one-hot at the drafts; and confidences and runners-up where measured); the
+            number of draft passes they took is `last_num_passes`.
         """
         assert rows and self.cache is not None
         wanted = {row.request_id: row for row in rows}

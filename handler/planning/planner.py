@@ -55,10 +55,10 @@ MAX_GUESSES = 31  # more than any row's k - 1 (`handler.config.MAX_K`)
 
 
 # A step's records of each row (its candidates, options, choice, offer, plan, drafts and confidences,
-# and the drafters' `Proposal` and `DraftRow`) are plain dataclasses, not frozen ones: a step builds several a row, and
-# a frozen dataclass's constructor sets each field through `object.__setattr__`, about 3x the cost
-# (1.0 against 0.3 us for 7 fields; at 16 rows a k = 4 step's own time 0.90-0.93 -> 0.83-0.85 ms on the
-# tiny pair). Nothing changes them once built, the shared ones (NO_PLAN, NO_DRAFTS_TO_VERIFY) included.
+# and the drafters' `Proposal` and `DraftRow`) are plain dataclasses, not frozen ones: a step builds
+# several a row, and a frozen dataclass's constructor sets each field through `object.__setattr__`,
+# about 3x the cost (1.0 against 0.3 us for 7 fields). Nothing changes them once built, the shared
+# ones (NO_PLAN, NO_DRAFTS_TO_VERIFY) included.
 @dataclasses.dataclass
 class Candidate:
     """One way a row can draft from a look-up this step (or the tokens its grammar forces)."""
@@ -488,14 +488,10 @@ class Planner:
 
         max_drafts = max(plans[slot].k for slot in model_slots)
 
-        priced: dict[int, float] = {}  # the rule asks each pass for that number of drafts and the next
-
+        @functools.cache  # the rule asks each pass for that number of drafts and the next
         def step_seconds(num_drafts: int) -> float:
-            seconds = priced.get(num_drafts)
-            if seconds is None:
-                passes = slowest.passes(max_drafts if masked else num_drafts)
-                seconds = priced[num_drafts] = self.pass_seconds(batch_size, max(num_drafts, other_width), passes)
-            return seconds
+            passes = slowest.passes(max_drafts if masked else num_drafts)
+            return self.pass_seconds(batch_size, max(num_drafts, other_width), passes)
 
         by_kind = self.estimates.calibrations  # greedy or not: two calibrations for the batch's rows
         calibrations = [by_kind[rows[slot].request.sampling.is_greedy] for slot in model_slots]

@@ -354,7 +354,7 @@ def requested_k(mode: str, k: int) -> int:
 
 def label(mode: str, k: int) -> str:
     """A row's name in the table: the drafting rows by their k."""
-    return mode.replace("k", str(k), 1) if mode in (DRAFTING, FLOOR) else mode
+    return {DRAFTING: str(k), FLOOR: f"{k}, bare loop"}.get(mode, mode)
 
 
 def modes_of(device: torch.device, runner: str) -> tuple[str, ...]:
