@@ -194,3 +194,79 @@ def process_row_logits(
         sampling.frequency_penalty,
         sampling.repetition_penalty,
     )
+
+
+class ChainPenalties:
+    """Rows' logit bias and penalties over a draft model's chain of passes, kept on the device.
+
+    Pass j of a chain gives each row the logits of its draft j, which follows its committed tokens and
+    drafts 0..j-1: those drafts count as generated, as at verify position j. `apply` shapes a pass's
+    logits, `add` enters the pass's drafts; nothing is read, so k passes run without a wait for the device.
+
+    Each row's result is bit for bit `process_row_logits` at one position, the drafts so far counted
+    as generated: the same operations on the same values, where the penalties a row does not ask for
+    are exact identities (a repetition of 1 divides and multiplies by 1, a presence and frequency of 0
+    subtract 0). Rows outside `slots` are left as they are.
+    """
+
+    def __init__(
+        self,
+        slots: Sequence[int],
+        params: Sequence[SamplingParams],
+        output_counts: Sequence[torch.Tensor | None],  # each [vocab] float, or None (no presence/frequency)
+        seen: Sequence[torch.Tensor | None],  # each [vocab] bool, or None (no repetition penalty)
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        assert slots and len(slots) == len(params) == len(output_counts) == len(seen), len(slots)
+        self.slots = torch.tensor(list(slots), dtype=torch.long, device=device)  # [n]
+        num = len(slots)
+        bias = [(row, token_id, value) for row, p in enumerate(params) for token_id, value in p.logit_bias]
+        bias = [entry for entry in bias if entry[1] < vocab_size]  # ids the model never emits: no logit
+        self.bias = None
+        if bias:
+            rows, ids, values = zip(*bias)
+            self.bias = (
+                torch.tensor(rows, dtype=torch.long, device=device),
+                torch.tensor(ids, dtype=torch.long, device=device),
+                torch.tensor(values, dtype=torch.float32, device=device),
+            )
+        self.repetition = self.counts = self.seen = None
+        if any(p.needs_seen_tokens for p in params):
+            self.repetition = _column([p.repetition_penalty for p in params], device)  # [n, 1]
+            self.seen = torch.stack(
+                [s if s is not None else torch.zeros(vocab_size, dtype=torch.bool, device=device) for s in seen]
+            )  # [n, vocab] bool, a copy: the rows' own stay as they are
+        if any(p.needs_output_counts for p in params):
+            self.presence = _column([p.presence_penalty for p in params], device)  # [n, 1]
+            self.frequency = _column([p.frequency_penalty for p in params], device)  # [n, 1]
+            self.counts = torch.stack(
+                [c if c is not None else torch.zeros(vocab_size, device=device) for c in output_counts]
+            )  # [n, vocab] float
+        self._ones = torch.ones((num, 1), device=device)  # [n, 1]: one more of each row's draft
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:  # [rows, 1, vocab] -> [rows, 1, vocab]
+        """A pass's logits with the rows' bias and penalties, at the drafts entered so far (a new tensor)."""
+        shaped = logits[self.slots, 0].float()  # [n, vocab]: a copy (the index)
+        if self.bias is not None:
+            shaped.index_put_((self.bias[0], self.bias[1]), self.bias[2], accumulate=True)
+        if self.seen is not None:
+            penalised = torch.where(shaped > 0, shaped / self.repetition, shaped * self.repetition)
+            shaped = torch.where(self.seen, penalised, shaped)
+        if self.counts is not None:
+            shaped = shaped - self.frequency * self.counts - self.presence * (self.counts > 0).to(shaped.dtype)
+        out = logits.clone()
+        out[self.slots, 0] = shaped.to(logits.dtype)
+        return out
+
+    def add(self, drafts: torch.Tensor) -> None:  # [rows, 1] long
+        """Counts the pass's drafts as generated, for the passes after it."""
+        drawn = drafts[self.slots]  # [n, 1]
+        if self.counts is not None:
+            self.counts.scatter_add_(1, drawn, self._ones)
+        if self.seen is not None:
+            self.seen.scatter_(1, drawn, True)
+
+
+def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:  # [n, 1] float32
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]

@@ -184,6 +184,10 @@ class DraftRow:
     # may guess into each pass (guessed drafting; 0: none); whether to measure its drafts' confidences
     # and runners-up.
     shape: Callable | None = None
+    # Where `shape` is the row's logit bias and penalties alone (no grammar): their settings and history,
+    # (SamplingParams, output counts [vocab] | None, seen tokens [vocab] | None), which a chain of draft
+    # passes applies on the device (`handler.logits_processors.ChainPenalties`) instead of calling `shape`.
+    penalties: tuple | None = None
     guesses: int = 0
     measure_confidence: bool = False
     # The grammar's: n -> the tokens its grammar forces next, up to n.

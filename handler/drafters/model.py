@@ -24,6 +24,7 @@ from handler.caches.kv_cache import chunk_of
 from handler.caches.prefix_cache import PrefixCache, prefill_with_cache
 from handler.caches.rollback import draft_rollback
 from handler.drafters import MODEL, DeviceDrafts, DraftRow, Proposal
+from handler.logits_processors import ChainPenalties
 from handler.runners import BatchCache, DynamicRunner
 from handler.sampler import SamplingBatch, argmax_vocab, host_to_device, sample_from_probs
 
@@ -233,8 +234,9 @@ class ModelDrafter:
             rows: the rows whose drafts will be verified, each with its most drafts (>= 1), its slot in
                 `sampling` (whose `uniforms` hold its draws), its rules on the draft's logits (`shape`,
                 called once per draft, in order, so that it can follow the drafts; a shaped row takes no
-                guesses), how many guessed drafts a pass may carry for it (0: it does not guess) and
-                whether its confidences are measured (a softmax over the vocabulary per draft; without,
+                guesses; where they are its penalties alone, `penalties`, which the chains apply instead),
+                how many guessed drafts a pass may carry for it (0: it does not guess) and whether its
+                confidences are measured (a softmax over the vocabulary per draft; without,
                 no `keep_drafting`). Other rows of the cache draft greedily and their drafts are only
                 fed to keep the batch rectangular.
             sampling: the step's settings, rows in the step's order.
@@ -271,8 +273,17 @@ class ModelDrafter:
             }
             max_guesses = {slot: wanted[self.order[slot]].guesses for slot in guess_of}
         texts = self._texts(asking, settings, shaped)
-        if not (guess_of or texts or shaped) and (self.stops_by_mask if with_confidence else self._feeds_drafts):
-            return self._propose_chains(rows, settings, k, asking, with_confidence, keep_drafting)
+        # Rows whose only rules are their logit bias and penalties keep to the chains: those apply them on
+        # the device. A grammar's mask is the host's, asked draft by draft: the loop below reads each pass.
+        penalized = {slot: wanted[self.order[slot]].penalties for slot in shaped}
+        only_penalties = all([history is not None for history in penalized.values()])
+        if (
+            not (guess_of or texts)
+            and only_penalties
+            and (self.stops_by_mask if with_confidence else self._feeds_drafts)
+        ):
+            penalties = self._chain_penalties(penalized) if penalized else None
+            return self._propose_chains(rows, settings, k, asking, with_confidence, keep_drafting, penalties)
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         probs_of: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
         confidences: list[list[float]] = [[] for _ in range(num_rows)]
@@ -395,11 +406,13 @@ class ModelDrafter:
         asking: list[int],
         with_confidence: bool = False,
         keep_drafting: Callable[[int, dict[Hashable, float]], bool] | None = None,
+        penalties: ChainPenalties | None = None,
     ) -> list[Proposal]:
         """`propose` where every row drafts one token a pass and feeds it to the next: no guesses, no
-        shaping, a draft the draft model reads. The drafts stay on the device across the k passes: the
-        same drafts as the general loop's (row i's draft j drawn with uniform j), without a wait for the
-        device per pass. Without confidences and with `drafts_on_device` (a GPU) they stay there into
+        rules but the rows' logit bias and penalties (`penalties`: applied on the device, the drafts so
+        far counted pass by pass), a draft the draft model reads. The drafts stay on the device across
+        the k passes: the same drafts as the general loop's (row i's draft j drawn with uniform j), without
+        a wait for the device per pass. Without confidences and with `drafts_on_device` (a GPU) they stay there into
         the verify pass, and the host has them from the step's one read, with the verdict
         (`DeviceDrafts`: each proposal's tokens, and the feeds `observe` compares, are read then);
         otherwise the host reads them once, after the last pass (with confidences: for the stop rule
@@ -422,12 +435,16 @@ class ModelDrafter:
         for number in range(k):
             draft_logits = self.cache.forward(self._pass_ids(input_ids), chunk_mask, logits_to_keep=1)
             logits = self._target_logits(draft_logits)  # [rows, 1, vocab]
+            if penalties is not None:
+                logits = penalties.apply(logits)  # [rows, 1, vocab]
             if greedy:
                 sampled = argmax_vocab(logits)  # [rows, 1]
             else:
                 probs = settings.warp(logits)  # [rows, 1, vocab]
                 sampled = sample_from_probs(probs[:, 0], uniforms[:, number])[:, None]  # [rows, 1]
                 probs_per_pass.append(probs[:, 0])
+            if penalties is not None and number < k - 1:
+                penalties.add(sampled)
             sampled_per_pass.append(sampled)
             if with_confidence:
                 logits_per_pass.append(logits)
@@ -485,6 +502,12 @@ class ModelDrafter:
             for slot in asking
         }
         return [proposals[row.request_id] for row in rows]
+
+    def _chain_penalties(self, penalized: dict[int, tuple]) -> ChainPenalties:
+        """The chains' logit bias and penalties for the cache rows `penalized` (slot -> `DraftRow.penalties`)."""
+        slots = list(penalized)
+        params, counts, seen = zip(*[penalized[slot] for slot in slots])
+        return ChainPenalties(slots, params, counts, seen, self.vocab_size, self.device)
 
     @property
     def stops_by_mask(self) -> bool:

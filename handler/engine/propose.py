@@ -195,6 +195,7 @@ class Proposer:
                 plan.rows[slot].k,
                 slot,
                 shape=rows[slot].shape_draft_logits if rows[slot].shapes_logits else None,
+                penalties=rows[slot].draft_penalties() if rows[slot].shapes_logits else None,
                 guesses=self.planner.guess_width(rows[slot], len(rows)) if plan.rows[slot].guesses else 0,
                 measure_confidence=measure_confidence,
             )

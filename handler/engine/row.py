@@ -138,6 +138,13 @@ class Row:
             logits = logits.masked_fill(~mask.to(logits.device), float("-inf"))
         return logits
 
+    def draft_penalties(self) -> tuple | None:
+        """Where the row's only rules on the draft's logits are its logit bias and penalties: their
+        settings and history for a chain of draft passes on the device (`DraftRow.penalties`), else None."""
+        if self.grammar is not None or not self.request.sampling.processes_logits:
+            return None
+        return self.request.sampling, self.output_counts, self.seen
+
     def end_drafting(self) -> None:
         self.drafted = []
         if self.grammar is not None:

@@ -138,8 +138,8 @@ class Verifier:
         # side's distributions are built. A coupled row samples, so none is here.
         greedy = sampling.all_greedy and not tree_slots
         # Drafts a draft loop left on the device are read with the verdict below (`DeviceDrafts`): until
-        # then their rows' lists are empty, and nothing before the read looks at them (a row whose rules
-        # shape the logits drafts through the loop that reads its drafts as it goes).
+        # then their rows' lists are empty, and nothing before the read looks at them (a row's penalties
+        # take its drafts where they are; a grammar's row drafts through the loop that reads as it goes).
         on_device = _DeviceRows.of(drafts)
         # Each row's pending token leads its drafts in the verify chunk: one tensor of both.
         pending = None if logits is not None else [(row.token_ids or row.request.prompt_ids)[-1] for row in rows]
@@ -170,7 +170,7 @@ class Verifier:
         else:
             assert k == 0 and logits.shape[:2] == (batch_size, 1), (k, logits.shape)
         logits = logits[..., : self.vocab_size]
-        shaped = _shape_target_logits(rows, logits, draft_lists, ks, self.device)
+        shaped = _shape_target_logits(rows, logits, draft_lists, ks, self.device, on_device.chains, draft_token_ids)
         if greedy:
             # The step's one synchronisation point: a read of the target's argmaxes (and of the drafts
             # still on the device); the verdicts and the bookkeeping after them are plain Python.
@@ -398,13 +398,17 @@ def _shape_target_logits(
     draft_lists: list[list[int]],
     ks: list[int],
     device: torch.device,
+    on_device: dict[int, object] | None = None,
+    draft_token_ids: torch.Tensor | None = None,  # [batch, k]
 ) -> torch.Tensor:  # [batch, k + 1, vocab]
     """The logits the rows' rules leave, at each row's verify positions.
 
     Position j of a row follows its committed tokens and drafts 0..j-1: its logit
     bias and penalties count those drafts as generated (`process_row_logits`), and
     its grammar masks what may follow them. The raw logits stay untouched
-    (log-probabilities are reported from them).
+    (log-probabilities are reported from them). A row whose drafts are still on the device
+    (`on_device`, by slot: a chain whose only rules were its penalties) is penalised from them
+    there (`draft_token_ids`), unread.
     """
     shaping = [slot for slot, row in enumerate(rows) if row.shapes_logits]
     if not shaping:
@@ -415,10 +419,14 @@ def _shape_target_logits(
     for slot in shaping:
         row, num = rows[slot], ks[slot]
         if row.request.sampling.processes_logits:
+            row_drafts = draft_lists[slot][:num]
+            if on_device and slot in on_device:
+                row_drafts = draft_token_ids[slot, :num]  # [num]
             shaped[slot, : num + 1] = process_row_logits(
-                shaped[slot, : num + 1], row.request.sampling, row.output_counts, row.seen, draft_lists[slot][:num]
+                shaped[slot, : num + 1], row.request.sampling, row.output_counts, row.seen, row_drafts
             )
         if row.grammar is not None:
+            assert not on_device or slot not in on_device, "a grammar's masks are the host's: its drafts were read"
             masks = row.grammar_call("masks", draft_lists[slot][:num])  # [num + 1, vocab]
             shaped[slot, : num + 1].masked_fill_(~masks.to(device), float("-inf"))
     return shaped

@@ -114,24 +114,30 @@ def test_a_seeded_request_with_penalties_depends_on_its_seed_alone(tiny_pair, no
 def test_the_draft_model_shapes_its_drafts_for_penalised_rows_and_forgets_them_each_step(
     tiny_pair, no_eos_engine, monkeypatch
 ):
+    """A penalised row without a grammar drafts through the chains, which penalise on the device
+    (`ChainPenalties`); its history after each step counts its committed tokens alone."""
     from handler.engine import SpeculativeEngine
-    from handler.engine.row import Row
+    from handler.logits_processors import ChainPenalties, token_counts
 
     _, _, tokenizer = tiny_pair
-    calls, drafted_after_steps = [], []
-    real_shape, real_step = Row.shape_draft_logits, SpeculativeEngine.step
+    calls, histories = [], []
+    real_apply, real_step = ChainPenalties.apply, SpeculativeEngine.step
 
-    def shape(row, logits, previous_draft):
-        calls.append(previous_draft)
-        return real_shape(row, logits, previous_draft)
+    def apply(penalties, logits):
+        calls.append(logits.shape)
+        return real_apply(penalties, logits)
 
     def step(engine):
         outputs = real_step(engine)
-        drafted_after_steps.extend(len(row.drafted) for row in engine.rows)
+        for row in engine.rows:
+            expected = token_counts(row.token_ids, row.output_counts.shape[0])
+            histories.append((len(row.drafted), torch.equal(row.output_counts, expected)))
         return outputs
 
-    monkeypatch.setattr(Row, "shape_draft_logits", shape)
+    monkeypatch.setattr(ChainPenalties, "apply", apply)
     monkeypatch.setattr(SpeculativeEngine, "step", step)
     no_eos_engine.generate([request(tokenizer, PROMPTS[0], SETTINGS["presence_frequency"])])
     assert calls, "a penalised row's drafts must be drawn from the penalised draft distribution"
-    assert drafted_after_steps and not any(drafted_after_steps), "the drafts of one step must not count in the next"
+    assert histories and all(entry == (0, True) for entry in histories), (
+        "the drafts of one step must not count in the next"
+    )

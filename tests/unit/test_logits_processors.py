@@ -8,6 +8,7 @@ from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
 from handler.config import SamplingParams
 from handler.logits_processors import (
+    ChainPenalties,
     apply_logit_bias,
     apply_penalties,
     position_counts,
@@ -129,6 +130,51 @@ def test_each_verify_position_sees_the_drafts_before_it(sampling):
             [],
         )
         torch.testing.assert_close(alone[0], got[j])
+
+
+CHAIN_ROWS = [  # a chain's rows (None: a row without rules, outside the penalised slots)
+    SamplingParams(repetition_penalty=1.7),
+    None,
+    SamplingParams(temperature=0.7, presence_penalty=0.8, frequency_penalty=-0.4),
+    SamplingParams(logit_bias=((3, 4.0), (7, -2.5), (VOCAB + 5, 1.0))),
+    SamplingParams(presence_penalty=1.5, frequency_penalty=0.6, repetition_penalty=0.8, logit_bias=((1, 1.5),)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chain_penalties_equal_each_rows_process_row_logits_pass_by_pass(dtype):
+    """A chain's pass j: each penalised row's logits are bit for bit `process_row_logits` of its own, its
+    drafts 0..j-1 counted as generated (rounded to the logits' dtype, as the draft loop writes them back);
+    the others are untouched; the rows' histories stay as they were."""
+    prompt, generated = [5, 1, 9], [1, 4, 4]
+    slots = [slot for slot, params in enumerate(CHAIN_ROWS) if params is not None]
+    params = [CHAIN_ROWS[slot] for slot in slots]
+    counts = [token_counts(generated, VOCAB) if p.needs_output_counts else None for p in params]
+    seen = [token_mask(prompt + generated, VOCAB) if p.needs_seen_tokens else None for p in params]
+    kept = [None if t is None else t.clone() for t in counts + seen]
+    chain = ChainPenalties(slots, params, counts, seen, VOCAB, torch.device("cpu"))
+    drafted = {slot: [] for slot in slots}
+    for number in range(4):
+        logits = random_logits(len(CHAIN_ROWS), 1, VOCAB, seed=10 + number).to(dtype)  # [rows, 1, vocab]
+        shaped = chain.apply(logits)
+        assert shaped.dtype == dtype and not torch.equal(shaped, logits)
+        for slot, p, row_counts, row_seen in zip(slots, params, counts, seen):
+            history = drafted[slot]
+            expected = process_row_logits(
+                logits[slot],
+                p,
+                None if row_counts is None else row_counts + token_counts(history, VOCAB),
+                None if row_seen is None else row_seen | token_mask(history, VOCAB),
+                [],
+            )
+            assert torch.equal(shaped[slot], expected.to(dtype)), (slot, number)
+        assert torch.equal(shaped[1], logits[1])
+        drafts = torch.tensor([[(3 * slot + number) % 4] for slot in range(len(CHAIN_ROWS))])  # repeats some
+        chain.add(drafts)
+        for slot in slots:
+            drafted[slot].append(int(drafts[slot, 0]))
+    for before, after in zip(kept, counts + seen):
+        assert (before is None and after is None) or torch.equal(before, after)
 
 
 def test_process_row_logits_is_pure_and_checks_its_inputs():
