@@ -18,7 +18,7 @@ import torch
 
 from handler.drafters import DeviceChain, DeviceDrafts
 from handler.engine.row import Row
-from handler.logits_processors import process_row_logits
+from handler.logits_processors import process_rows_logits
 from handler.planning.cost_table import RunningCostTable
 from handler.planning.planner import Drafts
 from handler.sampler import (
@@ -398,17 +398,17 @@ def _shape_target_logits(
     draft_lists: list[list[int]],
     ks: list[int],
     device: torch.device,
-    on_device: dict[int, object] | None = None,
-    draft_token_ids: torch.Tensor | None = None,  # [batch, k]
+    on_device: dict[int, object],
+    draft_token_ids: torch.Tensor,  # [batch, k]
 ) -> torch.Tensor:  # [batch, k + 1, vocab]
     """The logits the rows' rules leave, at each row's verify positions.
 
     Position j of a row follows its committed tokens and drafts 0..j-1: its logit
-    bias and penalties count those drafts as generated (`process_row_logits`), and
-    its grammar masks what may follow them. The raw logits stay untouched
-    (log-probabilities are reported from them). A row whose drafts are still on the device
-    (`on_device`, by slot: a chain whose only rules were its penalties) is penalised from them
-    there (`draft_token_ids`), unread.
+    bias and penalties count those drafts as generated, every such row's at once
+    (`process_rows_logits`, from the drafts where they are: those a chain left on the device
+    (`on_device`, by slot) unread), and its grammar masks what may follow them (the host's:
+    a grammar's row drafts through the loop that reads its drafts). The raw logits stay
+    untouched (log-probabilities are reported from them).
     """
     shaping = [slot for slot, row in enumerate(rows) if row.shapes_logits]
     if not shaping:
@@ -416,17 +416,21 @@ def _shape_target_logits(
     shaped = logits.float()  # a copy for bf16 logits; float32 keeps small penalties exact
     if shaped is logits:
         shaped = logits.clone()
+    penalised = [slot for slot in shaping if rows[slot].request.sampling.processes_logits]
+    if penalised:
+        index = host_to_device(torch.tensor(penalised), device)
+        shaped[index] = process_rows_logits(
+            shaped[index],
+            [rows[slot].request.sampling for slot in penalised],
+            [rows[slot].output_counts for slot in penalised],
+            [rows[slot].seen for slot in penalised],
+            draft_token_ids[index],
+            [ks[slot] for slot in penalised],
+        )
     for slot in shaping:
         row, num = rows[slot], ks[slot]
-        if row.request.sampling.processes_logits:
-            row_drafts = draft_lists[slot][:num]
-            if on_device and slot in on_device:
-                row_drafts = draft_token_ids[slot, :num]  # [num]
-            shaped[slot, : num + 1] = process_row_logits(
-                shaped[slot, : num + 1], row.request.sampling, row.output_counts, row.seen, row_drafts
-            )
         if row.grammar is not None:
-            assert not on_device or slot not in on_device, "a grammar's masks are the host's: its drafts were read"
+            assert slot not in on_device, "a grammar's masks are the host's: its drafts were read"
             masks = row.grammar_call("masks", draft_lists[slot][:num])  # [num + 1, vocab]
             shaped[slot, : num + 1].masked_fill_(~masks.to(device), float("-inf"))
     return shaped

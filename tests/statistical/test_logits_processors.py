@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from handler.config import SamplingParams
-from handler.logits_processors import process_row_logits, token_counts, token_mask
+from handler.logits_processors import process_row_logits, process_rows_logits, token_counts, token_mask
 from handler.sampler import warp_logits_to_probs
 
 from .test_engine import PROMPT, pair, sample_two_tokens  # noqa: F401 (pair is a fixture)
@@ -71,12 +71,17 @@ def test_penalised_samples_follow_the_penalised_target(pair, seeded, reproducibl
 def test_the_check_catches_penalties_that_ignore_the_drafts_before_a_position(pair, monkeypatch, reproducible_unseeded):  # noqa: F811
     import handler.engine.verify as engine_module
 
-    def without_drafts(logits, sampling, base_counts, seen, draft_token_ids):
+    def without_drafts(logits, params, base_counts, seen, draft_token_ids, num_drafts):
         # The bug: every position is scored with the committed history only.
+        none = [0] * len(params)
         return torch.cat(
-            [process_row_logits(logits[j : j + 1], sampling, base_counts, seen, []) for j in range(len(logits))]
+            [
+                process_rows_logits(logits[:, j : j + 1], params, base_counts, seen, draft_token_ids[:, :0], none)
+                for j in range(logits.shape[1])
+            ],
+            dim=1,
         )
 
-    monkeypatch.setattr(engine_module, "process_row_logits", without_drafts)
+    monkeypatch.setattr(engine_module, "process_rows_logits", without_drafts)
     first, second = p_values(pair, sample_two_tokens(pair, SAMPLING, seeded=False))
     assert first > PASS_P_VALUE and second < BUG_P_VALUE  # the first token has no draft before it

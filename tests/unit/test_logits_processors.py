@@ -14,6 +14,7 @@ from handler.logits_processors import (
     position_counts,
     position_seen,
     process_row_logits,
+    process_rows_logits,
     token_counts,
     token_mask,
 )
@@ -175,6 +176,27 @@ def test_chain_penalties_equal_each_rows_process_row_logits_pass_by_pass(dtype):
             drafted[slot].append(int(drafts[slot, 0]))
     for before, after in zip(kept, counts + seen):
         assert (before is None and after is None) or torch.equal(before, after)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_process_rows_logits_equals_each_rows_process_row_logits(dtype):
+    """A step's rows in one go: row i's positions 0..num_drafts[i] bit for bit its own `process_row_logits`
+    (its drafts past them, padding, counted nowhere), the positions past them as they came, in float32;
+    the inputs untouched."""
+    prompt, generated = [5, 1, 9], [1, 4, 4]
+    params = [p for p in CHAIN_ROWS if p is not None]
+    counts = [token_counts(generated, VOCAB) if p.needs_output_counts else None for p in params]
+    seen = [token_mask(prompt + generated, VOCAB) if p.needs_seen_tokens else None for p in params]
+    drafts = torch.tensor([[4, 2, 4, 11], [1, 1, 3, 0], [9, 4, 0, 0], [2, 2, 2, 2]])  # [rows, k]: padded past each num
+    num_drafts = [4, 2, 0, 3]
+    logits = random_logits(len(params), 5, VOCAB, seed=4).to(dtype)  # [rows, k + 1, vocab]
+    kept = logits.clone()
+    got = process_rows_logits(logits, params, counts, seen, drafts, num_drafts)
+    assert got.dtype == torch.float32 and torch.equal(logits, kept)
+    for row, (p, num) in enumerate(zip(params, num_drafts)):
+        expected = process_row_logits(logits[row, : num + 1], p, counts[row], seen[row], drafts[row, :num].tolist())
+        assert torch.equal(got[row, : num + 1], expected), row
+        assert torch.equal(got[row, num + 1 :], logits[row, num + 1 :].float()), row
 
 
 def test_process_row_logits_is_pure_and_checks_its_inputs():
