@@ -207,15 +207,9 @@ class _RowsRules:
     def __init__(self, params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> None:
         self.num_rows = len(params)
         bias = [(row, token_id, value) for row, p in enumerate(params) for token_id, value in p.logit_bias]
-        bias = [entry for entry in bias if entry[1] < vocab_size]  # ids the model never emits: no logit
-        self.bias = None
-        if bias:
-            rows, ids, values = zip(*bias)
-            self.bias = (
-                torch.tensor(rows, dtype=torch.long, device=device),
-                torch.tensor(ids, dtype=torch.long, device=device),
-                torch.tensor(values, dtype=torch.float32, device=device),
-            )
+        self._bias_entries = [entry for entry in bias if entry[1] < vocab_size]  # ids past the model's: no logit
+        # By number of positions: the (row, position, id) index of every biased logit and its bias.
+        self.bias: dict[int, tuple] = {}
         self.repetition = self.presence = self.frequency = None
         if any(p.needs_seen_tokens for p in params):
             self.repetition = _column([p.repetition_penalty for p in params], device)  # [n, 1, 1]
@@ -223,21 +217,23 @@ class _RowsRules:
             self.presence = _column([p.presence_penalty for p in params], device)  # [n, 1, 1]
             self.frequency = _column([p.frequency_penalty for p in params], device)  # [n, 1, 1]
 
+    def _bias_at(self, num_positions: int, device: torch.device) -> tuple:
+        entries = [(row, j, token, value) for row, token, value in self._bias_entries for j in range(num_positions)]
+        rows, positions, ids, values = zip(*entries)
+        index = tuple(torch.tensor(column, dtype=torch.long, device=device) for column in (rows, positions, ids))
+        self.bias[num_positions] = index, torch.tensor(values, dtype=torch.float32, device=device)
+        return self.bias[num_positions]
+
     def apply(
         self,
         logits: torch.Tensor,  # [n, positions, vocab] float32, changed in place where it can be
         output_counts: torch.Tensor | None,  # [n, positions, vocab] float, where `presence` is set
         seen: torch.Tensor | None,  # [n, positions, vocab] bool, where `repetition` is set
     ) -> torch.Tensor:  # [n, positions, vocab] float32
-        if self.bias is not None:
-            rows, ids, values = self.bias
+        if self._bias_entries:
             num_positions = logits.shape[1]
-            positions = torch.arange(num_positions, device=logits.device).repeat(len(rows))  # [entries * positions]
-            logits.index_put_(
-                (rows.repeat_interleave(num_positions), positions, ids.repeat_interleave(num_positions)),
-                values.repeat_interleave(num_positions),
-                accumulate=True,
-            )
+            index, values = self.bias.get(num_positions) or self._bias_at(num_positions, logits.device)
+            logits.index_put_(index, values, accumulate=True)
         if self.repetition is not None:
             penalised = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
             logits = torch.where(seen, penalised, logits)
@@ -288,6 +284,8 @@ def process_rows_logits(
         if index is not None:
             seen_at[index] = True
     shaped = rules.apply(raw.clone(), counts, seen_at)
+    if all(num_drafts_of == num_positions - 1 for num_drafts_of in num_drafts):
+        return shaped  # every position is a row's
     kept = torch.arange(num_positions, device=device) <= torch.tensor(num_drafts, device=device)[:, None]  # [n, pos]
     return torch.where(kept[..., None], shaped, raw)
 

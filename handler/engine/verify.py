@@ -18,7 +18,7 @@ import torch
 
 from handler.drafters import DeviceChain, DeviceDrafts
 from handler.engine.row import Row
-from handler.logits_processors import process_rows_logits
+from handler.logits_processors import process_row_logits, process_rows_logits
 from handler.planning.cost_table import RunningCostTable
 from handler.planning.planner import Drafts
 from handler.sampler import (
@@ -417,7 +417,14 @@ def _shape_target_logits(
     if shaped is logits:
         shaped = logits.clone()
     penalised = [slot for slot in shaping if rows[slot].request.sampling.processes_logits]
-    if penalised:
+    if len(penalised) == 1:
+        # One row: its own call, without the batch's stacking and gathers (fewer calls for one).
+        slot = penalised[0]
+        row, num = rows[slot], ks[slot]
+        shaped[slot, : num + 1] = process_row_logits(
+            shaped[slot, : num + 1], row.request.sampling, row.output_counts, row.seen, draft_token_ids[slot, :num]
+        )
+    elif penalised:
         index = host_to_device(torch.tensor(penalised), device)
         shaped[index] = process_rows_logits(
             shaped[index],

@@ -15,8 +15,9 @@ bring one back. The counts on a CPU are then those the same code would make on a
 
 The engine is the tiny pair's target drafting for itself (every draft is accepted), chains only,
 a fixed k (no cost table), no stop token; the table gives the reads per step for plain decoding
-(k = 0) and drafting (k = 4), greedy, sampled (temperature 0.8) and seeded (temperature 0.8, a
-seed per row), for each batch size.
+(k = 0) and drafting (k = 4), greedy, sampled (temperature 0.8), seeded (temperature 0.8, a
+seed per row) and penalised (greedy with a logit bias and the presence, frequency and repetition
+penalties: the chains apply them on the device), for each batch size.
 
     python -m scripts.bench.host_syncs                       # the tiny pair on the CPU
     python -m scripts.bench.host_syncs --where               # and the lines that read
@@ -46,14 +47,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from handler import sampler
-from scripts.bench.own_time import TORCH_DIR
+from scripts.bench.own_time import TORCH_DIR, penalised_sampling
 
 logger = logging.getLogger(__name__)
 
 PROMPT = "def fibonacci(n):\n    "
 DRAFTING_K = 4
 READS = frozenset(("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"))
-MODES = ("greedy", "sampled", "seeded")
+MODES = ("greedy", "sampled", "seeded", "penalised")
 _ON_DEVICE = "_host_syncs_on_device"  # the attribute that marks a device tensor in a CPU run
 
 
@@ -217,7 +218,10 @@ def count_steps(engine, counter: HostReads, prompt_ids, batch_size: int, k: int,
     from handler.config import SamplingParams
     from handler.engine import GenerationRequest
 
-    sampling = SamplingParams() if mode == "greedy" else SamplingParams(temperature=0.8)
+    sampling = {
+        "greedy": SamplingParams(),
+        "penalised": penalised_sampling(),
+    }.get(mode, SamplingParams(temperature=0.8))
     max_new_tokens = 2 * (warmup + steps + 2) * (k + 1)
     for row in range(batch_size):
         seed = 1000 + row if mode == "seeded" else None
@@ -347,7 +351,7 @@ def report_lines(args, pairs=None) -> tuple[list[Count], list[str]]:
     cuda = args.device == "cuda"
     lines = [
         f"Host reads a step: {args.runner} runner, {args.device}, {args.steps} steps after {args.warmup}; "
-        f"draft k = {DRAFTING_K} where k > 0, chains, temperature 0.8 where sampled"
+        f"draft k = {DRAFTING_K} where k > 0, chains, temperature 0.8 where sampled, greedy where penalised"
         + ("" if args.confidence_stop == "off" else f"; planned, the confidence stop by {args.confidence_stop}"),
         "",
         *table(counts, cuda),

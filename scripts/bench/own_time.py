@@ -44,6 +44,10 @@ as the shipped configs' requests do: the look-ups (n-gram, suffix trees) against
 whose passes carry the suffix trees' guesses where they are priced to pay (with `--confidence-stop
 loop`, the shipped CPU step).
 
+`--penalties` gives every row a logit bias and the presence, frequency and repetition penalties (greedy):
+the drafting rows' chains apply them on the device (`handler.logits_processors.ChainPenalties`) and the
+verify pass all rows' at once (`process_rows_logits`); no bare loop then, which applies no rules.
+
 Benchmarks are programs: take figures on a quiet machine, never in a test.
 """
 
@@ -202,6 +206,13 @@ def add_confidence_stop_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def penalised_sampling():
+    """Greedy with a logit bias and the presence, frequency and repetition penalties (`--penalties`)."""
+    from handler.config import SamplingParams
+
+    return SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1, logit_bias=((5, 1.0),))
+
+
 def run_steps(
     engine,
     timer: ForwardTimer,
@@ -211,15 +222,18 @@ def run_steps(
     warmup: int,
     steps: int,
     counter: CallCounter | None = None,
+    sampling=None,
 ) -> dict:
-    """Admits `batch_size` greedy rows of k drafts, runs `warmup` steps, then times `steps` steps
-    (with `counter`, counts their calls instead: `torch_calls` and `python_calls` a step)."""
+    """Admits `batch_size` greedy rows of k drafts (`sampling`: their settings, greedy where None), runs
+    `warmup` steps, then times `steps` steps (with `counter`, counts their calls instead: `torch_calls`
+    and `python_calls` a step)."""
     from handler.config import SamplingParams
     from handler.engine import GenerationRequest
 
+    sampling = sampling or SamplingParams()
     max_new_tokens = 2 * (warmup + steps + 2) * (k + 1)  # no row finishes inside the timed steps
     for row in range(batch_size):
-        engine.add_request(row, GenerationRequest(prompt_ids, max_new_tokens, SamplingParams(), k))
+        engine.add_request(row, GenerationRequest(prompt_ids, max_new_tokens, sampling, k))
     engine.step()  # admission: the prefill is no step's own time
     for _ in range(warmup):
         engine.step()
@@ -357,22 +371,26 @@ def label(mode: str, k: int) -> str:
     return {DRAFTING: str(k), FLOOR: f"{k}, bare loop"}.get(mode, mode)
 
 
-def modes_of(device: torch.device, runner: str) -> tuple[str, ...]:
-    """The table's rows at each batch size on `device` with `runner`."""
+def modes_of(device: torch.device, runner: str, penalties: bool = False) -> tuple[str, ...]:
+    """The table's rows at each batch size on `device` with `runner` (`penalties`: no bare loop, which
+    applies no rules)."""
     modes = GPU_MODES if device.type == "cuda" else MODES
-    return modes + (FLOOR,) if runner == "dynamic" else modes
+    return modes + (FLOOR,) if runner == "dynamic" and not penalties else modes
 
 
 def run_mode(mode: str, engine, target, timer, prompt_ids, batch_size: int, args, counter=None) -> dict:
     """One run of a row of the table: `run_steps` on the row's engine, or the bare loop (`FLOOR`)."""
-    run, subject = (run_bare_steps, target) if mode == FLOOR else (run_steps, engine)
-    return run(subject, timer, prompt_ids, batch_size, requested_k(mode, args.k), args.warmup, args.steps, counter)
+    k = requested_k(mode, args.k)
+    if mode == FLOOR:
+        return run_bare_steps(target, timer, prompt_ids, batch_size, k, args.warmup, args.steps, counter)
+    sampling = penalised_sampling() if args.penalties else None
+    return run_steps(engine, timer, prompt_ids, batch_size, k, args.warmup, args.steps, counter, sampling)
 
 
 def measure(args, target, tokenizer) -> list[dict]:
     # The draft is the target itself: every draft is accepted, and the step is all the machinery.
     engine = self_drafting_engine(target, tokenizer, args.runner, args.confidence_stop, drafter=args.drafter)
-    modes = modes_of(target.device, args.runner)
+    modes = modes_of(target.device, args.runner, args.penalties)
     engines = {mode: engine for mode in modes}
     if READ_AT_ONCE in modes:
         engines[READ_AT_ONCE] = self_drafting_engine(target, tokenizer, args.runner, overlap_plain_steps=False)
@@ -469,6 +487,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="model",
         help="the drafting rows' drafter: hybrid is the shipped configs' (look-ups, guessed model drafts)",
     )
+    parser.add_argument(
+        "--penalties",
+        action="store_true",
+        help="every row greedy with a logit bias and the presence, frequency and repetition penalties",
+    )
     return parser.parse_args(argv)
 
 
@@ -483,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         what = "the tiny pair, float32" if shape is None else f"the {shape} shape, random weights, bf16"
         stop = "" if args.confidence_stop == "off" else f", the confidence stop by {args.confidence_stop}"
         setup = f"{args.drafter} drafter, {args.runner} runner, {args.device}{stop}"
-        print(f"Own time: {what}, draft == target, greedy, {setup}")
+        greedy = "greedy with penalties and a logit bias" if args.penalties else "greedy"
+        print(f"Own time: {what}, draft == target, {greedy}, {setup}")
         device = torch.cuda.get_device_name() if args.device.startswith("cuda") else machine_info()["description"]
         print(device)
         print(f"medians of {args.repeats} runs of {args.steps} steps after {args.warmup}; ratios against k = 0 here")

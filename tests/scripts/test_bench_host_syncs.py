@@ -38,13 +38,13 @@ def test_the_table_gives_a_count_for_every_row(tiny_models_dir, capsys):
         reads = float(row[4])
         assert reads == int(reads) >= 1  # every step reads its outcome once at least
     drafting = [int(float(row[4])) for row in rows if row[2] == "4"]
-    assert len(drafting) == 6 and all(isinstance(num, int) for num in drafting)
+    assert len(drafting) == 2 * len(host_syncs.MODES) and all(isinstance(num, int) for num in drafting)
 
 
 @pytest.mark.parametrize("runner", ["dynamic", "static"])
 def test_a_drafting_step_of_fixed_k_reads_the_device_once(tiny_models_dir, runner):
     """The draft loop's chains stay on the device into the verify pass and are read with the verdict:
-    one read a step, drafting or not, greedy, sampled and seeded, as plain decoding's."""
+    one read a step, drafting or not, greedy, sampled, seeded and penalised, as plain decoding's."""
     argv = ["--models", str(tiny_models_dir), "--batch-sizes", "1,3", "--steps", "3", "--runner", runner]
     counts, _ = host_syncs.report_lines(host_syncs.parse_args(argv))
     assert {(count.k, count.mode) for count in counts} == {(k, mode) for k in (0, 4) for mode in host_syncs.MODES}

@@ -62,3 +62,27 @@ def test_the_drafting_rows_take_the_k_asked(tiny_models_dir, capsys):
     tokens = {row[1]: float(row[6]) for row in cells}
     assert tokens["2"] == tokens["2, bare loop"] == 3.0  # every draft accepted: k + 1 tokens a step
     assert tokens["0"] == 1.0
+
+
+def test_penalised_rows_are_a_table_of_their_own(tiny_models_dir, capsys, monkeypatch):
+    """`--penalties`: every row's requests carry them, the drafting rows still take every draft, and no
+    bare loop (which applies no rules) is in the table."""
+    from handler.engine import SpeculativeEngine
+
+    asked = []
+    real = SpeculativeEngine.add_request
+
+    def add_request(engine, request_id, request):
+        asked.append(request.sampling.processes_logits)
+        return real(engine, request_id, request)
+
+    monkeypatch.setattr(SpeculativeEngine, "add_request", add_request)
+    argv = ["--models", str(tiny_models_dir), "--batch-sizes", "1", "--steps", "2", "--warmup", "1", "--repeats", "1"]
+    assert bench_own_time.main([*argv, "--penalties"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "greedy with penalties and a logit bias" in lines[0]
+    header = next(index for index, line in enumerate(lines) if line.startswith("| batch | k |"))
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[header + 2 :]]
+    tokens = {row[1]: float(row[6]) for row in cells}
+    assert tokens == {"0": 1.0, "0, planned": tokens["0, planned"], "4": 5.0}
+    assert asked and all(asked)
