@@ -250,7 +250,8 @@ class SpeculativeEngine:
             pending = [[(row.token_ids or row.request.prompt_ids)[-1]] for row in rows]
             input_ids = host_to_device(torch.tensor(pending), self.device)
             launched = self._launch(rows, plan, sampling, input_ids, admitted, started, lag=0)
-            if self.overlap_plain_steps:
+            # A penalised row's history is committed on the host: its step is read now, not behind the next.
+            if self.overlap_plain_steps and not any([row.shapes_logits for row in rows]):
                 self._in_flight = launched
                 return first_outputs
             return _joined(first_outputs, self._land(launched))
@@ -489,10 +490,18 @@ def _never_draft(rows: list[Row]) -> bool:
 
 def _lean(rows: list[Row], lag: int = 0) -> bool:
     """Whether a plain step over `rows` may be launched and read later (`Verifier.launch_plain`), `lag`
-    tokens of each row still unread: none has rules on its logits (their history is the host's) or
+    tokens of each row still unread: none has a grammar (its masks are the host's) or, with tokens in
+    flight, a logit bias or penalties (their history is committed on the host: it would lag them), none
     reports log-probabilities (read from the logits, which would wait for the passes behind them), and
     each has room for a token more than those in flight."""
-    return all([not row.shapes_logits and row.logprobs is None and row.remaining > lag for row in rows])
+    return all(
+        [
+            (not row.shapes_logits or (lag == 0 and row.grammar is None))
+            and row.logprobs is None
+            and row.remaining > lag
+            for row in rows
+        ]
+    )
 
 
 def _joined(first: list[StepOutput], outputs: list[StepOutput]) -> list[StepOutput]:

@@ -234,15 +234,19 @@ class Verifier:
         """A plain step (no row drafts) whose outcome is read later: the target's pass over each row's
         pending token (`input_ids` [batch, 1], on the device: the last launch's tokens, not yet read,
         or the rows' own), and each row's next token drawn as `__call__` draws it at k = 0, left on the
-        device (`PlainLaunch`). The rows' rules must not shape their logits: the engine launches only
-        rows without them (`handler.engine.engine._lean`, asked just before), whose history would lag the
-        tokens in flight."""
+        device (`PlainLaunch`). No row has a grammar, and a row's logit bias and penalties shape its
+        logits from the history committed so far: the engine launches such rows only where no token of
+        theirs is in flight (`handler.engine.engine._lean`, asked just before)."""
         self.seconds = 0.0
         logits = self._target_pass(input_ids, 1, None)[..., : self.vocab_size]  # [batch, 1, vocab]
+        shaped = logits
+        if any([row.shapes_logits for row in rows]):
+            none = torch.zeros((len(rows), 0), dtype=torch.long, device=self.device)  # [batch, 0]: no drafts
+            shaped = _shape_target_logits(rows, logits, [[]] * len(rows), [0] * len(rows), self.device, {}, none)
         if sampling.all_greedy:
-            next_ids = argmax_vocab(logits)  # [batch, 1]
+            next_ids = argmax_vocab(shaped)  # [batch, 1]
         else:
-            target_probs = sampling.warp(logits)  # [batch, 1, vocab]
+            target_probs = sampling.warp(shaped)  # [batch, 1, vocab]
             verify_uniforms, coupled_uniforms = uniforms.for_verify(0)
             coupled = uniforms.coupled
             sampled = sorted(set(range(len(rows))) - set(coupled))

@@ -193,3 +193,44 @@ def test_penalised_greedy_rows_read_the_device_once_a_drafting_step(tiny_pair, n
             assert all(num_reads == 1 for num_reads in drafting), reads
     assert outputs[True] == expected
     assert outputs[False] == expected
+
+
+@pytest.mark.parametrize("name", ["all", "logit_bias"])
+def test_a_penalised_plain_step_is_the_lean_pass_and_draw(tiny_pair, name, monkeypatch):
+    """Rows with penalties and no grammar decode plainly through the lean pass and draw
+    (`Verifier.launch_plain`), penalised from the history committed before the step: greedy, seeded
+    and unseeded sampled rows give the tokens of the verifier's path at k = 0."""
+    import handler.engine.engine as engine_module
+    from handler.engine import row as row_module
+
+    def fixed_generator():
+        generator = torch.Generator()
+        generator.manual_seed(11)
+        return generator
+
+    monkeypatch.setattr(row_module, "unseeded_generator", fixed_generator)
+    target, draft, tokenizer = tiny_pair
+    penalties = SETTINGS[name]
+    sampled = SamplingParams(
+        temperature=0.9,
+        presence_penalty=penalties.presence_penalty,
+        frequency_penalty=penalties.frequency_penalty,
+        repetition_penalty=penalties.repetition_penalty,
+        logit_bias=penalties.logit_bias,
+    )
+    prompts = [encode(tokenizer, p) for p in PROMPTS[:3]]
+    batch = [
+        GenerationRequest(prompts[0], NO_EOS_MAX_NEW, penalties, 0),
+        GenerationRequest(prompts[1], NO_EOS_MAX_NEW, sampled, 0, seed=5),
+        GenerationRequest(prompts[2], NO_EOS_MAX_NEW, sampled, 0),
+        GenerationRequest(prompts[0], NO_EOS_MAX_NEW, SamplingParams(), 0),
+    ]
+    lean = make_engine(target, draft, tokenizer, eos_token_ids=())
+    launched = []
+    real = lean.verifier.launch_plain
+    monkeypatch.setattr(lean.verifier, "launch_plain", lambda *args: launched.append(1) or real(*args))
+    got = [r.token_ids for r in lean.generate(batch)]
+    assert len(launched) == NO_EOS_MAX_NEW - 1  # every step after the prefill's
+    monkeypatch.setattr(engine_module, "_lean", lambda rows, lag=0: False)
+    expected = [r.token_ids for r in make_engine(target, draft, tokenizer, eos_token_ids=()).generate(batch)]
+    assert got == expected

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import handler.engine.engine as handler_engine
 import handler.engine.row as row_module
 from handler.engine import EngineOptions, GenerationRequest
 from handler.engine.verify import PlainLaunch
@@ -151,15 +152,33 @@ def test_each_plain_step_is_launched_before_the_one_before_it_is_read(tiny_pair,
 )
 def test_rows_whose_tokens_the_host_needs_are_never_launched_ahead(tiny_pair, monkeypatch, request_options):
     """A row reporting log-probabilities or shaping its logits by its history reads every step at once, and
-    so does every step it is in."""
+    so does every step it is in. A penalised row's plain step is the lean pass and draw (its penalties
+    from the history committed before it), read in the same call; a row reporting log-probabilities
+    takes the verifier's."""
     target, draft, tokenizer = tiny_pair
     engine = make_engine(target, draft, tokenizer, options=OVERLAP)
-    monkeypatch.setattr(engine.verifier, "launch_plain", lambda *args: pytest.fail("a step was launched"))
+    launched = []
+    real_launch = engine.verifier.launch_plain
+    monkeypatch.setattr(engine.verifier, "launch_plain", lambda *args: launched.append(1) or real_launch(*args))
+    real_step = engine.step
+
+    def step():
+        outputs = real_step()
+        assert engine._in_flight is None, "a step was left in flight"
+        return outputs
+
+    monkeypatch.setattr(engine, "step", step)
     options = {"sampling": GREEDY, **request_options}
     prompt = encode(tokenizer, PROMPTS[0])
     requests = [GenerationRequest(prompt, 12, num_speculative_tokens=0, **options), GenerationRequest(prompt, 12, GREEDY, 0)]
-    engine.generate(requests)
+    results = engine.generate(requests)
     assert engine.num_overlapped_steps == 0 and engine._in_flight is None
+    assert bool(launched) == ("sampling" in request_options)
+    unlaunched = make_engine(target, draft, tokenizer)
+    monkeypatch.setattr(unlaunched.verifier, "launch_plain", lambda *args: pytest.fail("launched"))
+    monkeypatch.setattr(handler_engine, "_lean", lambda rows, lag=0: False)
+    expected = unlaunched.generate(requests)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["read at once", "overlapped"])
