@@ -26,7 +26,9 @@ one closer to the target's is accepted more often.
 Every processor keeps a logit of -inf at -inf (r > 0, finite bias and
 penalties), so they commute with a grammar's mask.
 
-This module imports only torch, and no function modifies its inputs.
+This module imports only torch (and the sampler's copy to the device, `host_to_device`: on a GPU
+a copy from pageable memory would wait for the passes queued before it), and no function modifies
+its inputs.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+from handler.sampler import host_to_device
 
 if TYPE_CHECKING:
     from handler.types import SamplingParams
@@ -48,7 +52,7 @@ def token_counts(
     dropped: the model cannot emit them, so their logits need no penalty.
     """
     counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-    ids = torch.tensor([t for t in token_ids if t < vocab_size], dtype=torch.long, device=device)
+    ids = host_to_device(torch.tensor([t for t in token_ids if t < vocab_size], dtype=torch.long), counts.device)
     return counts.index_add(0, ids, torch.ones(len(ids), dtype=torch.float32, device=device))
 
 
@@ -57,7 +61,7 @@ def token_mask(
 ) -> torch.Tensor:  # [vocab] bool
     """Which tokens occur in `token_ids`: a row's `seen` from its prompt and generated tokens."""
     mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-    mask[torch.tensor([t for t in token_ids if t < vocab_size], dtype=torch.long, device=device)] = True
+    mask[host_to_device(torch.tensor([t for t in token_ids if t < vocab_size], dtype=torch.long), mask.device)] = True
     return mask
 
 
@@ -76,8 +80,8 @@ def apply_logit_bias(
     kept = [(token_id, value) for token_id, value in bias if token_id < vocab_size]
     if not kept:
         return logits
-    ids = torch.tensor([token_id for token_id, _ in kept], dtype=torch.long, device=logits.device)  # [n]
-    values = torch.tensor([value for _, value in kept], dtype=logits.dtype, device=logits.device)  # [n]
+    ids = host_to_device(torch.tensor([token_id for token_id, _ in kept], dtype=torch.long), logits.device)  # [n]
+    values = host_to_device(torch.tensor([value for _, value in kept], dtype=logits.dtype), logits.device)  # [n]
     return logits.index_add(-1, ids, values.expand(logits.shape[0], -1))
 
 
@@ -220,8 +224,10 @@ class _RowsRules:
     def _bias_at(self, num_positions: int, device: torch.device) -> tuple:
         entries = [(row, j, token, value) for row, token, value in self._bias_entries for j in range(num_positions)]
         rows, positions, ids, values = zip(*entries)
-        index = tuple(torch.tensor(column, dtype=torch.long, device=device) for column in (rows, positions, ids))
-        self.bias[num_positions] = index, torch.tensor(values, dtype=torch.float32, device=device)
+        index = tuple(
+            host_to_device(torch.tensor(column, dtype=torch.long), device) for column in (rows, positions, ids)
+        )
+        self.bias[num_positions] = index, host_to_device(torch.tensor(values, dtype=torch.float32), device)
         return self.bias[num_positions]
 
     def apply(
@@ -248,7 +254,7 @@ def _stack(tensors: Sequence[torch.Tensor | None], vocab_size: int, dtype: torch
 
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:  # [n, 1, 1] float32
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None, None]
+    return host_to_device(torch.tensor(values, dtype=torch.float32)[:, None, None], device)
 
 
 def process_rows_logits(
@@ -272,7 +278,9 @@ def process_rows_logits(
     pairs = [(row, j, d) for row in range(num) for j in range(num_drafts[row] + 1) for d in range(j)]
     index = None
     if pairs:
-        rows, positions, drafts = torch.tensor(pairs, dtype=torch.long).T.to(device)  # 3 x [pairs]
+        rows, positions, drafts = host_to_device(
+            torch.tensor(list(zip(*pairs)), dtype=torch.long), device
+        )  # 3 x [pairs]
         index = (rows, positions, draft_token_ids[rows, drafts])
     counts = seen_at = None
     if rules.presence is not None:
@@ -286,7 +294,8 @@ def process_rows_logits(
     shaped = rules.apply(raw.clone(), counts, seen_at)
     if all(num_drafts_of == num_positions - 1 for num_drafts_of in num_drafts):
         return shaped  # every position is a row's
-    kept = torch.arange(num_positions, device=device) <= torch.tensor(num_drafts, device=device)[:, None]  # [n, pos]
+    last = host_to_device(torch.tensor(num_drafts)[:, None], device)  # [n, 1]: each row's last position
+    kept = torch.arange(num_positions, device=device) <= last  # [n, positions]
     return torch.where(kept[..., None], shaped, raw)
 
 
@@ -310,7 +319,7 @@ class ChainPenalties:
         device: torch.device,
     ) -> None:
         assert slots and len(slots) == len(params) == len(output_counts) == len(seen), len(slots)
-        self.slots = torch.tensor(list(slots), dtype=torch.long, device=device)  # [n]
+        self.slots = host_to_device(torch.tensor(list(slots), dtype=torch.long), device)  # [n]
         self.rules = _RowsRules(params, vocab_size, device)
         # The rows' histories, copies (theirs stay as they are): [n, 1, vocab].
         self.counts = self.seen = None
