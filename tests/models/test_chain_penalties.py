@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handler import runners
 from handler.config import SamplingParams
 from handler.drafters import DraftRow
 from handler.drafters.model import ModelDrafter
@@ -24,6 +23,7 @@ from .conftest import make_engine
 from .test_engine import PROMPTS, encode
 from .test_logits_processors import SETTINGS
 from .test_propose import sampling_batch, settings
+from .test_stop_by_mask import drafter_for, fix_unseeded_generator
 
 # Each asking row: its sampling for the draws (`settings`) and its penalties (a name of SETTINGS, or None);
 # and the cache's rows that do not ask (they draft greedily, to keep the batch rectangular).
@@ -40,17 +40,6 @@ COMPOSITIONS = {
         ("e",),
     ),
 }
-
-
-def drafter_for(tiny_pair, prompts: dict, stop_by_mask: bool) -> ModelDrafter:
-    target, draft, tokenizer = tiny_pair
-    runner = runners.make_runner(runners.DEFAULT_RUNNER, draft)
-    drafter = ModelDrafter(
-        draft, target.config.vocab_size, tokenizer.pad_token_id, runner=runner, stop_by_mask=stop_by_mask
-    )
-    drafter.add(prompts)
-    drafter.fill(list(prompts))
-    return drafter
 
 
 def penalised_rows(tiny_pair, composition: dict, prompts: dict) -> dict:
@@ -201,14 +190,8 @@ def test_a_penalised_plain_step_is_the_lean_pass_and_draw(tiny_pair, name, monke
     (`Verifier.launch_plain`), penalised from the history committed before the step: greedy, seeded
     and unseeded sampled rows give the tokens of the verifier's path at k = 0."""
     import handler.engine.engine as engine_module
-    from handler.engine import row as row_module
 
-    def fixed_generator():
-        generator = torch.Generator()
-        generator.manual_seed(11)
-        return generator
-
-    monkeypatch.setattr(row_module, "unseeded_generator", fixed_generator)
+    fix_unseeded_generator(monkeypatch)
     target, draft, tokenizer = tiny_pair
     penalties = SETTINGS[name]
     sampled = SamplingParams(

@@ -312,12 +312,8 @@ def test_a_planned_step_measures_confidences_only_where_the_stop_or_the_runners_
     assert all(num_reads == (2 if draft_confidence else 1) for num_reads in drafting), reads
 
 
-@pytest.mark.parametrize("runner", ["dynamic", "static"])
-def test_drafts_left_on_the_device_give_the_outputs_of_drafts_read_at_once(tiny_pair, runner, monkeypatch):
-    """`drafts_on_device` (a GPU's default): the chains' drafts reach the host with the verdict. Greedy
-    output stays the target's, and a batch of greedy, seeded (coupled) and unseeded (rejection-sampled)
-    rows gives the tokens it gives where the drafts are read after the last pass; the unseeded row's
-    generator is fixed here, so that both ways draw the same uniforms."""
+def fix_unseeded_generator(monkeypatch) -> None:
+    """Every unseeded row draws from the same fixed generator, so that two engines draw the same uniforms."""
     from handler.engine import row as row_module
 
     def fixed_generator():
@@ -326,6 +322,15 @@ def test_drafts_left_on_the_device_give_the_outputs_of_drafts_read_at_once(tiny_
         return generator
 
     monkeypatch.setattr(row_module, "unseeded_generator", fixed_generator)
+
+
+@pytest.mark.parametrize("runner", ["dynamic", "static"])
+def test_drafts_left_on_the_device_give_the_outputs_of_drafts_read_at_once(tiny_pair, runner, monkeypatch):
+    """`drafts_on_device` (a GPU's default): the chains' drafts reach the host with the verdict. Greedy
+    output stays the target's, and a batch of greedy, seeded (coupled) and unseeded (rejection-sampled)
+    rows gives the tokens it gives where the drafts are read after the last pass; the unseeded row's
+    generator is fixed here, so that both ways draw the same uniforms."""
+    fix_unseeded_generator(monkeypatch)
     target, draft, tokenizer = tiny_pair
     prompts = [encode(tokenizer, prompt) for prompt in PROMPTS[:3]]
     batch = [
