@@ -682,17 +682,25 @@ def serve_rows(report: Report, out_dir: str, device: torch.device, max_new_token
 
 def own_time_rows(setup: Setup) -> None:
     """The engine's own time a step (`scripts.bench.own_time`): each target shape drafting for itself
-    with the static runner, batch 1 and 16: plain, the planner pricing every draft out, and k = 4."""
+    with the static runner, batch 1 and 16: plain, the planner pricing every draft out, and k = 4; then
+    the first shape's rows again with a logit bias and penalties (`--penalties`: the chains and the
+    verify apply them on the device)."""
     from scripts.bench import own_time
 
-    args = own_time.parse_args(["--device", setup.device.type, "--runner", runners.STATIC, "--steps", "16"])
+    argv = ["--device", setup.device.type, "--runner", runners.STATIC, "--steps", "16"]
+    if setup.device.type != "cuda":
+        argv += ["--repeats", "1", "--steps", "4", "--warmup", "2"]  # a dry run of the section
     data, lines = {}, []
-    for shape in ("1.5B", "7B") if setup.device.type == "cuda" else (None,):
-        # On a GPU the check's own models; on a CPU the tiny pair (its tiny shapes step slowly).
+    shapes = ("1.5B", "7B") if setup.device.type == "cuda" else (None,)
+    # On a GPU the check's own models; on a CPU the tiny pair (its tiny shapes step slowly).
+    runs = [(shape, False) for shape in shapes] + [(shapes[0], True)]
+    for shape, penalties in runs:
+        args = own_time.parse_args(argv + (["--penalties"] if penalties else []))
         target, tokenizer = (setup.models[shape], setup.tokenizer) if shape else own_time.load_target(args, None)
         rows = own_time.measure(args, target, tokenizer)
-        data[shape or "tiny"] = rows
-        lines += [f"{shape or 'the tiny pair'}:", "", own_time.table(rows), ""]
+        name = (shape or "the tiny pair") + (", penalised" if penalties else "")
+        data[name] = rows
+        lines += [f"{name}:", "", own_time.table(rows), ""]
     setup.report.section("Own time a step (scripts.bench.own_time)", data, lines)
 
 
@@ -755,7 +763,7 @@ def main(argv: list[str] | None = None) -> int:
         "outputs equal plain decoding's), cross (a draft from another family, SmolLM2-135M's shape), admission "
         "(the step that admits 16 requests, plain against drafting, timed and profiled), "
         "syncs (scripts.bench.host_syncs: host reads and CUDA syncs a step), "
-        "own (scripts.bench.own_time: the step's own time, batch 1 and 16, plain against k = 4), "
+        "own (scripts.bench.own_time: the step's own time, batch 1 and 16, plain against k = 4, and penalised), "
         "replay (scripts.bench.replay: the real pair's recorded acceptance on the 1.5B and 7B shapes), "
         "serve (scripts.serving.serve_pair: the pairs through a real TorchServe; alone, no model is built here)",
     )

@@ -101,3 +101,16 @@ def test_the_replay_section_replays_the_recorded_acceptance_on_both_targets(tmp_
                 assert cell["tokens_per_pass"] == pytest.approx(cell["trace_tokens_per_pass"])
                 assert cell["counts"]["passes"] == cell["counts"]["as_recorded"] > 0
     assert "| row (replayed acceptance) |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_the_own_time_section_measures_plain_and_penalised_rows(tmp_path):
+    """On the CPU the tiny pair, static runner: the own-time table, then again with penalties, each with
+    plain, priced-out and k = 4 rows at batch 1 and 16, the drafting rows taking every draft."""
+    argv = [str(tmp_path), "--device", "cpu", "--skip-tests", "--sections", "own", "--repeats", "1"]
+    assert gpu_check.main(argv) == 0
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    section = data["Own time a step (scripts.bench.own_time)"]
+    assert list(section) == ["the tiny pair", "the tiny pair, penalised"]
+    for rows in section.values():
+        assert [(row["batch"], row["k"]) for row in rows] == [(b, k) for b in (1, 16) for k in ("0", "0, planned", "4")]
+        assert all(row["tokens_per_row_step"] == 5.0 for row in rows if row["k"] == "4")
