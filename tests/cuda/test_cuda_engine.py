@@ -1,7 +1,7 @@
 """The engine on a CUDA GPU, eager (dynamic runner) and with CUDA graphs (static runner).
 
 fp32 greedy output equals the target's own, alone and batched, and under the
-confidence stop by mask; seeded requests do not depend on the batch; sampled
+confidence stop by mask; penalised rows drafting through the device chains keep plain decoding's tokens; seeded requests do not depend on the batch; sampled
 tokens follow the target's distribution (chi-square, with the check shown to
 catch a broken coupling); a bf16 run completes.
 """
@@ -200,3 +200,24 @@ def test_overlapped_plain_steps_on_cuda_keep_the_targets_tokens(cuda_pair, runne
         target, draft, tokenizer, runner=runner, options=EngineOptions(running_costs=False, overlap_plain_steps=False)
     )
     assert [r.token_ids for r in engine.generate(sampled)] == [r.token_ids for r in off.generate(sampled)]
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_penalised_rows_on_cuda_keep_plain_decodings_tokens(cuda_pair, runner):
+    """Penalised rows draft through the device chains (`ChainPenalties`, drafts left on the device) and are
+    verified in one batched call: greedy rows give plain decoding's tokens with the same penalties, beside an
+    unpenalised row; seeded sampled rows the same tokens as with the drafts read at once."""
+    target, draft, tokenizer = cuda_pair
+    penalties = dict(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.3, logit_bias=((30, 2.0),))
+    prompts = [encode(tokenizer, prompt) for prompt in PROMPTS]
+    greedy = [GenerationRequest(p, 24, SamplingParams(**penalties), 4) for p in prompts[:3]]
+    greedy.append(GenerationRequest(prompts[3], 24, GREEDY, 4))
+    engine = make_engine(target, draft, tokenizer, runner=runner, eos_token_ids=())
+    assert engine.model_drafter.drafts_on_device
+    plain = [dataclasses.replace(request, num_speculative_tokens=0) for request in greedy]
+    expected = [r.token_ids for r in engine.generate(plain)]
+    assert [r.token_ids for r in engine.generate(greedy)] == expected
+    sampled = [GenerationRequest(p, 24, SamplingParams(temperature=0.9, **penalties), 4, seed=3) for p in prompts]
+    read_at_once = make_engine(target, draft, tokenizer, runner=runner, eos_token_ids=())
+    read_at_once.model_drafter.drafts_on_device = False
+    assert [r.token_ids for r in engine.generate(sampled)] == [r.token_ids for r in read_at_once.generate(sampled)]
