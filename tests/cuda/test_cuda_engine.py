@@ -1,7 +1,8 @@
 """The engine on a CUDA GPU, eager (dynamic runner) and with CUDA graphs (static runner).
 
 fp32 greedy output equals the target's own, alone and batched, and under the
-confidence stop by mask; penalised rows drafting through the device chains keep plain decoding's tokens; seeded requests do not depend on the batch; sampled
+confidence stop by mask; penalised rows drafting through the device chains keep
+plain decoding's tokens; seeded requests do not depend on the batch; sampled
 tokens follow the target's distribution (chi-square, with the check shown to
 catch a broken coupling); a bf16 run completes.
 """
