@@ -43,6 +43,12 @@ if TYPE_CHECKING:
     from handler.types import SamplingParams
 
 
+def emitted_ids(token_ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:  # [n] long
+    """The ids of `token_ids` below `vocab_size` on `device` (through pinned memory): those the model
+    can emit, and so those a penalty applies to."""
+    return host_to_device(torch.tensor([t for t in token_ids if t < vocab_size], dtype=torch.long), device)
+
+
 def token_counts(
     token_ids: Sequence[int], vocab_size: int, device: torch.device | str | None = None
 ) -> torch.Tensor:  # [vocab] float32
@@ -52,7 +58,7 @@ def token_counts(
     dropped: the model cannot emit them, so their logits need no penalty.
     """
     counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-    ids = host_to_device(torch.tensor([t for t in token_ids if t < vocab_size], dtype=torch.long), counts.device)
+    ids = emitted_ids(token_ids, vocab_size, counts.device)
     return counts.index_add(0, ids, torch.ones(len(ids), dtype=torch.float32, device=device))
 
 
@@ -61,7 +67,7 @@ def token_mask(
 ) -> torch.Tensor:  # [vocab] bool
     """Which tokens occur in `token_ids`: a row's `seen` from its prompt and generated tokens."""
     mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-    mask[host_to_device(torch.tensor([t for t in token_ids if t < vocab_size], dtype=torch.long), mask.device)] = True
+    mask[emitted_ids(token_ids, vocab_size, mask.device)] = True
     return mask
 
 
@@ -209,7 +215,6 @@ class _RowsRules:
     """
 
     def __init__(self, params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> None:
-        self.num_rows = len(params)
         bias = [(row, token_id, value) for row, p in enumerate(params) for token_id, value in p.logit_bias]
         self._bias_entries = [entry for entry in bias if entry[1] < vocab_size]  # ids past the model's: no logit
         # By number of positions: the (row, position, id) index of every biased logit and its bias.

@@ -13,9 +13,8 @@ import torch
 
 from handler.constraints import RowGrammar, compiler_for
 from handler.drafters import PROPOSERS
-from handler.logits_processors import process_row_logits, token_counts, token_mask
+from handler.logits_processors import emitted_ids, process_row_logits, token_counts, token_mask
 from handler.planning.trackers import AcceptanceTracker, GuessRate
-from handler.sampler import host_to_device
 from handler.schema import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from handler.stopping import StopChecker
 from handler.types import GenerationRequest, GenerationResult, SpeculativeStats, StepOutput, TokenLogprob
@@ -159,7 +158,7 @@ class Row:
             return
         # In place at the tokens' ids: 4 calls for both, where a count and a mask of them, each added, took 9.
         history = self.output_counts if self.output_counts is not None else self.seen
-        ids = host_to_device(torch.tensor([t for t in kept if t < history.shape[0]], dtype=torch.long), history.device)
+        ids = emitted_ids(kept, history.shape[0], history.device)
         if self.output_counts is not None:
             self.output_counts.index_put_((ids,), torch.ones(len(ids), device=history.device), accumulate=True)
         if self.seen is not None:
