@@ -493,6 +493,16 @@ class RaggedCache:
             layer.dtype, layer.device, layer.is_initialized = states.dtype, states.device, True
         return cache
 
+    def hand_to(self, model: torch.nn.Module) -> None:
+        """Makes this cache `model`'s: its KV in `model`'s dtype, its passes `model`'s. For a prefill by
+        another form of the same weights (a draft's float form, whose prefills outrun its int8 form's)."""
+        dtype = model.dtype
+        for layer in self.cache.layers:
+            if layer.is_initialized and layer.keys.dtype != dtype:
+                layer.keys, layer.values = layer.keys.to(dtype), layer.values.to(dtype)
+                layer.dtype, layer._room = dtype, None
+        self.model = model
+
     def row_kv(self, slot: int, start: int, end: int) -> torch.Tensor:
         """A copy of row `slot`'s KV for its valid tokens start..end-1: [layers, 2, heads, end - start, head_dim]."""
         assert 0 <= start < end <= int(self.lengths[slot]), (start, end, self.lengths[slot])

@@ -42,11 +42,27 @@ NUM_CONTEXT = CONTEXT_TOKENS[-1]
 class CrossVocabDrafter(ModelDrafter):
     """Proposes target tokens from a draft model with another vocabulary."""
 
-    def __init__(self, model, vocab_map: VocabMap, prefix_cache: PrefixCache | None = None, runner=None, greedy=TLI):
+    def __init__(
+        self,
+        model,
+        vocab_map: VocabMap,
+        prefix_cache: PrefixCache | None = None,
+        runner=None,
+        greedy=TLI,
+        prefill_model=None,
+    ):
         """`greedy`: how unconstrained greedy rows draft, `slem` (the draft's whole vocabulary, its text
-        re-tokenized) or `tli` (the shared tokens only, as sampled rows). The draft pads with its own pad id."""
+        re-tokenized) or `tli` (the shared tokens only, as sampled rows). The draft pads with its own pad id.
+        `prefill_model`: as `ModelDrafter`'s."""
         assert greedy in CROSS_VOCAB_GREEDY, greedy
-        super().__init__(model, vocab_map.target_vocab_size, vocab_map.draft_pad_token_id, prefix_cache, runner)
+        super().__init__(
+            model,
+            vocab_map.target_vocab_size,
+            vocab_map.draft_pad_token_id,
+            prefix_cache,
+            runner,
+            prefill_model=prefill_model,
+        )
         self.vocab_map = vocab_map
         self.greedy = greedy
         self.sequence: dict[Hashable, list[int]] = {}  # the translation of the committed tokens

@@ -82,13 +82,18 @@ class ModelDrafter:
         runner=None,
         guesser=None,
         stop_by_mask: bool | None = None,
+        prefill_model=None,
     ) -> None:
         """`vocab_size` is the target's: draft distributions are put on it. `prefix_cache` holds
         the draft model's KV of earlier prompts and completions (keyed by the ids it was fed).
         `runner` holds the running batch (`handler.runners`); None: the dynamic one. `guesser`: the
         look-up whose `continuation` guesses a guessing row's next drafts (guessed drafting), or None.
-        `stop_by_mask`: see the attribute; None: True where the draft model runs on CUDA."""
+        `stop_by_mask`: see the attribute; None: True where the draft model runs on CUDA.
+        `prefill_model`: another form of the draft's weights that prefills joining rows (the float
+        form of an int8 draft, `handler.runtime.cpu_speed.choose_draft_quantization`), their KV then
+        cast to the draft's; the prefix cache holds its KV. None: the draft prefills."""
         self.model = model
+        self.prefill_model = model if prefill_model is None else prefill_model
         self.guesser = guesser
         self.runner = runner or DynamicRunner(model)
         self.vocab_size = vocab_size
@@ -152,7 +157,10 @@ class ModelDrafter:
         """Prefills each joining row's prefix, in the draft's ids, through the prefix cache, and appends
         the rows to the batch in that order."""
         ids = list(prefixes)
-        filled = prefill_with_cache(self.model, self.prefix_cache, [prefixes[r] for r in ids], self.pad_token_id)
+        prefill_ids = [prefixes[r] for r in ids]
+        filled = prefill_with_cache(self.prefill_model, self.prefix_cache, prefill_ids, self.pad_token_id)
+        if self.prefill_model is not self.model:
+            filled.cache.hand_to(self.model)
         if self.cache is None:
             self.cache = self.runner.adopt(filled.cache)
         else:
@@ -195,8 +203,12 @@ class ModelDrafter:
                     tokens = self._draft_ids(list(sequences[request_id]))
                     num_cached = min(int(self.cache.lengths[slot]), len(tokens) - 1)
                     if num_cached > 0:
+                        # In the prefill's dtype: the prefix cache's KV serves prefills alone.
                         self.prefix_cache.insert(
-                            tokens[:num_cached], lambda start, end, slot=slot: self.cache.row_kv(slot, start, end)
+                            tokens[:num_cached],
+                            lambda start, end, slot=slot: self.cache.row_kv(slot, start, end).to(
+                                self.prefill_model.dtype
+                            ),
                         )
                 handle = self.prefix_handles.pop(request_id, None)
                 if handle is not None:

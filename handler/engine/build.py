@@ -168,6 +168,7 @@ def build_parts(models: LoadedModels, settings: EngineSettings, cost_table, opti
         prefix_cache=draft_prefix_cache,
         vocab_map=models.vocab_map,
         cross_vocab_greedy=settings.cross_vocab_greedy,
+        draft_prefill=models.draft_prefill,
     )
     trees = False
     if settings.speculative_tree == "auto":

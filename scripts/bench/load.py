@@ -34,7 +34,9 @@ over: the suffix trees start empty in every measure.
 
 Rows (--rows): `shipped` (the config as shipped), `plain` (k = 0), `k1`,
 `k2`, `k4`, `k8` (the model drafter at a fixed k, without the planner), and
-each drafter alone with the planner (`model`, `ngram`, `suffix`, `hybrid`).
+each drafter alone with the planner (`model`, `ngram`, `suffix`, `hybrid`), and
+`int8-fills` (as shipped, but an int8 draft prefills its rows itself, where start-up kept its
+float form to prefill them: `LoadedModels.draft_prefill`).
 
 Prompts are distinct coding requests (chat template applied), greedy, up to
 --max-new-tokens tokens each; with --temperature above 0 (and --top-p) sampled, each seeded by
@@ -97,10 +99,10 @@ from scripts.bench.runner import Driver, Traffic, drive, drive_interleaved, pois
 
 logger = logging.getLogger("bench_load")
 
-SHIPPED, PLAIN = "shipped", "plain"
+SHIPPED, PLAIN, INT8_FILLS = "shipped", "plain", "int8-fills"
 FIXED_KS = (1, 2, 4, 8)
 DRAFTER_ROWS = (MODEL, NGRAM, SUFFIX, HYBRID)
-ROWS = (SHIPPED, PLAIN, *(f"k{k}" for k in FIXED_KS), *DRAFTER_ROWS)
+ROWS = (SHIPPED, PLAIN, *(f"k{k}" for k in FIXED_KS), *DRAFTER_ROWS, INT8_FILLS)
 GREEDY = SamplingParams()
 # The open loop's default rates, as fractions of the saturation rate.
 RATE_FRACTIONS = (0.3, 0.6, 0.9)
@@ -138,12 +140,16 @@ class Row:
     drafter: str
     k: int
     planned: bool
+    float_fills: bool = True  # the draft's float form prefills its rows, where start-up kept one
 
 
 def row_spec(key: str, config) -> Row:
     cap = config.num_speculative_tokens
     if key == SHIPPED:
         return Row(key, f"as shipped: {config.drafter}, planned, k<={cap}", config.drafter, cap, config.adaptive_k)
+    if key == INT8_FILLS:
+        label = f"as shipped, the int8 draft prefilling: {config.drafter}, planned, k<={cap}"
+        return Row(key, label, config.drafter, cap, config.adaptive_k, float_fills=False)
     if key == PLAIN:
         return Row(key, "plain decoding (k=0)", MODEL, 0, False)
     if key.startswith("k") and key[1:].isdigit():
@@ -215,8 +221,9 @@ class Bench:
         first prompts, and with the trees kept a verdict on look-ups that had their answers (22 %
         above their price at 8 rows) drafted cold ones in the measure, at 0.72x plain."""
         if row.key not in self.engines:
+            models = self.models if row.float_fills else dataclasses.replace(self.models, draft_prefill=None)
             engine = build_engine(
-                self.models,
+                models,
                 self.settings,
                 cost_table=self.cost_table if row.planned else None,
                 prefix_cache_max_bytes=None,
@@ -523,6 +530,8 @@ def main(argv=None) -> int:
         results.update(run_all(runner, rows, [(f"{rate:g} req/s", rate) for rate in rates], prompts, args))
 
     draft_note = "int8" if models.draft_quantization == "int8" else str(models.dtype).replace("torch.", "")
+    if models.draft_prefill is not None:
+        draft_note += f", its {str(models.draft_prefill.dtype).removeprefix('torch.')} form prefilling"
     report = {
         "date": datetime.date.today().isoformat(),
         "machine": machine,

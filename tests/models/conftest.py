@@ -23,16 +23,26 @@ def tiny_pair(tiny_models_dir):
 
 
 def make_engine(
-    target, draft, tokenizer, eos_token_ids=None, vocab_map=None, cost_table=None, options=None, **settings
+    target,
+    draft,
+    tokenizer,
+    eos_token_ids=None,
+    vocab_map=None,
+    cost_table=None,
+    options=None,
+    draft_prefill=None,
+    **settings,
 ) -> SpeculativeEngine:
     """The pair's engine through the builder (`handler.engine.build_engine`); `settings`: fields of
-    `handler.engine.EngineSettings` (draft_confidence, runner, prefix_cache_max_bytes, ...).
+    `handler.engine.EngineSettings` (draft_confidence, runner, prefix_cache_max_bytes, ...);
+    `draft_prefill`: the form of the draft that prefills its rows (`LoadedModels.draft_prefill`).
 
     A hand-made cost table stands as given unless the test's `options` ask for `running_costs`: the
     tiny models' passes take milliseconds, and rescaling the table by them would plan by the
     machine's timing instead of by the costs the test chose.
     """
     models = LoadedModels.of(target, draft, tokenizer, eos_token_ids=eos_token_ids, vocab_map=vocab_map)
+    models.draft_prefill = draft_prefill
     options = options or EngineOptions(running_costs=False)
     return build_engine(models, cost_table=cost_table, options=options, **settings)
 

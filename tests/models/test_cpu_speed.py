@@ -180,30 +180,45 @@ def test_a_packed_model_deep_copies_and_unpacks_for_the_int8_quantizer(tiny_mode
 
 
 def test_draft_quantization_auto_keeps_the_form_whose_step_is_faster(tiny_models_dir, monkeypatch, caplog):
-    """auto times the packed float draft against its int8 form and keeps int8 only where it is clearly faster."""
+    """auto times the packed float draft against its int8 form and keeps int8 only where it is clearly
+    faster; beside an int8 draft, the float form where it prefills clearly faster."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
-    seconds = {}
+    seconds, prefill = {}, {}
 
-    def timed(model, *args, **kwargs):
-        int8 = any(isinstance(module, DynamicInt8Linear) for module in model.modules())
-        return seconds["int8" if int8 else "float"]
+    def form(model) -> str:
+        return "int8" if any(isinstance(module, DynamicInt8Linear) for module in model.modules()) else "float"
 
-    monkeypatch.setattr(cpu_speed, "decode_step_seconds", timed)
+    monkeypatch.setattr(cpu_speed, "decode_step_seconds", lambda model, *a, **k: seconds[form(model)])
+    monkeypatch.setattr(cpu_speed, "prefill_token_seconds", lambda model, *a, **k: prefill[form(model)])
     config = HandlerConfig(dtype="float32", draft_quantization="auto")
     seconds.update(float=0.030, int8=0.020)  # 1.5x: int8
+    prefill.update(float=0.0007, int8=0.0013)  # the float form prefills 1.9x faster: it stays for that
     with caplog.at_level("INFO", logger="handler.runtime.cpu_speed"):
         chosen = load_models(config, str(tiny_models_dir))
     assert chosen.draft_quantization == "int8"
     assert any(isinstance(module, DynamicInt8Linear) for module in chosen.draft.modules())
+    assert any(isinstance(module, PackedLinear) for module in chosen.draft_prefill.modules())
     assert "30.0 ms as it loaded, 20.0 ms in int8 -> int8" in caplog.text
+    assert "0.70 ms a token as it loaded, 1.30 ms in int8 -> the float32 form prefills (both held)" in caplog.text
+    prefill.update(float=0.0012, int8=0.0013)  # 1.1x: not worth the float weights' memory
+    assert load_models(config, str(tiny_models_dir)).draft_prefill is None
     seconds.update(float=0.030, int8=0.027)  # 1.1x: not worth its rounding
     kept = load_models(config, str(tiny_models_dir))
-    assert kept.draft_quantization == "none"
+    assert kept.draft_quantization == "none" and kept.draft_prefill is None
     assert any(isinstance(module, PackedLinear) for module in kept.draft.modules())
     # An explicit setting is never measured.
     monkeypatch.setattr(cpu_speed, "decode_step_seconds", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(cpu_speed, "prefill_token_seconds", lambda *a, **k: pytest.fail("measured"))
+    explicit = load_models(HandlerConfig(dtype="float32", draft_quantization="int8"), str(tiny_models_dir))
+    assert explicit.draft_quantization == "int8" and explicit.draft_prefill is None
     assert load_models(HandlerConfig(dtype="float32", draft_quantization="none"), str(tiny_models_dir)).draft_quantization == "none"
+
+
+def test_prefill_token_seconds_times_the_engine_cache(tiny_pair):
+    target, _, _ = tiny_pair
+    seconds = cpu_speed.prefill_token_seconds(target, num_tokens=16, repeats=1)
+    assert 0.0 < seconds < 1.0
 
 
 def test_decode_step_seconds_times_the_engine_cache(tiny_pair):

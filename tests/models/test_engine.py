@@ -240,7 +240,10 @@ def seeded_outputs(tiny_pair, engine) -> dict[str, list[int]]:
     from handler.runtime.cpu_speed import quantize_draft_int8
 
     target, draft, tokenizer = tiny_pair
-    int8_engine = make_engine(target, quantize_draft_int8(copy.deepcopy(draft)), tokenizer)
+    int8_draft = quantize_draft_int8(copy.deepcopy(draft))
+    int8_engine = make_engine(target, int8_draft, tokenizer)
+    # The int8 draft's rows prefilled by its float form, in bfloat16 (their KV cast to the int8 form's).
+    float_fills = make_engine(target, int8_draft, tokenizer, draft_prefill=copy.deepcopy(draft).to(torch.bfloat16))
     costs = CostModel(draft_step=0.3, target_step=1.0, target_per_extra_token=0.3)
     planned = make_engine(target, draft, tokenizer, cost_table=costs)
     confident = make_engine(target, draft, tokenizer, cost_table=CONFIDENT_COSTS, draft_confidence=True)
@@ -251,7 +254,13 @@ def seeded_outputs(tiny_pair, engine) -> dict[str, list[int]]:
         GenerationRequest(encode(tokenizer, PROMPTS[2]), 24, SAMPLED, 2, seed=8),
     ]
     outputs = {"plain": engine.generate([GenerationRequest(prompt_ids, 24, SAMPLED, 0, seed=7)])[0].token_ids}
-    engines = (("float draft", engine), ("int8 draft", int8_engine), ("planned", planned), ("confidence", confident))
+    engines = (
+        ("float draft", engine),
+        ("int8 draft", int8_engine),
+        ("int8 draft, float fills", float_fills),
+        ("planned", planned),
+        ("confidence", confident),
+    )
     for name, each in engines:
         for k in (1, 3, 6):
             for drafter in ("model", "ngram", "suffix", "hybrid"):
