@@ -157,7 +157,9 @@ def build_parts(models: LoadedModels, settings: EngineSettings, cost_table, opti
         # checked against plain decoding as the steps ran (`handler.planning.trackers.OutcomeCheck`).
         cost_table = RunningCostTable(cost_table)
         outcome_check = OutcomeCheck()
-    target_prefix_cache, draft_prefix_cache = split_prefix_cache(target, draft, settings.prefix_cache_max_bytes)
+    # The draft's prefix cache holds the KV of the form that prefills it (`LoadedModels.draft_prefill`).
+    prefilling = draft if models.draft_prefill is None else models.draft_prefill
+    target_prefix_cache, draft_prefix_cache = split_prefix_cache(target, prefilling, settings.prefix_cache_max_bytes)
     drafters = make_drafters(
         draft,
         NgramDrafter(settings.prompt_lookup_min, settings.prompt_lookup_max),
