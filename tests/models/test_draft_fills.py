@@ -89,3 +89,18 @@ def test_a_fill_hands_its_kv_to_the_int8_form(forms):
     assert cache is not None and cache.model is int8_draft
     layers = [layer for layer in cache.cache.layers if layer.is_initialized]
     assert layers and {layer.keys.dtype for layer in layers} == {layer.values.dtype for layer in layers} == {torch.float32}
+
+
+def test_the_prefix_caches_split_by_the_kv_the_drafts_prefix_cache_holds(forms):
+    """The draft's prefix cache holds its float form's KV (bf16 here: half the int8 form's float32), and
+    the two caches' bytes are split so that both hold about as many tokens."""
+    from handler.caches.kv_cache import kv_bytes_per_token
+
+    target, int8_draft, float_draft, tokenizer = forms
+    budget = 1 << 20
+    engine = make_engine(target, int8_draft, tokenizer, draft_prefill=float_draft, prefix_cache_max_bytes=budget)
+    target_share, draft_share = kv_bytes_per_token(target), kv_bytes_per_token(float_draft)
+    assert draft_share * 2 == kv_bytes_per_token(int8_draft)
+    assert engine.drafter_map[MODEL].prefix_cache.max_bytes == budget - budget * target_share // (
+        target_share + draft_share
+    )
