@@ -63,7 +63,10 @@ INT8_DRAFT_MIN_SPEEDUP = 1.2
 # An int8 draft's float form must prefill this much faster than the int8 form for auto to keep it
 # for the draft's prefills (`choose_draft_quantization`): it holds the float weights' memory again.
 FLOAT_PREFILL_MIN_SPEEDUP = 1.2
-PREFILL_TIMING_TOKENS = 128  # the prefill `choose_draft_quantization` times, one row
+# ... and its weights may take at most this share of the host memory still available with both forms
+# loaded: kept, they are the memory a prefix cache or a longer batch would otherwise have.
+FLOAT_PREFILL_MEMORY_FRACTION = 0.25
+PREFILL_TIMING_TOKENS = 256  # the prefill `choose_draft_quantization` times, one row (a short one is weight-bound)
 
 
 def onednn_supports(dtype: torch.dtype) -> bool:
@@ -358,7 +361,8 @@ def choose_draft_quantization(draft: torch.nn.Module) -> tuple[torch.nn.Module, 
     prefills at half the float form's speed (1.3 against 0.7 ms a token, the demo draft, 2 cores).
     Where int8 steps and the float form prefills at least `FLOAT_PREFILL_MIN_SPEEDUP` times faster,
     both forms stay: the float one prefills the rows the draft joins (its KV cast to the int8 form's),
-    which costs the float weights' memory once more.
+    which costs the float weights' memory once more, held only where they take at most
+    `FLOAT_PREFILL_MEMORY_FRACTION` of the memory still available.
 
     Returns:
         the chosen draft, "int8" or "none", and its float form where that prefills (else None).
@@ -376,14 +380,32 @@ def choose_draft_quantization(draft: torch.nn.Module) -> tuple[torch.nn.Module, 
     if choice == "none":
         return draft, choice, None
     float_prefill, int8_prefill = prefill_token_seconds(draft), prefill_token_seconds(int8)
-    prefills = float_prefill * FLOAT_PREFILL_MIN_SPEEDUP <= int8_prefill
+    faster = float_prefill * FLOAT_PREFILL_MIN_SPEEDUP <= int8_prefill
+    weight_bytes, (available, where) = float_weight_bytes(draft), host_available_memory()
+    fits = weight_bytes <= FLOAT_PREFILL_MEMORY_FRACTION * available
+    held = f"the {str(draft.dtype).removeprefix('torch.')} form prefills (both held)"
     logger.info(
-        "draft prefill: %.2f ms a token as it loaded, %.2f ms in int8 -> %s",
+        "draft prefill: %.2f ms a token as it loaded, %.2f ms in int8 -> %s (float weights %.0f MB, %.0f MB free, %s)",
         float_prefill * 1e3,
         int8_prefill * 1e3,
-        f"the {str(draft.dtype).removeprefix('torch.')} form prefills (both held)" if prefills else "int8 prefills",
+        held if faster and fits else "int8 prefills" + ("" if fits else ": no room for both forms"),
+        weight_bytes / 1e6,
+        available / 1e6,
+        where,
     )
-    return int8, choice, draft if prefills else None
+    return int8, choice, draft if faster and fits else None
+
+
+def float_weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a float model's weights: its parameters, and the packed copies of its linear layers'
+    (`PackedLinear`: outside `parameters()`), each tensor once."""
+    tensors = {tensor.data_ptr(): tensor for tensor in model.parameters()}
+    total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+    element_size = torch.empty((), dtype=model.dtype).element_size()
+    for module in model.modules():
+        if isinstance(module, PackedLinear) and module.packed_weight.is_mkldnn:
+            total += module.out_features * module.in_features * element_size
+    return total
 
 
 def quantize_draft_int8(draft):

@@ -7,7 +7,14 @@ import torch
 
 from handler.runtime import cpu_speed
 from handler.config import HandlerConfig
-from handler.runtime.cpu_speed import PackedLinear, checkpoint_fp32_bytes, choose_cpu_dtype, first_layer_weight_shapes, measure_bf16_speedup, pack_linear_layers
+from handler.runtime.cpu_speed import (
+    PackedLinear,
+    checkpoint_fp32_bytes,
+    choose_cpu_dtype,
+    first_layer_weight_shapes,
+    measure_bf16_speedup,
+    pack_linear_layers,
+)
 from handler.engine import GenerationRequest
 from handler.runtime.loading import load_models
 
@@ -201,6 +208,18 @@ def test_draft_quantization_auto_keeps_the_form_whose_step_is_faster(tiny_models
     assert any(isinstance(module, PackedLinear) for module in chosen.draft_prefill.modules())
     assert "30.0 ms as it loaded, 20.0 ms in int8 -> int8" in caplog.text
     assert "0.70 ms a token as it loaded, 1.30 ms in int8 -> the float32 form prefills (both held)" in caplog.text
+    weights = sum(tensor.numel() * tensor.element_size() for tensor in chosen.draft_prefill.parameters())
+    assert cpu_speed.float_weight_bytes(chosen.draft_prefill) > weights  # its packed layers' copies count
+    # Where the float weights would take more than a quarter of the memory left, int8 prefills too.
+    monkeypatch.setattr(
+        cpu_speed, "host_available_memory", lambda: (cpu_speed.float_weight_bytes(chosen.draft_prefill) * 3, "a test")
+    )
+    with caplog.at_level("INFO", logger="handler.runtime.cpu_speed"):
+        assert load_models(config, str(tiny_models_dir)).draft_prefill is None
+    assert "-> int8 prefills: no room for both forms" in caplog.text
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_speed, "decode_step_seconds", lambda model, *a, **k: seconds[form(model)])
+    monkeypatch.setattr(cpu_speed, "prefill_token_seconds", lambda model, *a, **k: prefill[form(model)])
     prefill.update(float=0.0012, int8=0.0013)  # 1.1x: not worth the float weights' memory
     assert load_models(config, str(tiny_models_dir)).draft_prefill is None
     seconds.update(float=0.030, int8=0.027)  # 1.1x: not worth its rounding
@@ -212,7 +231,10 @@ def test_draft_quantization_auto_keeps_the_form_whose_step_is_faster(tiny_models
     monkeypatch.setattr(cpu_speed, "prefill_token_seconds", lambda *a, **k: pytest.fail("measured"))
     explicit = load_models(HandlerConfig(dtype="float32", draft_quantization="int8"), str(tiny_models_dir))
     assert explicit.draft_quantization == "int8" and explicit.draft_prefill is None
-    assert load_models(HandlerConfig(dtype="float32", draft_quantization="none"), str(tiny_models_dir)).draft_quantization == "none"
+    assert (
+        load_models(HandlerConfig(dtype="float32", draft_quantization="none"), str(tiny_models_dir)).draft_quantization
+        == "none"
+    )
 
 
 def test_prefill_token_seconds_times_the_engine_cache(tiny_pair):
