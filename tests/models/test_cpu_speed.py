@@ -7,14 +7,7 @@ import torch
 
 from handler.runtime import cpu_speed
 from handler.config import HandlerConfig
-from handler.runtime.cpu_speed import (
-    PackedLinear,
-    checkpoint_fp32_bytes,
-    choose_cpu_dtype,
-    first_layer_weight_shapes,
-    measure_bf16_speedup,
-    pack_linear_layers,
-)
+from handler.runtime.cpu_speed import PackedLinear, checkpoint_fp32_bytes, choose_cpu_dtype, first_layer_weight_shapes, measure_bf16_speedup, pack_linear_layers
 from handler.engine import GenerationRequest
 from handler.runtime.loading import load_models
 
@@ -231,10 +224,7 @@ def test_draft_quantization_auto_keeps_the_form_whose_step_is_faster(tiny_models
     monkeypatch.setattr(cpu_speed, "prefill_token_seconds", lambda *a, **k: pytest.fail("measured"))
     explicit = load_models(HandlerConfig(dtype="float32", draft_quantization="int8"), str(tiny_models_dir))
     assert explicit.draft_quantization == "int8" and explicit.draft_prefill is None
-    assert (
-        load_models(HandlerConfig(dtype="float32", draft_quantization="none"), str(tiny_models_dir)).draft_quantization
-        == "none"
-    )
+    assert load_models(HandlerConfig(dtype="float32", draft_quantization="none"), str(tiny_models_dir)).draft_quantization == "none"
 
 
 def test_prefill_token_seconds_times_the_engine_cache(tiny_pair):

@@ -11,6 +11,7 @@ SentencePiece with byte fallback, WordLevel with `Fuse`) on tiny random Llama mo
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 
@@ -94,9 +95,17 @@ def test_the_planner_and_the_confidence_stop_keep_greedy_and_seeded_output(cross
     assert sum(result.stats.draft_tokens_by_drafter.get("model", 0) for result in results) > 0
 
 
-def test_a_row_joining_mid_run_and_the_prefix_cache_change_nothing(cross_pair):
-    target, _, tokenizer, _ = cross_pair
-    engine = engine_for(cross_pair, prefix_cache_max_bytes=1 << 24)
+@pytest.mark.parametrize("forms", ["as loaded", "int8, its bf16 form prefilling"])
+def test_a_row_joining_mid_run_and_the_prefix_cache_change_nothing(cross_pair, forms):
+    """Also with an int8 draft whose rows its float form prefills (`LoadedModels.draft_prefill`)."""
+    target, draft, tokenizer, vocab_map = cross_pair
+    pair, options = cross_pair, {}
+    if forms != "as loaded":
+        from handler.runtime.cpu_speed import quantize_draft_int8
+
+        pair = (target, quantize_draft_int8(copy.deepcopy(draft)), tokenizer, vocab_map)
+        options["draft_prefill"] = copy.deepcopy(draft).to(torch.bfloat16)
+    engine = engine_for(pair, prefix_cache_max_bytes=1 << 24, **options)
     first, second = (tuple(tokenizer(prompt)["input_ids"]) for prompt in PROMPTS[:2])
     expected = {first: reference(target, first), second: reference(target, second)}
     sampled = SamplingParams(temperature=0.8)
@@ -120,6 +129,13 @@ def test_a_row_joining_mid_run_and_the_prefix_cache_change_nothing(cross_pair):
     assert [result.cached_tokens > 0 for result in again] == [True, True]
     assert engine.model_drafter.prefix_cache.stats.num_bytes > 0
     assert [result.token_ids for result in again] == [expected[first], expected[second]]
+    if forms != "as loaded":  # the float form prefilled: the draft's prefix cache holds its KV
+        nodes, kinds = list(engine.model_drafter.prefix_cache.root.children.values()), set()
+        while nodes:
+            node = nodes.pop()
+            kinds.add(node.kv.dtype)
+            nodes += node.children.values()
+        assert kinds == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.9), SamplingParams(0.7, 20, 0.9)])
@@ -199,9 +215,7 @@ def test_each_pairing_of_tokenizer_families_gives_the_targets_greedy_output(targ
     prompts = [tuple(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in ("hello world", "the café")]
     expected = [reference(target, prompt, 16) for prompt in prompts]
     for greedy in ("slem", "tli"):
-        engine = make_engine(
-            target, draft, tokenizer, eos_token_ids=(), vocab_map=vocab_map, cross_vocab_greedy=greedy
-        )
+        engine = make_engine(target, draft, tokenizer, eos_token_ids=(), vocab_map=vocab_map, cross_vocab_greedy=greedy)
         requests = [GenerationRequest(prompt, 16, GREEDY, 3) for prompt in prompts]
         results = engine.generate(requests)
         assert [result.token_ids for result in results] == expected, greedy
