@@ -50,10 +50,11 @@ class CrossVocabDrafter(ModelDrafter):
         runner=None,
         greedy=TLI,
         prefill_model=None,
+        prefill_speedup: float = 1.0,
     ):
         """`greedy`: how unconstrained greedy rows draft, `slem` (the draft's whole vocabulary, its text
         re-tokenized) or `tli` (the shared tokens only, as sampled rows). The draft pads with its own pad id.
-        `prefill_model`: as `ModelDrafter`'s."""
+        `prefill_model`, `prefill_speedup`: as `ModelDrafter`'s."""
         assert greedy in CROSS_VOCAB_GREEDY, greedy
         super().__init__(
             model,
@@ -62,6 +63,7 @@ class CrossVocabDrafter(ModelDrafter):
             prefix_cache,
             runner,
             prefill_model=prefill_model,
+            prefill_speedup=prefill_speedup,
         )
         self.vocab_map = vocab_map
         self.greedy = greedy

@@ -83,6 +83,7 @@ class ModelDrafter:
         guesser=None,
         stop_by_mask: bool | None = None,
         prefill_model=None,
+        prefill_speedup: float = 1.0,
     ) -> None:
         """`vocab_size` is the target's: draft distributions are put on it. `prefix_cache` holds
         the draft model's KV of earlier prompts and completions (keyed by the ids it was fed).
@@ -91,9 +92,12 @@ class ModelDrafter:
         `stop_by_mask`: see the attribute; None: True where the draft model runs on CUDA.
         `prefill_model`: another form of the draft's weights that prefills joining rows (the float
         form of an int8 draft, `handler.runtime.cpu_speed.choose_draft_quantization`), their KV then
-        cast to the draft's; the prefix cache holds its KV. None: the draft prefills."""
+        cast to the draft's; the prefix cache holds its KV. None: the draft prefills. `prefill_speedup`:
+        how much faster it prefilled than the draft at start-up (the planner's price of the draft's own
+        wide passes, from the prefills' seconds a token)."""
         self.model = model
         self.prefill_model = model if prefill_model is None else prefill_model
+        self.prefill_speedup = prefill_speedup
         self.guesser = guesser
         self.runner = runner or DynamicRunner(model)
         self.vocab_size = vocab_size

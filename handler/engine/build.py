@@ -171,6 +171,7 @@ def build_parts(models: LoadedModels, settings: EngineSettings, cost_table, opti
         vocab_map=models.vocab_map,
         cross_vocab_greedy=settings.cross_vocab_greedy,
         draft_prefill=models.draft_prefill,
+        draft_prefill_speedup=models.draft_prefill_speedup,
     )
     trees = False
     if settings.speculative_tree == "auto":

@@ -59,19 +59,21 @@ def make_drafters(
     vocab_map=None,
     cross_vocab_greedy: str = TLI,
     draft_prefill=None,
+    draft_prefill_speedup: float = 1.0,
 ) -> dict[DrafterName, Drafter]:
     """Every drafter by name: the look-ups, the grammar, and the draft model's (for a draft from another
     family, through its vocabulary map) where there is a draft model. The draft model takes its guesses
     from the suffix trees (guessed drafting), with a shared vocabulary only. `draft_prefill`: the form
-    of the draft that prefills its rows (`LoadedModels.draft_prefill`), or None."""
+    of the draft that prefills its rows (`LoadedModels.draft_prefill`), or None, and how much faster it
+    prefilled than the draft (`draft_prefill_speedup`)."""
+    forms = {"prefill_model": draft_prefill, "prefill_speedup": draft_prefill_speedup}
     drafters = {NGRAM: ngram, SUFFIX: suffix, PROPOSER_GRAMMAR: GrammarDrafter()}
     if draft is not None and vocab_map is not None:
-        drafters[MODEL] = CrossVocabDrafter(
-            draft, vocab_map, prefix_cache, draft_runner, greedy=cross_vocab_greedy, prefill_model=draft_prefill
-        )
+        greedy = cross_vocab_greedy
+        drafters[MODEL] = CrossVocabDrafter(draft, vocab_map, prefix_cache, draft_runner, greedy=greedy, **forms)
     elif draft is not None:
         drafters[MODEL] = ModelDrafter(
-            draft, vocab_size, pad_token_id, prefix_cache, draft_runner, guesser=suffix, prefill_model=draft_prefill
+            draft, vocab_size, pad_token_id, prefix_cache, draft_runner, guesser=suffix, **forms
         )
     return drafters
 

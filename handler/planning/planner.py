@@ -270,14 +270,17 @@ class Planner:
             seconds += first_pass + max(0.0, num_draft_passes - 1) * table.draft_seconds(draft_rows)
         return seconds
 
-    def draft_pass_seconds(self, num_rows: int, width: int) -> float:
+    def draft_pass_seconds(self, num_rows: int, width: int, fill: bool = False) -> float:
         """The draft model's pass over `width` tokens for each of `num_rows` rows: a first pass that
-        catches up on the tokens committed without it, or its prefill of a joining row.
+        catches up on the tokens committed without it, a pass with guesses, or (`fill`) its prefill of
+        a joining row.
 
         The draft has no table of its own beyond one token: its one-token pass, scaled by the target's
         cost of that width. A wider pass costs no less than its tokens at the draft's seconds per
         token in the prefills it ran (`RunningCostTable.draft_token_seconds`): under load on a CPU,
-        prefills of a few hundred tokens ran 6 times that scaled price.
+        prefills of a few hundred tokens ran 6 times that scaled price. Where another form of the draft
+        prefills (an int8 draft's float form), the draft's own passes take the prefills' seconds at
+        the start-up ratio of the two (`ModelDrafter.prefill_speedup`).
         """
         table = self.cost_table
         one_pass = table.draft_seconds(num_rows)
@@ -285,7 +288,8 @@ class Planner:
             return one_pass
         seconds = one_pass * table.target_seconds(num_rows, width) / table.target_seconds(num_rows, 1)
         if isinstance(table, RunningCostTable) and table.draft_token_seconds is not None:
-            seconds = max(seconds, num_rows * width * table.draft_token_seconds)
+            token_seconds = table.draft_token_seconds * (1.0 if fill else self.model_drafter.prefill_speedup)
+            seconds = max(seconds, num_rows * width * token_seconds)
         return seconds
 
     def step_seconds(self, batch_size: int) -> StepPrices | None:
@@ -302,7 +306,7 @@ class Planner:
         num_tokens = self.model_drafter.unfilled_tokens(row.request_id)
         if not num_tokens:
             return 0.0
-        seconds = self.draft_pass_seconds(1, num_tokens)
+        seconds = self.draft_pass_seconds(1, num_tokens, fill=True)
         steps_left = min(max(1.0, row.remaining / model_curve[-1]), max_steps)
         return seconds / steps_left
 

@@ -350,7 +350,7 @@ def prefill_token_seconds(model: torch.nn.Module, num_tokens: int = PREFILL_TIMI
     return sorted(seconds[1:])[repeats // 2] / num_tokens
 
 
-def choose_draft_quantization(draft: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.Module | None]:
+def choose_draft_quantization(draft: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.Module | None, float]:
     """The draft in the form whose decoding step is faster on this CPU: as given, or dynamic int8;
     and the form that prefills its rows.
 
@@ -365,7 +365,9 @@ def choose_draft_quantization(draft: torch.nn.Module) -> tuple[torch.nn.Module, 
     `FLOAT_PREFILL_MEMORY_FRACTION` of the memory still available.
 
     Returns:
-        the chosen draft, "int8" or "none", and its float form where that prefills (else None).
+        the chosen draft, "int8" or "none", its float form where that prefills (else None), and then
+        how much faster it prefilled than the int8 form (else 1.0): the planner prices the int8 form's
+        own wide passes (a catch-up, a pass with guesses) from the float form's prefills by it.
     """
 
     int8 = quantize_draft_int8(copy.deepcopy(draft))
@@ -378,7 +380,7 @@ def choose_draft_quantization(draft: torch.nn.Module) -> tuple[torch.nn.Module, 
         choice,
     )
     if choice == "none":
-        return draft, choice, None
+        return draft, choice, None, 1.0
     float_prefill, int8_prefill = prefill_token_seconds(draft), prefill_token_seconds(int8)
     faster = float_prefill * FLOAT_PREFILL_MIN_SPEEDUP <= int8_prefill
     weight_bytes, (available, where) = float_weight_bytes(draft), host_available_memory()
@@ -393,7 +395,9 @@ def choose_draft_quantization(draft: torch.nn.Module) -> tuple[torch.nn.Module, 
         available / 1e6,
         where,
     )
-    return int8, choice, draft if faster and fits else None
+    if not (faster and fits):
+        return int8, choice, None, 1.0
+    return int8, choice, draft, int8_prefill / float_prefill
 
 
 def float_weight_bytes(model: torch.nn.Module) -> int:

@@ -33,6 +33,9 @@ class LoadedModels:
     # The draft's float form where int8 serves its passes and the float form prefills faster (both
     # measured at start-up, `draft_quantization: auto`): it prefills the draft's rows; None: the draft does.
     draft_prefill: Any = None
+    # How much faster `draft_prefill` prefilled than the draft itself at start-up (1.0 without it): the
+    # draft's own wide passes are priced from the prefills' seconds a token times this.
+    draft_prefill_speedup: float = 1.0
     # A draft from another family: the map between the vocabularies (`handler.vocab_map.VocabMap`);
     # None where the draft shares the target's tokenizer.
     vocab_map: Any = None
@@ -323,12 +326,12 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
         num_draft = 0 if draft is None else pack_linear_layers(draft, copy_tied_head=tied_head_copy_fits(draft))
         logger.info("oneDNN packed linear layers: %d in the target, %d in the draft", num_target, num_draft)
     draft_quantization = "int8" if config.draft_quantization == "int8" else "none"
-    draft_prefill = None
+    draft_prefill, draft_prefill_speedup = None, 1.0
     if draft is not None and config.draft_quantization == "auto" and device.type == "cpu":
         from handler.runtime.cpu_speed import choose_draft_quantization
 
         # Timed as it will serve: the float draft packed, against its int8 form.
-        draft, draft_quantization, draft_prefill = choose_draft_quantization(draft)
+        draft, draft_quantization, draft_prefill, draft_prefill_speedup = choose_draft_quantization(draft)
 
     eos_token_ids = collect_eos_token_ids(tokenizer, target.generation_config)
     if not eos_token_ids:
@@ -344,5 +347,6 @@ def load_models(config: HandlerConfig, model_dir: str | None, gpu_id: Any = None
         max_context=max_context(target, draft),
         draft_quantization=draft_quantization,
         draft_prefill=draft_prefill,
+        draft_prefill_speedup=draft_prefill_speedup,
         vocab_map=vocab_map,
     )

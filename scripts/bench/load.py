@@ -221,7 +221,9 @@ class Bench:
         first prompts, and with the trees kept a verdict on look-ups that had their answers (22 %
         above their price at 8 rows) drafted cold ones in the measure, at 0.72x plain."""
         if row.key not in self.engines:
-            models = self.models if row.float_fills else dataclasses.replace(self.models, draft_prefill=None)
+            models = self.models
+            if not row.float_fills:
+                models = dataclasses.replace(models, draft_prefill=None, draft_prefill_speedup=1.0)
             engine = build_engine(
                 models,
                 self.settings,

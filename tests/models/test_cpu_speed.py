@@ -199,6 +199,7 @@ def test_draft_quantization_auto_keeps_the_form_whose_step_is_faster(tiny_models
     assert chosen.draft_quantization == "int8"
     assert any(isinstance(module, DynamicInt8Linear) for module in chosen.draft.modules())
     assert any(isinstance(module, PackedLinear) for module in chosen.draft_prefill.modules())
+    assert chosen.draft_prefill_speedup == pytest.approx(0.0013 / 0.0007)
     assert "30.0 ms as it loaded, 20.0 ms in int8 -> int8" in caplog.text
     assert "0.70 ms a token as it loaded, 1.30 ms in int8 -> the float32 form prefills (both held)" in caplog.text
     weights = sum(tensor.numel() * tensor.element_size() for tensor in chosen.draft_prefill.parameters())
@@ -217,7 +218,7 @@ def test_draft_quantization_auto_keeps_the_form_whose_step_is_faster(tiny_models
     assert load_models(config, str(tiny_models_dir)).draft_prefill is None
     seconds.update(float=0.030, int8=0.027)  # 1.1x: not worth its rounding
     kept = load_models(config, str(tiny_models_dir))
-    assert kept.draft_quantization == "none" and kept.draft_prefill is None
+    assert kept.draft_quantization == "none" and kept.draft_prefill is None and kept.draft_prefill_speedup == 1.0
     assert any(isinstance(module, PackedLinear) for module in kept.draft.modules())
     # An explicit setting is never measured.
     monkeypatch.setattr(cpu_speed, "decode_step_seconds", lambda *a, **k: pytest.fail("measured"))

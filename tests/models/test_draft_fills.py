@@ -104,3 +104,19 @@ def test_the_prefix_caches_split_by_the_kv_the_drafts_prefix_cache_holds(forms):
     assert engine.drafter_map[MODEL].prefix_cache.max_bytes == budget - budget * target_share // (
         target_share + draft_share
     )
+
+
+def test_the_drafter_takes_the_start_up_ratio_of_the_two_forms(forms):
+    """`LoadedModels.draft_prefill_speedup` reaches the model drafter, whose wide passes the planner prices by it."""
+    import dataclasses
+
+    from handler.engine import EngineOptions, build_engine
+    from handler.runtime.loading import LoadedModels
+
+    target, int8_draft, float_draft, tokenizer = forms
+    models = LoadedModels.of(target, int8_draft, tokenizer)
+    models = dataclasses.replace(models, draft_prefill=float_draft, draft_prefill_speedup=1.9)
+    engine = build_engine(models, options=EngineOptions(running_costs=False))
+    drafter = engine.drafter_map[MODEL]
+    assert drafter.prefill_model is float_draft and drafter.prefill_speedup == 1.9
+    assert engine.planner.model_drafter is drafter

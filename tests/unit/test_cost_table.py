@@ -222,8 +222,9 @@ FLAT = CostTable(
 class _Drafter:
     """What the planner asks the draft model when it prices a catch-up or a prefill."""
 
-    def __init__(self, unfilled: int = 0, num_rows: int = 8, max_pending: int = 1) -> None:
+    def __init__(self, unfilled: int = 0, num_rows: int = 8, max_pending: int = 1, prefill_speedup: float = 1.0):
         self.unfilled, self.num_rows, self.max_pending = unfilled, num_rows, max_pending
+        self.prefill_speedup = prefill_speedup
 
     def unfilled_tokens(self, request_id) -> int:
         return self.unfilled
@@ -264,6 +265,24 @@ def test_a_wide_draft_pass_costs_its_tokens_at_the_seconds_the_prefills_took():
 
     # The row's prefill, spread over the 20 steps its 60 tokens take at 3 tokens a step.
     assert planner._fill_share(Row(), [1.0, 2.0, 3.0]) == pytest.approx(1.2 / 20)
+
+
+def test_where_a_float_form_prefills_the_drafts_own_wide_passes_cost_its_tokens_at_the_start_up_ratio():
+    """An int8 draft's float form prefills 1.9x faster: the prefills' seconds a token price the fills
+    as timed, and the int8 form's own wide passes (a catch-up, guesses) at 1.9 times them."""
+    from handler.planning.planner import Planner
+
+    running = RunningCostTable(FLAT)
+    running.observe_fill(300, 0.6)  # the float form's 2 ms a token
+    planner = Planner(running, estimates=None, model_drafter=_Drafter(unfilled=300, prefill_speedup=1.9))
+    assert planner.draft_pass_seconds(1, 300, fill=True) == pytest.approx(0.6)
+    assert planner.draft_pass_seconds(8, 30) == pytest.approx(8 * 30 * 0.002 * 1.9), "a catch-up, int8"
+    assert planner.draft_pass_seconds(8, 1) == pytest.approx(0.08), "a one-token pass: the table's"
+
+    class Row:
+        request_id, remaining = "r", 60
+
+    assert planner._fill_share(Row(), [1.0, 2.0, 3.0]) == pytest.approx(0.6 / 20), "a fill: as timed"
 
 
 def test_where_drafting_ran_below_its_price_a_prefill_must_pay_within_the_checks_steps():
