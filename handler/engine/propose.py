@@ -69,8 +69,9 @@ def make_drafters(
     forms = {"prefill_model": draft_prefill, "prefill_speedup": draft_prefill_speedup}
     drafters = {NGRAM: ngram, SUFFIX: suffix, PROPOSER_GRAMMAR: GrammarDrafter()}
     if draft is not None and vocab_map is not None:
-        greedy = cross_vocab_greedy
-        drafters[MODEL] = CrossVocabDrafter(draft, vocab_map, prefix_cache, draft_runner, greedy=greedy, **forms)
+        drafters[MODEL] = CrossVocabDrafter(
+            draft, vocab_map, prefix_cache, draft_runner, greedy=cross_vocab_greedy, **forms
+        )
     elif draft is not None:
         drafters[MODEL] = ModelDrafter(
             draft, vocab_size, pad_token_id, prefix_cache, draft_runner, guesser=suffix, **forms

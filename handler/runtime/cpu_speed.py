@@ -319,9 +319,7 @@ def decode_step_seconds(model: torch.nn.Module, context: int = 64, repeats: int 
     """
     from handler.caches.kv_cache import prefill
 
-    vocab_size = model.config.get_text_config().vocab_size
-    generator = torch.Generator().manual_seed(0)
-    token_ids = torch.randint(0, vocab_size, (context + repeats + 1,), generator=generator).tolist()
+    token_ids = _random_token_ids(model, context + repeats + 1)
     one = torch.ones((1, 1), dtype=torch.long)
     seconds = []
     with torch.inference_mode():
@@ -330,7 +328,7 @@ def decode_step_seconds(model: torch.nn.Module, context: int = 64, repeats: int 
             start = time.perf_counter()
             cache.forward(torch.tensor([[token_ids[index]]]), one, logits_to_keep=1)
             seconds.append(time.perf_counter() - start)
-    return sorted(seconds[1:])[repeats // 2]  # the first step warms up
+    return _median_after_first(seconds)
 
 
 def prefill_token_seconds(model: torch.nn.Module, num_tokens: int = PREFILL_TIMING_TOKENS, repeats: int = 3) -> float:
@@ -338,16 +336,26 @@ def prefill_token_seconds(model: torch.nn.Module, num_tokens: int = PREFILL_TIMI
     through the engine's own cache (`handler.caches.kv_cache`)."""
     from handler.caches.kv_cache import prefill
 
-    vocab_size = model.config.get_text_config().vocab_size
-    generator = torch.Generator().manual_seed(0)
-    token_ids = torch.randint(0, vocab_size, (num_tokens,), generator=generator).tolist()
+    token_ids = _random_token_ids(model, num_tokens)
     seconds = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
             start = time.perf_counter()
             prefill(model, [token_ids], 0)
             seconds.append(time.perf_counter() - start)
-    return sorted(seconds[1:])[repeats // 2] / num_tokens
+    return _median_after_first(seconds) / num_tokens
+
+
+def _random_token_ids(model: torch.nn.Module, count: int) -> list[int]:
+    """`count` token ids of the model's vocabulary, the same for every model of that vocabulary (seed 0)."""
+    vocab_size = model.config.get_text_config().vocab_size
+    return torch.randint(0, vocab_size, (count,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def _median_after_first(seconds: list[float]) -> float:
+    """The median of timings after the first, which warms up (the upper one of an even count)."""
+    rest = sorted(seconds[1:])
+    return rest[len(rest) // 2]
 
 
 def choose_draft_quantization(draft: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.Module | None, float]:
