@@ -56,11 +56,6 @@ EXPLORE_BURST = 4
 # burst's with the steps the verdict ran just before it, and the verdict's first steps after a burst
 # with the burst's.
 PAIR_SPAN = 2 * EXPLORE_BURST
-# Before a verdict, a plan whose pairs so far, at least this many, all lost at its priced gain runs
-# plain decoding as under a verdict, its arm left to the budget's bursts: were drafting even at its
-# price, four pairs would all lose one time in 16. Under load at 16 rows on a CPU, look-ups at k = 1
-# forming their verdict ran 13 steps at 0.7 of plain, 1.7 to 2.4 % of a measure.
-EARLY_LOSS_PAIRS = 4
 # The kinds of drafting step `OutcomeCheck` also judges apart: those in which the draft model drafted
 # for some row, and those that verified look-ups only. Each kind's verdict pairs its own samples with
 # the plain steps near them; every drafting step also counts toward the verdict of all kinds (kind None).
@@ -101,8 +96,7 @@ class ExploreBudget:
     A burst starts only when the credit covers its expected seconds, so that the exploring seconds
     stay within EXPLORE_SHARE of the bucket's (to one burst's misjudgement, which the credit then
     owes). A burst runs its arm to its end, the verdict may turn meanwhile, and each of its steps
-    is charged. The steps before a verdict (or an early judgement, `EARLY_LOSS_PAIRS`) neither earn
-    nor spend: the budget is the verdict's.
+    is charged. The steps before a verdict neither earn nor spend: the budget is the verdict's.
     """
 
     credit: float = 0.0  # EXPLORE_SHARE x the seconds of the steps under a verdict, less the bursts'
@@ -150,10 +144,7 @@ class OutcomeCheck:
     price, relative to plain ones. A plan runs drafting where its expected gain over plain
     decoding, discounted by that verdict, is above 1, and the other arm runs in bursts that take
     at most EXPLORE_SHARE of the bucket's seconds (`ExploreBudget`), enough to notice when the
-    verdict changes. Before a verdict the arm with fewer samples runs one step in EXPLORE_UNSEEN, and
-    the plan the others, so a plan that drafts at a loss would draft until both arms have
-    OUTCOME_MIN_STEPS; where its first pairs (EARLY_LOSS_PAIRS at least) all lost at its priced gain,
-    it is judged on them at once, and its arm is left to the budget until the verdict forms.
+    verdict changes.
 
     The rates are relative to each plan's own expectation because the drafts differ from step to
     step: a verdict formed on steps whose drafts were rarely taken (a look-up's guesses on a new
@@ -247,10 +238,6 @@ class OutcomeCheck:
         """
         budget = self.budgets.setdefault(bucket, ExploreBudget())
         ratio = self.ratio(bucket, kind)
-        if ratio is None:
-            pairs = self.pairs.get((bucket, kind), [])
-            if len(pairs) >= EARLY_LOSS_PAIRS and gain * max(pairs) < 1.0:
-                ratio = statistics.median(pairs)  # every pair lost: judged early (EARLY_LOSS_PAIRS)
         if ratio is None:
             # The arm with fewer samples takes a burst in every EXPLORE_UNSEEN, the plan the others. Where
             # both have enough but the pairs lack (a kind that first drafts after a long plain run, whose

@@ -11,7 +11,6 @@ import pytest
 from handler.planning.pricing import geometric_tokens
 from handler.planning.trackers import (
     BURST_OVERRUN,
-    EARLY_LOSS_PAIRS,
     EXPLORE_BURST,
     EXPLORE_SHARE,
     EXPLORE_UNSEEN,
@@ -188,51 +187,6 @@ def test_an_arm_with_too_few_steps_runs_one_step_in_a_few():
     arms = steps_run(check, 8, True, 4 * EXPLORE_UNSEEN * EXPLORE_BURST)
     assert arms.count(False) == 4 * EXPLORE_BURST, "plain decoding, not yet timed, runs one step in EXPLORE_UNSEEN"
     assert arms[:EXPLORE_BURST] == [False] * EXPLORE_BURST, "in bursts"
-
-
-def formation(check: OutcomeCheck, rates: list[float], num_steps: int, gain: float = 1.2) -> tuple[list[bool], float]:
-    """Look-up plans at 16 rows priced at `gain` over plain decoding, after plain steps: their arms, and
-    the share of the seconds the drafting steps took. The drafting steps run at `rates` in turn (over
-    their price; the last one on), plain ones at 1, each step 1 s."""
-    for _ in range(OUTCOME_MIN_STEPS):
-        check.observe(16, False, 1.0, 1.0)
-    arms = []
-    for step in range(num_steps):
-        drafts = check.arm(16, True, step, gain=gain, kind=LOOKUPS_ONLY)
-        rate = rates[min(arms.count(True), len(rates) - 1)] if drafts else 1.0
-        check.observe(16, drafts, 1.0, rate, LOOKUPS_ONLY if drafts else None)
-        arms.append(drafts)
-    return arms, arms.count(True) / num_steps
-
-
-def test_a_plan_whose_first_pairs_all_lose_stops_drafting_before_its_verdict_forms():
-    """Look-ups priced at 1.2x plain ran at 0.6 of their price: after EARLY_LOSS_PAIRS pairs, all lost,
-    plain decoding runs, and drafting only in the budget's bursts (without the early judgement the plan
-    drafted until both arms had OUTCOME_MIN_STEPS samples, twice as many steps)."""
-    check = OutcomeCheck()
-    arms, share = formation(check, [0.6], 64)
-    assert arms[:EARLY_LOSS_PAIRS] == [True] * EARLY_LOSS_PAIRS
-    assert arms.count(True) == EARLY_LOSS_PAIRS < OUTCOME_MIN_STEPS
-    assert check.ratio(16, LOOKUPS_ONLY) is None, "judged early: the verdict has not formed"
-    # The verdict forms from the budget's bursts, which take at most EXPLORE_SHARE of the seconds after.
-    check = OutcomeCheck()
-    arms, _ = formation(check, [0.6], 2000)
-    assert check.ratio(16, LOOKUPS_ONLY) == pytest.approx(0.6)
-    later = arms[EARLY_LOSS_PAIRS:]
-    assert later.count(True) <= EXPLORE_SHARE * len(later) + EXPLORE_BURST
-
-
-def test_a_plan_with_one_pair_that_won_still_drafts_until_its_verdict():
-    """One pair above the plan's break-even (1 / gain) among losing ones: no early judgement, the plan
-    drafts until the verdict has its samples, and the verdict is the pairs' median."""
-    check = OutcomeCheck()
-    arms, _ = formation(check, [0.6, 1.0, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6], 64)
-    assert arms[:OUTCOME_MIN_STEPS] == [True] * OUTCOME_MIN_STEPS
-    assert check.ratio(16, LOOKUPS_ONLY) == pytest.approx(0.6)
-    # A plan priced higher breaks even at these pairs: no early judgement either.
-    check = OutcomeCheck()
-    arms, _ = formation(check, [0.6], 64, gain=1.7)
-    assert arms[:OUTCOME_MIN_STEPS] == [True] * OUTCOME_MIN_STEPS
 
 
 # Seconds of the synthetic steps below: a drafting step costs 5 plain ones, and the first of a burst,
